@@ -1,0 +1,141 @@
+"""The domain model: what uproxy proxies, independent of where it was learned.
+
+Every type here is immutable and hashable so that the tracker can diff states with
+plain equality and the syncer can use them as dict keys. ``ServicePortName`` is the
+one identity used everywhere: dict keys, metric labels and log fields.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+DEFAULT_AFFINITY_TIMEOUT_S = 10800  # Kubernetes' default for ClientIP affinity (3 hours)
+
+
+class Protocol(enum.StrEnum):
+    TCP = "TCP"
+    UDP = "UDP"
+
+
+class Traffic(enum.StrEnum):
+    """How a connection reached uproxy: the traffic policy that applies depends on it."""
+
+    CLUSTER = "cluster"  # to a ClusterIP (internalTrafficPolicy)
+    EXTERNAL = "external"  # to a NodePort, externalIP or LoadBalancer IP (externalTrafficPolicy)
+
+
+class LbAlgorithm(enum.StrEnum):
+    ROUND_ROBIN = "round-robin"
+    RANDOM = "random"
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class ServicePortName:
+    namespace: str
+    name: str
+    port_name: str
+    protocol: Protocol
+
+    def __str__(self) -> str:
+        # kube-proxy's format: "ns/name:port", or "ns/name" for an unnamed port.
+        if self.port_name:
+            return f"{self.namespace}/{self.name}:{self.port_name}"
+        return f"{self.namespace}/{self.name}"
+
+    @property
+    def service(self) -> tuple[str, str]:
+        return (self.namespace, self.name)
+
+
+@dataclass(frozen=True, slots=True)
+class ServicePort:
+    """One port of one Service, with everything the proxy and the rules need."""
+
+    name: ServicePortName
+    port: int
+    cluster_ips: tuple[str, ...] = ()
+    node_port: int = 0
+    external_ips: tuple[str, ...] = ()
+    lb_ingress_ips: tuple[str, ...] = ()
+    # None: no session affinity; otherwise ClientIP affinity with this timeout.
+    affinity_timeout_s: int | None = None
+    external_policy_local: bool = False
+    internal_policy_local: bool = False
+    health_check_node_port: int = 0
+    lb_source_ranges: tuple[str, ...] = ()
+    # Per-service override of --lb-algorithm (annotation uproxy.io/lb-algorithm).
+    lb_algorithm: LbAlgorithm | None = None
+
+    @property
+    def protocol(self) -> Protocol:
+        return self.name.protocol
+
+    @property
+    def has_external(self) -> bool:
+        """Whether any external traffic (NodePort, externalIP, LB ingress) reaches this port."""
+        return bool(self.node_port or self.external_ips or self.lb_ingress_ips)
+
+    @property
+    def needs_external_listener(self) -> bool:
+        """Cluster and external endpoint sets can differ: external traffic gets its own port."""
+        return self.has_external and self.external_policy_local != self.internal_policy_local
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Endpoint:
+    ip: str
+    port: int
+    node_name: str | None = None
+    zone: str | None = None
+    ready: bool = True
+    serving: bool = True
+    terminating: bool = False
+
+    def __str__(self) -> str:
+        if ":" in self.ip:
+            return f"[{self.ip}]:{self.port}"
+        return f"{self.ip}:{self.port}"
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return (self.ip, self.port)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    """What uproxy needs to know about the node it runs on."""
+
+    name: str
+    addresses: tuple[str, ...] = ()
+    zone: str | None = None
+    deleting: bool = False
+    taints: tuple[str, ...] = field(default=())
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceState:
+    """A service port and its merged endpoints: one entry of the desired state."""
+
+    port: ServicePort
+    endpoints: tuple[Endpoint, ...] = ()
+
+
+DesiredState = dict[ServicePortName, ServiceState]
+
+
+def categorize(
+    endpoints: tuple[Endpoint, ...] | list[Endpoint], *, local_only: bool, node_name: str
+) -> tuple[Endpoint, ...]:
+    """Pick the endpoints traffic may go to, as kube-proxy's CategorizeEndpoints does.
+
+    Ready endpoints when there are any; otherwise the serving-and-terminating ones (so a
+    rolling update with no ready pod left still drains to pods that still serve). With a
+    Local policy only endpoints on this node qualify, and the fallback is applied to those
+    alone: an empty result means "refuse", never "send elsewhere".
+    """
+    pool = [e for e in endpoints if e.node_name == node_name] if local_only else list(endpoints)
+    ready = tuple(e for e in pool if e.ready)
+    if ready:
+        return ready
+    return tuple(e for e in pool if e.serving and e.terminating)

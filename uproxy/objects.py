@@ -1,0 +1,430 @@
+"""Conversion of Kubernetes objects (v1 Service, discovery.k8s.io/v1 EndpointSlice) to the model.
+
+Both sources hand over objects in the API's JSON shape (camelCase dicts, exactly what the API
+server sends and what a manifest file holds), so there is one conversion and one validation.
+A malformed object raises ``InvalidObject`` naming the object, the field and the reason; an
+object uproxy does not proxy by design (headless, ExternalName) converts to nothing.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from uproxy.model import (
+    DEFAULT_AFFINITY_TIMEOUT_S,
+    Endpoint,
+    LbAlgorithm,
+    NodeInfo,
+    Protocol,
+    ServicePort,
+    ServicePortName,
+)
+
+LB_ALGORITHM_ANNOTATION = "uproxy.io/lb-algorithm"
+HEADLESS_LABEL = "service.kubernetes.io/headless"
+SERVICE_PROXY_NAME_LABEL = "service.kubernetes.io/service-proxy-name"
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+TRIGGER_TIME_ANNOTATION = "endpoints.kubernetes.io/last-change-trigger-time"
+ZONE_LABEL = "topology.kubernetes.io/zone"
+MAX_AFFINITY_TIMEOUT_S = 86400
+
+Obj = Mapping[str, Any]
+
+
+class InvalidObject(ValueError):
+    """An object uproxy cannot use; the message names the object, the field and the reason."""
+
+    def __init__(self, kind: str, key: str, field: str, reason: str) -> None:
+        self.kind = kind
+        self.key = key
+        self.field = field
+        self.reason = reason
+        super().__init__(f"{kind} {key}: {field}: {reason}")
+
+
+@dataclass(frozen=True, slots=True)
+class SlicePort:
+    name: str
+    protocol: Protocol
+    port: int
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointSliceInfo:
+    """The part of an EndpointSlice the tracker merges into its service's endpoints."""
+
+    namespace: str
+    name: str
+    service: str
+    ports: tuple[SlicePort, ...]
+    # Endpoints without a port: the port comes from the matching SlicePort.
+    endpoints: tuple[Endpoint, ...]
+    trigger_time: str | None = None
+
+    def endpoints_for(self, port_name: str, protocol: Protocol) -> list[Endpoint]:
+        out: list[Endpoint] = []
+        for sp in self.ports:
+            if sp.name == port_name and sp.protocol == protocol:
+                out.extend(
+                    Endpoint(e.ip, sp.port, e.node_name, e.zone, e.ready, e.serving, e.terminating)
+                    for e in self.endpoints
+                )
+        return out
+
+
+def object_key(obj: Obj) -> str:
+    meta = obj.get("metadata")
+    if not isinstance(meta, Mapping):
+        return "<no metadata>"
+    return f"{meta.get('namespace') or 'default'}/{meta.get('name') or '<no name>'}"
+
+
+class _Checker:
+    """Field access that fails with the object's name and the field's path."""
+
+    def __init__(self, kind: str, obj: Obj) -> None:
+        self.kind = kind
+        self.key = object_key(obj)
+
+    def fail(self, field: str, reason: str) -> InvalidObject:
+        return InvalidObject(self.kind, self.key, field, reason)
+
+    def mapping(self, value: Any, field: str, *, required: bool = False) -> Obj:
+        if value is None and not required:
+            return {}
+        if not isinstance(value, Mapping):
+            raise self.fail(field, f"must be an object, got {_kind_of(value)}")
+        return value
+
+    def seq(self, value: Any, field: str) -> list[Any]:
+        if value is None:
+            return []
+        if not isinstance(value, list):
+            raise self.fail(field, f"must be a list, got {_kind_of(value)}")
+        return value
+
+    def items(self, parent: Obj, key: str, prefix: str) -> list[tuple[str, Any]]:
+        """(field path, value) for each element of the list ``parent[key]``."""
+        return [
+            (f"{prefix}.{key}[{i}]", v)
+            for i, v in enumerate(self.seq(parent.get(key), f"{prefix}.{key}"))
+        ]
+
+    def string(self, value: Any, field: str, *, default: str = "") -> str:
+        if value is None:
+            return default
+        if not isinstance(value, str):
+            raise self.fail(field, f"must be a string, got {_kind_of(value)}")
+        return value
+
+    def port(self, value: Any, field: str, *, allow_zero: bool = False) -> int:
+        if value is None and allow_zero:
+            return 0
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.fail(field, f"must be an integer port, got {_kind_of(value)}")
+        low = 0 if allow_zero else 1
+        if not low <= value <= 65535:
+            raise self.fail(field, f"must be {low}-65535, got {value}")
+        return value
+
+    def protocol(self, value: Any, field: str) -> Protocol | None:
+        """The protocol, or None for a valid protocol uproxy does not proxy (SCTP)."""
+        text = self.string(value, field, default="TCP")
+        if text == "SCTP":
+            return None
+        try:
+            return Protocol(text)
+        except ValueError:
+            raise self.fail(field, f"unknown protocol {text!r}") from None
+
+    def ip(self, value: Any, field: str) -> str:
+        text = self.string(value, field)
+        try:
+            return str(ipaddress.ip_address(text))
+        except ValueError:
+            raise self.fail(field, f"not an IP address: {text!r}") from None
+
+    def boolean(self, value: Any, field: str, default: bool) -> bool:
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise self.fail(field, f"must be true or false, got {_kind_of(value)}")
+        return value
+
+
+def _kind_of(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, str):
+        return f"string {value!r}"
+    if isinstance(value, (int, float)):
+        return f"number {value}"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, Mapping):
+        return "an object"
+    return type(value).__name__
+
+
+def _metadata(c: _Checker, obj: Obj) -> tuple[str, str, Obj, Obj]:
+    meta = c.mapping(obj.get("metadata"), "metadata", required=True)
+    name = c.string(meta.get("name"), "metadata.name")
+    if not name:
+        raise c.fail("metadata.name", "missing")
+    namespace = c.string(meta.get("namespace"), "metadata.namespace", default="default")
+    labels = c.mapping(meta.get("labels"), "metadata.labels")
+    annotations = c.mapping(meta.get("annotations"), "metadata.annotations")
+    return namespace or "default", name, labels, annotations
+
+
+def is_headless(obj: Obj) -> bool:
+    meta = obj.get("metadata")
+    labels = meta.get("labels") if isinstance(meta, Mapping) else None
+    if isinstance(labels, Mapping) and HEADLESS_LABEL in labels:
+        return True
+    spec = obj.get("spec")
+    return isinstance(spec, Mapping) and spec.get("clusterIP") == "None"
+
+
+def service_ports(obj: Obj) -> dict[ServicePortName, ServicePort]:
+    """The service ports of a v1 Service; empty for services uproxy does not proxy by design.
+
+    Raises InvalidObject when the object is malformed. An SCTP port is left out (uproxy
+    relays TCP and UDP only); a service whose every port is SCTP raises.
+    """
+    c = _Checker("Service", obj)
+    namespace, name, _labels, annotations = _metadata(c, obj)
+    spec = c.mapping(obj.get("spec"), "spec", required=True)
+    svc_type = c.string(spec.get("type"), "spec.type", default="ClusterIP")
+    if svc_type == "ExternalName" or is_headless(obj):
+        return {}
+    if svc_type not in ("ClusterIP", "NodePort", "LoadBalancer"):
+        raise c.fail("spec.type", f"unknown type {svc_type!r}")
+
+    cluster_ips = _cluster_ips(c, spec)
+    external_ips = tuple(
+        c.ip(v, f"spec.externalIPs[{i}]")
+        for i, v in enumerate(c.seq(spec.get("externalIPs"), "spec.externalIPs"))
+    )
+    status = c.mapping(obj.get("status"), "status")
+    lb = c.mapping(status.get("loadBalancer"), "status.loadBalancer")
+    lb_ips: list[str] = []
+    for i, ing in enumerate(c.seq(lb.get("ingress"), "status.loadBalancer.ingress")):
+        ing = c.mapping(ing, f"status.loadBalancer.ingress[{i}]", required=True)
+        if ing.get("ip") is not None:
+            lb_ips.append(c.ip(ing.get("ip"), f"status.loadBalancer.ingress[{i}].ip"))
+    source_ranges = tuple(
+        _cidr(c, v, f"spec.loadBalancerSourceRanges[{i}]")
+        for i, v in enumerate(
+            c.seq(spec.get("loadBalancerSourceRanges"), "spec.loadBalancerSourceRanges")
+        )
+    )
+
+    affinity_timeout = _affinity(c, spec)
+    ext_policy = c.string(
+        spec.get("externalTrafficPolicy"), "spec.externalTrafficPolicy", default="Cluster"
+    )
+    int_policy = c.string(
+        spec.get("internalTrafficPolicy"), "spec.internalTrafficPolicy", default="Cluster"
+    )
+    for field, value in (
+        ("spec.externalTrafficPolicy", ext_policy),
+        ("spec.internalTrafficPolicy", int_policy),
+    ):
+        if value not in (
+            "Cluster",
+            "Local",
+            "Global",
+        ):  # "Global" is the pre-1.22 spelling of Cluster
+            raise c.fail(field, f"must be Cluster or Local, got {value!r}")
+    hc_port = c.port(spec.get("healthCheckNodePort"), "spec.healthCheckNodePort", allow_zero=True)
+    algorithm = _algorithm(c, annotations)
+
+    ports = c.seq(spec.get("ports"), "spec.ports")
+    if not ports:
+        raise c.fail("spec.ports", "no ports")
+    out: dict[ServicePortName, ServicePort] = {}
+    seen: set[str] = set()
+    for i, raw in enumerate(ports):
+        p = c.mapping(raw, f"spec.ports[{i}]", required=True)
+        port_name = c.string(p.get("name"), f"spec.ports[{i}].name")
+        if not port_name and len(ports) > 1:
+            raise c.fail(f"spec.ports[{i}].name", "required when a service has more than one port")
+        if port_name in seen:
+            raise c.fail(f"spec.ports[{i}].name", f"duplicate port name {port_name!r}")
+        seen.add(port_name)
+        protocol = c.protocol(p.get("protocol"), f"spec.ports[{i}].protocol")
+        port = c.port(p.get("port"), f"spec.ports[{i}].port")
+        node_port = c.port(p.get("nodePort"), f"spec.ports[{i}].nodePort", allow_zero=True)
+        if protocol is None:
+            continue
+        spn = ServicePortName(namespace, name, port_name, protocol)
+        out[spn] = ServicePort(
+            name=spn,
+            port=port,
+            cluster_ips=cluster_ips,
+            node_port=node_port if svc_type != "ClusterIP" else 0,
+            external_ips=external_ips,
+            lb_ingress_ips=tuple(lb_ips) if svc_type == "LoadBalancer" else (),
+            affinity_timeout_s=affinity_timeout,
+            external_policy_local=ext_policy == "Local",
+            internal_policy_local=int_policy == "Local",
+            health_check_node_port=hc_port if ext_policy == "Local" else 0,
+            lb_source_ranges=source_ranges,
+            lb_algorithm=algorithm,
+        )
+    if not out:
+        raise c.fail("spec.ports", "no TCP or UDP port (SCTP is not supported)")
+    return out
+
+
+def _cluster_ips(c: _Checker, spec: Obj) -> tuple[str, ...]:
+    ips = [
+        c.string(v, f"spec.clusterIPs[{i}]")
+        for i, v in enumerate(c.seq(spec.get("clusterIPs"), "spec.clusterIPs"))
+    ]
+    primary = c.string(spec.get("clusterIP"), "spec.clusterIP")
+    if primary and primary not in ips:
+        ips.insert(0, primary)
+    return tuple(c.ip(v, "spec.clusterIPs") for v in ips if v)
+
+
+def _policy(c: _Checker, spec: Obj, key: str) -> str:
+    value = c.string(spec.get(key), f"spec.{key}", default="Cluster")
+    if value not in ("Cluster", "Local", "Global"):  # "Global": the pre-1.22 name of Cluster
+        raise c.fail(f"spec.{key}", f"must be Cluster or Local, got {value!r}")
+    return value
+
+
+def _cidr(c: _Checker, value: Any, field: str) -> str:
+    text = c.string(value, field)
+    try:
+        return str(ipaddress.ip_network(text.strip(), strict=False))
+    except ValueError:
+        raise c.fail(field, f"not a CIDR: {text!r}") from None
+
+
+def _affinity(c: _Checker, spec: Obj) -> int | None:
+    affinity = c.string(spec.get("sessionAffinity"), "spec.sessionAffinity", default="None")
+    if affinity == "None":
+        return None
+    if affinity != "ClientIP":
+        raise c.fail("spec.sessionAffinity", f"must be None or ClientIP, got {affinity!r}")
+    cfg = c.mapping(spec.get("sessionAffinityConfig"), "spec.sessionAffinityConfig")
+    client = c.mapping(cfg.get("clientIP"), "spec.sessionAffinityConfig.clientIP")
+    timeout = client.get("timeoutSeconds", DEFAULT_AFFINITY_TIMEOUT_S)
+    field = "spec.sessionAffinityConfig.clientIP.timeoutSeconds"
+    if isinstance(timeout, bool) or not isinstance(timeout, int):
+        raise c.fail(field, f"must be an integer, got {_kind_of(timeout)}")
+    if not 0 < timeout <= MAX_AFFINITY_TIMEOUT_S:
+        raise c.fail(field, f"must be 1-{MAX_AFFINITY_TIMEOUT_S}, got {timeout}")
+    return timeout
+
+
+def _algorithm(c: _Checker, annotations: Obj) -> LbAlgorithm | None:
+    value = annotations.get(LB_ALGORITHM_ANNOTATION)
+    if value is None:
+        return None
+    field = f"metadata.annotations[{LB_ALGORITHM_ANNOTATION}]"
+    text = c.string(value, field)
+    try:
+        return LbAlgorithm(text)
+    except ValueError:
+        choices = ", ".join(a.value for a in LbAlgorithm)
+        raise c.fail(field, f"must be one of {choices}, got {text!r}") from None
+
+
+def endpoint_slice(obj: Obj) -> EndpointSliceInfo | None:
+    """The endpoints of a discovery.k8s.io/v1 EndpointSlice; None for FQDN slices."""
+    c = _Checker("EndpointSlice", obj)
+    namespace, name, labels, annotations = _metadata(c, obj)
+    service = c.string(labels.get(SERVICE_NAME_LABEL), f"metadata.labels[{SERVICE_NAME_LABEL}]")
+    if not service:
+        raise c.fail(
+            f"metadata.labels[{SERVICE_NAME_LABEL}]", "missing: the slice names no service"
+        )
+    address_type = c.string(obj.get("addressType"), "addressType")
+    if address_type == "FQDN":
+        return None
+    if address_type not in ("IPv4", "IPv6"):
+        raise c.fail("addressType", f"must be IPv4, IPv6 or FQDN, got {address_type!r}")
+    version = 4 if address_type == "IPv4" else 6
+
+    ports: list[SlicePort] = []
+    seen: set[tuple[str, Protocol]] = set()
+    for i, raw in enumerate(c.seq(obj.get("ports"), "ports")):
+        p = c.mapping(raw, f"ports[{i}]", required=True)
+        port_name = c.string(p.get("name"), f"ports[{i}].name")
+        protocol = c.protocol(p.get("protocol"), f"ports[{i}].protocol")
+        port = c.port(p.get("port"), f"ports[{i}].port")
+        if protocol is None:
+            continue
+        if (port_name, protocol) in seen:
+            raise c.fail(f"ports[{i}].name", f"duplicate port {port_name!r}/{protocol}")
+        seen.add((port_name, protocol))
+        ports.append(SlicePort(port_name, protocol, port))
+
+    endpoints: list[Endpoint] = []
+    for i, raw in enumerate(c.seq(obj.get("endpoints"), "endpoints")):
+        endpoints.extend(_slice_endpoint(c, raw, f"endpoints[{i}]", version))
+    trigger = annotations.get(TRIGGER_TIME_ANNOTATION)
+    return EndpointSliceInfo(
+        namespace=namespace,
+        name=name,
+        service=service,
+        ports=tuple(ports),
+        endpoints=tuple(endpoints),
+        trigger_time=trigger if isinstance(trigger, str) else None,
+    )
+
+
+def _slice_endpoint(c: _Checker, raw: Any, field: str, version: int) -> Iterable[Endpoint]:
+    ep = c.mapping(raw, field, required=True)
+    addresses = c.seq(ep.get("addresses"), f"{field}.addresses")
+    if not addresses:
+        raise c.fail(f"{field}.addresses", "no addresses")
+    cond = c.mapping(ep.get("conditions"), f"{field}.conditions")
+    # API semantics: a nil ready means ready, a nil serving means "same as ready".
+    ready = c.boolean(cond.get("ready"), f"{field}.conditions.ready", True)
+    serving = c.boolean(cond.get("serving"), f"{field}.conditions.serving", ready)
+    terminating = c.boolean(cond.get("terminating"), f"{field}.conditions.terminating", False)
+    node = c.string(ep.get("nodeName"), f"{field}.nodeName") or None
+    zone = c.string(ep.get("zone"), f"{field}.zone") or None
+    out = []
+    for j, value in enumerate(addresses):
+        ip = c.ip(value, f"{field}.addresses[{j}]")
+        if ipaddress.ip_address(ip).version != version:
+            raise c.fail(f"{field}.addresses[{j}]", f"{ip} does not match addressType IPv{version}")
+        out.append(Endpoint(ip, 0, node, zone, ready, serving, terminating))
+    return out
+
+
+def node_info(obj: Obj) -> NodeInfo:
+    c = _Checker("Node", obj)
+    meta = c.mapping(obj.get("metadata"), "metadata", required=True)
+    name = c.string(meta.get("name"), "metadata.name")
+    labels = c.mapping(meta.get("labels"), "metadata.labels")
+    status = c.mapping(obj.get("status"), "status")
+    addresses = []
+    for i, raw in enumerate(c.seq(status.get("addresses"), "status.addresses")):
+        a = c.mapping(raw, f"status.addresses[{i}]", required=True)
+        if a.get("type") in ("InternalIP", "ExternalIP"):
+            addresses.append(c.ip(a.get("address"), f"status.addresses[{i}].address"))
+    spec = c.mapping(obj.get("spec"), "spec")
+    taints = []
+    for i, raw in enumerate(c.seq(spec.get("taints"), "spec.taints")):
+        t = c.mapping(raw, f"spec.taints[{i}]", required=True)
+        taints.append(f"{t.get('key')}:{t.get('effect')}")
+    zone = labels.get(ZONE_LABEL)
+    return NodeInfo(
+        name=name,
+        addresses=tuple(addresses),
+        zone=zone if isinstance(zone, str) else None,
+        deleting=meta.get("deletionTimestamp") is not None,
+        taints=tuple(taints),
+    )

@@ -1,0 +1,28 @@
+"""The ``none`` backend: no kernel rules at all (laptop mode, or another steering layer)."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from uproxy.rules.base import Portal
+
+
+class NoRules:
+    """Accepts every sync and installs nothing; remembers the last set for introspection."""
+
+    name = "none"
+
+    def __init__(self) -> None:
+        self.portals: frozenset[Portal] = frozenset()
+
+    async def sync(self, portals: Collection[Portal]) -> None:
+        self.portals = frozenset(portals)
+
+    async def check(self) -> bool:
+        return True
+
+    async def cleanup(self) -> None:
+        self.portals = frozenset()
+
+    async def close(self) -> None:
+        return None
