@@ -1,0 +1,87 @@
+"""Shared test fixtures: root/namespace gating, uvloop, and bounded waiting."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+REQUIRE_ROOT = os.environ.get("UPROXY_REQUIRE_ROOT_TESTS") == "1"
+
+
+def root_available() -> str | None:
+    """None when root tests can run here, else the reason they cannot."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces, iptables)"
+    if not os.path.exists("/usr/sbin/ip") and not os.path.exists("/sbin/ip"):
+        return "needs iproute2 (ip netns)"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    reason = root_available()
+    if reason is None:
+        return
+    for item in items:
+        if item.get_closest_marker("root") is None:
+            continue
+        if REQUIRE_ROOT:
+            # CI promises these tests run: a missing capability is a failure, not a skip.
+            item.add_marker(pytest.mark.usefixtures("_fail_root_required"))
+        else:
+            item.add_marker(
+                pytest.mark.skip(
+                    reason=f"{reason}; set UPROXY_REQUIRE_ROOT_TESTS=1 to fail instead"
+                )
+            )
+
+
+@pytest.fixture
+def _fail_root_required() -> None:
+    pytest.fail(f"UPROXY_REQUIRE_ROOT_TESTS=1 but {root_available()}")
+
+
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item
+) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
+    """Every async test runs on uvloop, the loop uproxy ships with."""
+    import uvloop
+
+    return {"uvloop": uvloop.new_event_loop}
+
+
+async def wait_for(
+    predicate: Callable[[], bool | Awaitable[bool]],
+    *,
+    timeout: float = 5.0,
+    interval: float = 0.02,
+    message: str = "condition",
+) -> None:
+    """Poll ``predicate`` until true; fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = predicate()
+        if not isinstance(result, bool):
+            result = await result
+        if result:
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {message}")
+        await asyncio.sleep(interval)
+
+
+def wait_for_sync(
+    predicate: Callable[[], bool],
+    *,
+    timeout: float = 5.0,
+    interval: float = 0.02,
+    message: str = "condition",
+) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {message}")
+        time.sleep(interval)

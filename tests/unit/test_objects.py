@@ -1,0 +1,195 @@
+"""Conversion of Services and EndpointSlices, and the reasons malformed ones are refused."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.factories import endpoint, endpoint_slice, service
+from uproxy.model import Endpoint, LbAlgorithm, Protocol, ServicePortName
+from uproxy.objects import InvalidObject, service_ports
+from uproxy.objects import endpoint_slice as convert_slice
+
+
+def test_service_ports_carry_every_field() -> None:
+    obj = service(
+        "web",
+        "shop",
+        ports=[
+            {"name": "http", "port": 80, "protocol": "TCP", "nodePort": 30080},
+            {"name": "dns", "port": 53, "protocol": "UDP", "nodePort": 30053},
+        ],
+        type="LoadBalancer",
+        clusterIPs=["10.96.0.10"],
+        externalIPs=["192.0.2.7"],
+        sessionAffinity="ClientIP",
+        sessionAffinityConfig={"clientIP": {"timeoutSeconds": 60}},
+        externalTrafficPolicy="Local",
+        healthCheckNodePort=32000,
+        loadBalancerSourceRanges=["198.51.100.0/24"],
+        annotations={"uproxy.io/lb-algorithm": "random"},
+    )
+    obj["status"] = {"loadBalancer": {"ingress": [{"ip": "203.0.113.9"}, {"hostname": "lb"}]}}
+    ports = service_ports(obj)
+    http = ports[ServicePortName("shop", "web", "http", Protocol.TCP)]
+    assert str(http.name) == "shop/web:http"
+    assert http.port == 80 and http.node_port == 30080
+    assert http.cluster_ips == ("10.96.0.10",)
+    assert http.external_ips == ("192.0.2.7",)
+    assert http.lb_ingress_ips == ("203.0.113.9",)
+    assert http.affinity_timeout_s == 60
+    assert http.external_policy_local and not http.internal_policy_local
+    assert http.health_check_node_port == 32000
+    assert http.lb_source_ranges == ("198.51.100.0/24",)
+    assert http.lb_algorithm is LbAlgorithm.RANDOM
+    assert http.needs_external_listener
+    dns = ports[ServicePortName("shop", "web", "dns", Protocol.UDP)]
+    assert dns.protocol is Protocol.UDP and dns.node_port == 30053
+
+
+def test_defaults_and_unnamed_single_port() -> None:
+    ports = service_ports(service(ports=[{"port": 80}], sessionAffinity="ClientIP"))
+    (sp,) = ports.values()
+    assert str(sp.name) == "default/web"
+    assert sp.protocol is Protocol.TCP
+    assert sp.affinity_timeout_s == 10800
+    assert sp.node_port == 0 and not sp.needs_external_listener
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [
+        service(cluster_ip="None"),
+        service(labels={"service.kubernetes.io/headless": ""}),
+        service(type="ExternalName", externalName="example.invalid", cluster_ip=None),
+    ],
+    ids=["clusterIP-None", "headless-label", "ExternalName"],
+)
+def test_services_not_proxied_by_design(obj: dict[str, Any]) -> None:
+    assert service_ports(obj) == {}
+
+
+def test_sctp_ports_are_left_out() -> None:
+    ports = service_ports(
+        service(ports=[{"name": "a", "port": 1, "protocol": "SCTP"}, {"name": "b", "port": 2}])
+    )
+    assert [p.name.port_name for p in ports.values()] == ["b"]
+
+
+BAD_SERVICES: list[tuple[str, dict[str, Any], str]] = [
+    ("no-ports", service(ports=[]), "spec.ports"),
+    ("port-zero", service(ports=[{"name": "a", "port": 0}]), "spec.ports[0].port"),
+    ("port-too-big", service(ports=[{"name": "a", "port": 70000}]), "spec.ports[0].port"),
+    ("port-string", service(ports=[{"name": "a", "port": "80"}]), "spec.ports[0].port"),
+    ("only-sctp", service(ports=[{"name": "a", "port": 1, "protocol": "SCTP"}]), "spec.ports"),
+    ("bad-protocol", service(ports=[{"name": "a", "port": 1, "protocol": "ICMP"}]), "protocol"),
+    ("dup-names", service(ports=[{"name": "a", "port": 1}, {"name": "a", "port": 2}]), "name"),
+    ("unnamed-multi", service(ports=[{"port": 1}, {"name": "b", "port": 2}]), "name"),
+    ("bad-cluster-ip", service(cluster_ip="10.96.0.300"), "spec.clusterIPs"),
+    ("bad-external-ip", service(externalIPs=["nope"]), "spec.externalIPs[0]"),
+    (
+        "bad-node-port",
+        service(ports=[{"name": "a", "port": 1, "nodePort": -1}], type="NodePort"),
+        "nodePort",
+    ),
+    ("bad-affinity", service(sessionAffinity="Cookie"), "spec.sessionAffinity"),
+    (
+        "bad-affinity-timeout",
+        service(
+            sessionAffinity="ClientIP", sessionAffinityConfig={"clientIP": {"timeoutSeconds": 0}}
+        ),
+        "timeoutSeconds",
+    ),
+    ("bad-policy", service(externalTrafficPolicy="Nearby"), "spec.externalTrafficPolicy"),
+    ("bad-type", service(type="Magic"), "spec.type"),
+    ("bad-algorithm", service(annotations={"uproxy.io/lb-algorithm": "fastest"}), "lb-algorithm"),
+    (
+        "bad-source-range",
+        service(loadBalancerSourceRanges=["10.0.0.0/33"]),
+        "loadBalancerSourceRanges",
+    ),
+    ("ports-not-list", service(ports={"a": 1}), "spec.ports"),  # type: ignore[arg-type]
+    (
+        "no-name",
+        {"apiVersion": "v1", "kind": "Service", "metadata": {}, "spec": {}},
+        "metadata.name",
+    ),
+    (
+        "spec-not-object",
+        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "x"}, "spec": 3},
+        "spec",
+    ),
+]
+
+
+@pytest.mark.parametrize(("case", "obj", "field"), BAD_SERVICES, ids=[c[0] for c in BAD_SERVICES])
+def test_malformed_services_name_the_field(case: str, obj: dict[str, Any], field: str) -> None:
+    with pytest.raises(InvalidObject) as err:
+        service_ports(obj)
+    assert field in err.value.field, (case, str(err.value))
+    assert str(err.value).startswith("Service ")
+
+
+def test_slice_conditions_node_and_zone_are_kept() -> None:
+    info = convert_slice(
+        endpoint_slice(
+            "web-abc",
+            endpoints=[
+                endpoint("10.0.0.1", nodeName="n1", zone="z1"),
+                endpoint("10.0.0.2", ready=False, serving=True, terminating=True),
+                endpoint("10.0.0.3", ready=False),
+            ],
+        )
+    )
+    assert info is not None and info.service == "web"
+    eps = info.endpoints_for("http", Protocol.TCP)
+    assert eps == [
+        Endpoint("10.0.0.1", 8080, "n1", "z1", True, True, False),
+        Endpoint("10.0.0.2", 8080, None, None, False, True, True),
+        Endpoint("10.0.0.3", 8080, None, None, False, False, False),
+    ]
+    assert info.endpoints_for("http", Protocol.UDP) == []
+    assert info.endpoints_for("other", Protocol.TCP) == []
+
+
+def test_fqdn_slices_are_ignored() -> None:
+    obj = endpoint_slice("x", endpoints=[{"addresses": ["a.example"]}], address_type="FQDN")
+    assert convert_slice(obj) is None
+
+
+BAD_SLICES: list[tuple[str, dict[str, Any], str]] = [
+    (
+        "no-service-label",
+        {**endpoint_slice("x", endpoints=[]), "metadata": {"name": "x"}},
+        "service-name",
+    ),
+    ("bad-address-type", endpoint_slice("x", endpoints=[], address_type="IPv5"), "addressType"),
+    ("no-addresses", endpoint_slice("x", endpoints=[{"addresses": []}]), "endpoints[0].addresses"),
+    (
+        "bad-ip",
+        endpoint_slice("x", endpoints=[endpoint("10.0.0.999")]),
+        "endpoints[0].addresses[0]",
+    ),
+    ("family-mismatch", endpoint_slice("x", endpoints=[endpoint("fd00::1")]), "addresses[0]"),
+    (
+        "port-zero",
+        endpoint_slice("x", endpoints=[], ports=[{"name": "a", "port": 0}]),
+        "ports[0].port",
+    ),
+    (
+        "dup-port",
+        endpoint_slice(
+            "x", endpoints=[], ports=[{"name": "a", "port": 1}, {"name": "a", "port": 2}]
+        ),
+        "ports[1].name",
+    ),
+    ("ready-string", endpoint_slice("x", endpoints=[endpoint("10.0.0.1", ready="yes")]), "ready"),
+]
+
+
+@pytest.mark.parametrize(("case", "obj", "field"), BAD_SLICES, ids=[c[0] for c in BAD_SLICES])
+def test_malformed_slices_name_the_field(case: str, obj: dict[str, Any], field: str) -> None:
+    with pytest.raises(InvalidObject) as err:
+        convert_slice(obj)
+    assert field in err.value.field, (case, str(err.value))

@@ -1,0 +1,172 @@
+"""Flags, the configuration file and their precedence; bad values fail with one clear line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from uproxy.cli import parse_settings
+from uproxy.portrange import PortAllocator, parse_port_range
+from uproxy.settings import SettingsError, parse_duration
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("250ms", 0.25), ("30s", 30), ("15m", 900), ("1h30m", 5400), ("0", 0), ("1.5s", 1.5)],
+)
+def test_durations(text: str, seconds: float) -> None:
+    assert parse_duration(text) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("text", ["30", "s", "1x", "5m3", "-1s"])
+def test_bad_durations(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_duration(text)
+
+
+def test_port_ranges() -> None:
+    assert parse_port_range("") is None
+    assert parse_port_range("0-0") is None
+    assert parse_port_range("30000-30002") == range(30000, 30003)
+    assert parse_port_range("30000+2") == range(30000, 30003)
+    for bad in ("5-1", "0-10", "70000-70001", "abc"):
+        with pytest.raises(ValueError):
+            parse_port_range(bad)
+    alloc = PortAllocator(range(100, 103))
+    first = alloc.candidates()[0]
+    alloc.taken(first)
+    assert first not in alloc.candidates() and len(alloc.candidates()) == 2
+    alloc.release(first)
+    assert len(alloc.candidates()) == 3
+
+
+def test_flags_parse() -> None:
+    s, _ = parse_settings(
+        [
+            "--udp-timeout",
+            "1s",
+            "--lb-algorithm",
+            "random",
+            "--rules",
+            "none",
+            "--nodeport-addresses",
+            "10.0.0.0/8,192.168.0.0/16",
+            "-v",
+            "4",
+        ]
+    )
+    assert s.udp_timeout == 1.0 and s.lb_algorithm == "random" and s.laptop
+    assert s.nodeport_addresses == ("10.0.0.0/8", "192.168.0.0/16")
+    assert s.verbosity == 4 and s.listen_host == "127.0.0.1"
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--udp-timeout", "soon"], "--udp-timeout"),
+        (["--lb-algorithm", "fastest"], "--lb-algorithm"),
+        (["--bind-address", "localhost"], "--bind-address"),
+        (["--proxy-port-range", "9-1"], "--proxy-port-range"),
+        (["--healthz-bind-address", "nope"], "--healthz-bind-address"),
+        (["--services", "/does/not/exist.yaml"], "--services"),
+    ],
+)
+def test_bad_flags(argv: list[str], needle: str) -> None:
+    with pytest.raises(SettingsError, match=needle):
+        parse_settings(argv)
+
+
+CONFIG = """
+apiVersion: kubeproxy.config.k8s.io/v1alpha1
+kind: KubeProxyConfiguration
+mode: userspace
+bindAddress: 0.0.0.0
+healthzBindAddress: 0.0.0.0:10256
+metricsBindAddress: 127.0.0.1:10249
+portRange: 30000-30100
+udpIdleTimeout: 500ms
+iptables:
+  syncPeriod: 20s
+  minSyncPeriod: 2s
+  masqueradeAll: false
+nodePortAddresses: ["10.0.0.0/8"]
+hostnameOverride: node-a
+clientConnection:
+  kubeconfig: /etc/kubeconfig
+configSyncPeriod: 10m
+logging:
+  verbosity: 2
+  format: json
+conntrack:
+  maxPerCore: 32768
+uproxy:
+  rules: iptables
+  lbAlgorithm: random
+  udpMaxFlows: 100
+"""
+
+
+def test_config_file_and_flag_precedence(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(CONFIG + "bogusField: 1\n")
+    s, _ = parse_settings(["--config", str(cfg), "--udp-timeout", "2s"])
+    assert s.udp_timeout == 2.0  # the flag wins
+    assert s.iptables_sync_period == 20 and s.iptables_min_sync_period == 2
+    assert s.proxy_port_range == "30000-30100" and s.hostname_override == "node-a"
+    assert s.kubeconfig == "/etc/kubeconfig" and s.config_sync_period == 600
+    assert s.rules == "iptables" and s.lb_algorithm == "random" and s.udp_max_flows == 100
+    assert s.verbosity == 2 and s.logging_format == "json"
+    assert s.nodeport_addresses == ("10.0.0.0/8",)
+    assert any(getattr(r, "kv", {}).get("field") == "bogusField" for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    ("patch", "needle"),
+    [
+        ("udpIdleTimeout: [1]", "udpIdleTimeout"),
+        ("iptables:\n  syncPeriod: true", "iptables.syncPeriod"),
+        ("uproxy:\n  udpMaxFlows: many", "uproxy.udpMaxFlows"),
+        ("mode: ipvs", "mode"),
+        ("kind: Pod", "KubeProxyConfiguration"),
+    ],
+)
+def test_config_wrong_type_fails_with_one_line(tmp_path: Path, patch: str, needle: str) -> None:
+    base = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n"
+    if patch.startswith("kind:"):
+        base = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\n"
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(base + patch + "\n")
+    with pytest.raises(SettingsError, match=needle) as err:
+        parse_settings(["--config", str(cfg)])
+    assert "\n" not in str(err.value)
+
+
+def test_cli_error_is_one_line_and_exit_2() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "uproxy.cli", "--udp-timeout", "soon"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0
+    assert "--udp-timeout" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_version_and_help() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "uproxy.cli", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 0 and out.stdout.startswith("uproxy ")
+    helptext = subprocess.run(
+        [sys.executable, "-m", "uproxy.cli", "--help"], capture_output=True, text=True, timeout=30
+    )
+    assert "--services" in helptext.stdout and "win over --config" in " ".join(
+        helptext.stdout.split()
+    )

@@ -1,0 +1,154 @@
+"""The tracker: merging slices, diffing listings, filtering, and reporting bad objects."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from tests.factories import endpoint, endpoint_slice, service
+from uproxy.model import Endpoint, Protocol, ServicePortName, categorize
+from uproxy.tracker import Kind, Tracker
+
+WEB = ServicePortName("default", "web", "http", Protocol.TCP)
+
+
+def ips(t: Tracker, spn: ServicePortName = WEB) -> list[str]:
+    return [e.ip for e in t.snapshot()[spn].endpoints]
+
+
+def test_not_synced_until_both_kinds_listed() -> None:
+    t = Tracker()
+    t.replace(Kind.SERVICE, [service()])
+    assert not t.synced
+    t.replace(Kind.ENDPOINT_SLICE, [])
+    assert t.synced
+
+
+def test_union_of_three_slices_and_delete_one() -> None:
+    calls: list[int] = []
+    t = Tracker(on_change=lambda: calls.append(1))
+    t.replace(Kind.SERVICE, [service()])
+    slices = [endpoint_slice(f"web-{i}", endpoints=[endpoint(f"10.0.0.{i}")]) for i in (1, 2, 3)]
+    t.replace(Kind.ENDPOINT_SLICE, slices)
+    assert ips(t) == ["10.0.0.1", "10.0.0.2", "10.0.0.3"]
+    t.delete(Kind.ENDPOINT_SLICE, slices[1])
+    assert ips(t) == ["10.0.0.1", "10.0.0.3"]
+    assert len(calls) == 3
+
+
+def test_noop_updates_do_not_notify() -> None:
+    calls: list[int] = []
+    t = Tracker(on_change=lambda: calls.append(1))
+    t.replace(Kind.SERVICE, [service()])
+    t.replace(Kind.ENDPOINT_SLICE, [endpoint_slice("a", endpoints=[endpoint("10.0.0.1")])])
+    before = len(calls)
+    t.upsert(Kind.SERVICE, service())
+    t.replace(Kind.ENDPOINT_SLICE, [endpoint_slice("a", endpoints=[endpoint("10.0.0.1")])])
+    assert len(calls) == before
+    changes = t.take_changes()
+    assert (changes.services, changes.endpoints) == (1, 1)
+    assert t.take_changes().services == 0
+
+
+def test_replace_applies_the_difference() -> None:
+    t = Tracker()
+    t.replace(Kind.SERVICE, [service("a"), service("b")])
+    t.replace(Kind.ENDPOINT_SLICE, [])
+    assert {s.name for s in t.snapshot()} == {"a", "b"}
+    t.replace(Kind.SERVICE, [service("b"), service("c")])
+    assert {s.name for s in t.snapshot()} == {"b", "c"}
+
+
+def test_same_address_in_two_slices_counts_once_and_ready_wins() -> None:
+    t = Tracker()
+    t.replace(Kind.SERVICE, [service()])
+    t.replace(
+        Kind.ENDPOINT_SLICE,
+        [
+            endpoint_slice("a", endpoints=[endpoint("10.0.0.1", ready=False)]),
+            endpoint_slice("b", endpoints=[endpoint("10.0.0.1", ready=True)]),
+        ],
+    )
+    (ep,) = t.snapshot()[WEB].endpoints
+    assert ep.ready
+
+
+def test_ports_match_by_name_and_protocol() -> None:
+    t = Tracker()
+    t.replace(
+        Kind.SERVICE,
+        [
+            service(
+                ports=[
+                    {"name": "dns", "port": 53, "protocol": "UDP"},
+                    {"name": "dns-tcp", "port": 53},
+                ]
+            )
+        ],
+    )
+    t.replace(
+        Kind.ENDPOINT_SLICE,
+        [
+            endpoint_slice(
+                "a",
+                endpoints=[endpoint("10.0.0.1")],
+                ports=[
+                    {"name": "dns", "port": 5353, "protocol": "UDP"},
+                    {"name": "dns-tcp", "port": 5354, "protocol": "TCP"},
+                ],
+            )
+        ],
+    )
+    snap = t.snapshot()
+    udp = snap[ServicePortName("default", "web", "dns", Protocol.UDP)]
+    tcp = snap[ServicePortName("default", "web", "dns-tcp", Protocol.TCP)]
+    assert [e.port for e in udp.endpoints] == [5353]
+    assert [e.port for e in tcp.endpoints] == [5354]
+
+
+@pytest.mark.parametrize(
+    ("proxy_name", "labels", "wanted"),
+    [
+        (None, None, True),
+        (None, {"service.kubernetes.io/service-proxy-name": "other"}, False),
+        ("uproxy", {"service.kubernetes.io/service-proxy-name": "uproxy"}, True),
+        ("uproxy", {"service.kubernetes.io/service-proxy-name": "other"}, False),
+        ("uproxy", None, False),
+    ],
+)
+def test_service_proxy_name_filter(
+    proxy_name: str | None, labels: dict[str, str] | None, wanted: bool
+) -> None:
+    t = Tracker(service_proxy_name=proxy_name)
+    t.replace(Kind.SERVICE, [service(labels=labels)])
+    t.replace(Kind.ENDPOINT_SLICE, [])
+    assert (WEB in t.snapshot()) is wanted
+
+
+def test_invalid_update_removes_service_and_logs_once(caplog: pytest.LogCaptureFixture) -> None:
+    t = Tracker()
+    t.replace(Kind.SERVICE, [service(), service("good")])
+    t.replace(Kind.ENDPOINT_SLICE, [])
+    bad = service(ports=[{"name": "http", "port": 0}])
+    with caplog.at_level(logging.WARNING, logger="uproxy"):
+        t.upsert(Kind.SERVICE, bad)
+        t.upsert(Kind.SERVICE, bad)
+    assert WEB not in t.snapshot()
+    assert ServicePortName("default", "good", "http", Protocol.TCP) in t.snapshot()
+    lines = [r for r in caplog.records if r.getMessage() == "Skipping invalid object"]
+    assert len(lines) == 1
+    assert lines[0].kv["field"] == "spec.ports[0].port"  # type: ignore[attr-defined]
+
+
+def test_categorize_follows_kube_proxy() -> None:
+    ready_local = Endpoint("10.0.0.1", 80, "me")
+    ready_remote = Endpoint("10.0.0.2", 80, "other")
+    term_local = Endpoint("10.0.0.3", 80, "me", ready=False, serving=True, terminating=True)
+    not_serving = Endpoint("10.0.0.4", 80, "me", ready=False, serving=False, terminating=True)
+    eps = (ready_local, ready_remote, term_local, not_serving)
+    assert categorize(eps, local_only=False, node_name="me") == (ready_local, ready_remote)
+    assert categorize(eps, local_only=True, node_name="me") == (ready_local,)
+    assert categorize((ready_remote, term_local), local_only=True, node_name="me") == (term_local,)
+    assert categorize((ready_remote,), local_only=True, node_name="me") == ()
+    assert categorize((term_local, not_serving), local_only=False, node_name="x") == (term_local,)

@@ -1,0 +1,154 @@
+"""The command line: parse, check, hand over. Nothing here proxies.
+
+Flags are generated from the ``Settings`` table. Precedence: defaults, then ``--config``,
+then flags given explicitly on the command line. Any error a user can cause ends in one line
+on stderr and a non-zero exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, NoReturn
+
+from uproxy import __version__
+from uproxy.log import setup as setup_logging
+from uproxy.settings import Settings, SettingsError, convert, setting_fields, validate
+
+EXIT_USAGE = 2
+EXIT_FAILURE = 1
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="uproxy",
+        description="A userspace L4 service proxy for Kubernetes: kube-proxy's userspace mode "
+        "on asyncio/uvloop. Follows a cluster (or a --services file), opens one proxy port per "
+        "service port and relays TCP and UDP to the endpoints.",
+        epilog="Precedence: flags given on the command line win over --config, which wins over "
+        "the defaults. Subcommand: 'uproxy demo' runs a self-contained demo (no cluster, no "
+        "root).",
+        argument_default=argparse.SUPPRESS,
+    )
+    parser.add_argument("--version", action="version", version=f"uproxy {__version__}")
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="A KubeProxyConfiguration (kubeproxy.config.k8s.io/v1alpha1) file with an "
+        "optional 'uproxy:' block; explicit flags win over it",
+    )
+    parser.add_argument(
+        "--cleanup",
+        action="store_true",
+        help="Remove every rule and chain uproxy installs (any backend) and exit",
+    )
+    for f in setting_fields():
+        flag = f.metadata["flag"]
+        if not flag:
+            continue
+        default = f.default
+        if f.metadata["kind"] == "duration":
+            from uproxy.settings import format_duration
+
+            default = format_duration(default)
+        help_text = (
+            f"{f.metadata['help']} (default: {default if default not in ('', None) else 'unset'})"
+        )
+        kwargs: dict[str, Any] = {"dest": f.name, "help": help_text}
+        if f.metadata["kind"] == "bool":
+            kwargs["action"] = "store_const"
+            kwargs["const"] = "true"
+        else:
+            kwargs["metavar"] = (
+                f.metadata["choices"] and "{" + ",".join(f.metadata["choices"]) + "}"
+            ) or _metavar(f.metadata["kind"])
+        parser.add_argument(flag, **kwargs)
+    return parser
+
+
+def _metavar(kind: str) -> str:
+    return {
+        "duration": "DURATION",
+        "int": "N",
+        "ip": "IP",
+        "hostport": "HOST:PORT",
+        "cidrs": "CIDR,...",
+    }.get(kind, "VALUE")
+
+
+def parse_settings(argv: Sequence[str]) -> tuple[Settings, argparse.Namespace]:
+    """Settings from the command line (and --config); raises SettingsError."""
+    ns = build_parser().parse_args(list(argv))
+    settings = Settings()
+    config = getattr(ns, "config", None)
+    if config:
+        from uproxy.configfile import load_config
+
+        load_config(config, settings)
+    for f in setting_fields():
+        if f.metadata["flag"] and hasattr(ns, f.name):
+            setattr(settings, f.name, convert(f, getattr(ns, f.name)))
+    validate(settings)
+    return settings, ns
+
+
+def run_loop(main: Callable[[], Coroutine[Any, Any, int]], event_loop: str = "auto") -> int:
+    """Run ``main`` on uvloop when wanted and installed, else on asyncio."""
+    if event_loop in ("auto", "uvloop"):
+        try:
+            import uvloop
+        except ImportError:
+            if event_loop == "uvloop":
+                raise SettingsError("--event-loop uvloop: uvloop is not installed") from None
+        else:
+            result: int = uvloop.run(main())
+            return result
+    return asyncio.run(main())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "demo":
+        from uproxy.demo import demo_main
+
+        return demo_main(args[1:])
+    try:
+        settings, ns = parse_settings(args)
+    except SettingsError as e:
+        print(f"uproxy: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    setup_logging(verbosity=settings.verbosity, fmt=settings.logging_format)
+    if getattr(ns, "cleanup", False):
+        return run_loop(_cleanup, settings.event_loop)
+    from uproxy.run import run_proxy
+
+    try:
+        return run_loop(lambda: run_proxy(settings), settings.event_loop)
+    except SettingsError as e:
+        print(f"uproxy: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 0
+
+
+async def _cleanup() -> int:
+    from uproxy.rules import cleanup_all
+    from uproxy.rules.base import RulesError
+
+    try:
+        await cleanup_all()
+    except RulesError as e:
+        print(f"uproxy: error: cleanup failed: {e}", file=sys.stderr)
+        return EXIT_FAILURE
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

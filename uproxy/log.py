@@ -1,0 +1,93 @@
+"""klog-style structured logging to stderr.
+
+Messages are constant strings; values travel as key=value pairs in ``extra={"kv": {...}}``,
+so logs can be grepped by message and parsed by field, and the data path pays for
+formatting only when a record is actually emitted. ``-v N`` maps to levels the way klog's
+verbosity does: V(2) is routine detail, V(4) is per-connection debugging.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any
+
+V2 = 18
+V3 = 16
+V4 = 14
+
+logging.addLevelName(V2, "V2")
+logging.addLevelName(V3, "V3")
+logging.addLevelName(V4, "V4")
+
+_VERBOSITY = {V2: 2, V3: 3, V4: 4}
+_LEVEL_LETTER = {logging.ERROR: "E", logging.WARNING: "W", logging.CRITICAL: "F"}
+
+
+def kv(**fields: Any) -> dict[str, Mapping[str, Any]]:
+    """``extra=`` for a structured record: ``log.info("Opening proxy port", extra=kv(port=1))``."""
+    return {"kv": fields}
+
+
+def _quote(value: Any) -> str:
+    if isinstance(value, (int, float, bool)):
+        return str(value).lower() if isinstance(value, bool) else str(value)
+    return json.dumps(str(value))
+
+
+class TextFormatter(logging.Formatter):
+    """``I1122 04:16:59.123456 uproxy.syncer] "Opening proxy port" service="ns/a:http" port=1``."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        letter = _LEVEL_LETTER.get(record.levelno, "I")
+        t = time.localtime(record.created)
+        micros = int((record.created % 1) * 1_000_000)
+        stamp = time.strftime("%m%d %H:%M:%S", t)
+        parts = [f"{letter}{stamp}.{micros:06d} {record.name}] {json.dumps(record.getMessage())}"]
+        fields = getattr(record, "kv", None)
+        if fields:
+            parts.extend(f"{k}={_quote(v)}" for k, v in fields.items())
+        if record.exc_info and record.levelno >= logging.ERROR:
+            parts.append(f"err={_quote(record.exc_info[1])}")
+        return " ".join(parts)
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": round(record.created, 6),
+            "v": max(0, (logging.INFO - record.levelno) // 2)
+            if record.levelno < logging.INFO
+            else 0,
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        fields = getattr(record, "kv", None)
+        if fields:
+            out.update(
+                {k: v if isinstance(v, (int, float, bool)) else str(v) for k, v in fields.items()}
+            )
+        if record.exc_info and record.levelno >= logging.ERROR:
+            out["err"] = str(record.exc_info[1])
+        return json.dumps(out)
+
+
+def setup(*, verbosity: int = 0, fmt: str = "text") -> None:
+    """Configure the ``uproxy`` logger tree; ``verbosity`` is klog's ``-v``."""
+    level = logging.INFO
+    if verbosity >= 4:
+        level = V4
+    elif verbosity == 3:
+        level = V3
+    elif verbosity == 2:
+        level = V2
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    root = logging.getLogger("uproxy")
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    root.propagate = False

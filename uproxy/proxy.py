@@ -1,0 +1,316 @@
+"""The proxy process: wires sources, tracker, syncer, rules, health and metrics together.
+
+Start-up order matters: settings are checked, the rules backend is built (failing with one
+line if it cannot work), the HTTP endpoints are bound (a port in use is a start-up error),
+then sources start feeding the tracker and the sync runner starts; the syncer programs
+nothing until every source has listed once. Every long-running task is named and
+supervised: one that ends unexpectedly is logged and stops the process with an error,
+rather than leaving a proxy that silently stopped following its cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from uproxy import metrics
+from uproxy.dataplane.limits import raise_nofile_limit
+from uproxy.dataplane.settings import DataplaneSettings
+from uproxy.health import HealthzServer, ProxyHealth
+from uproxy.healthcheck import HealthCheckServers, HealthCheckSpec
+from uproxy.log import V2, kv
+from uproxy.metrics_server import MetricsServer
+from uproxy.model import ServicePortName
+from uproxy.nodeip import is_unspecified, primary_ipv4
+from uproxy.portrange import parse_port_range
+from uproxy.rules.base import RulesBackend
+from uproxy.runner import BoundedFrequencyRunner
+from uproxy.settings import Settings, parse_hostport
+from uproxy.sources.file import FileSource
+from uproxy.syncer import ProxiedPort, Syncer, SyncerOptions, TableRow
+from uproxy.tracker import Tracker
+
+log = logging.getLogger("uproxy.proxy")
+
+RULES_CHECK_INTERVAL_S = 5.0  # the cheap "are our rules still there" check
+
+
+class StartupError(Exception):
+    """A problem the user can fix; the message is one line naming the cause and the fix."""
+
+
+class Proxy:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        rules: RulesBackend | None = None,
+        on_table: Callable[[list[TableRow]], None] | None = None,
+    ) -> None:
+        self.settings = settings
+        self._rules_override = rules
+        self._on_table = on_table
+        self.health = ProxyHealth(sync_period_s=settings.iptables_sync_period)
+        self.tracker = Tracker(
+            service_proxy_name=settings.service_proxy_name, on_change=self._queue_sync
+        )
+        self.rules: RulesBackend | None = None
+        self.syncer: Syncer | None = None
+        self.runner: BoundedFrequencyRunner | None = None
+        self.healthz: HealthzServer | None = None
+        self.metrics_server: MetricsServer | None = None
+        self.healthchecks: HealthCheckServers | None = None
+        self.file_source: FileSource | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopped = asyncio.Event()
+        self.failure: str | None = None
+        self.synced = asyncio.Event()
+
+    # ----- lifecycle -----
+
+    async def start(self) -> None:
+        s = self.settings
+        limit = raise_nofile_limit()
+        log.log(V2, "File descriptor limit", extra=kv(nofile=limit))
+        self.rules = self._rules_override or self._make_rules()
+        self.healthchecks = HealthCheckServers(
+            addresses=self._nodeport_addresses(), proxy_health=self.health
+        )
+        self.syncer = Syncer(
+            tracker=self.tracker,
+            rules=self.rules,
+            options=SyncerOptions(
+                listen_host=s.listen_host,
+                node_name=s.node_name,
+                laptop=s.laptop,
+                port_range=parse_port_range(s.proxy_port_range),
+                default_algorithm=s.algorithm,
+                dataplane=DataplaneSettings(
+                    udp_timeout_s=s.udp_timeout, udp_max_flows=s.udp_max_flows
+                ),
+                full_sync_period_s=s.iptables_sync_period,
+                on_table=self._on_table,
+                on_synced=self._synced,
+                extra_hooks=[self._sync_healthchecks],
+            ),
+        )
+        self.runner = BoundedFrequencyRunner(
+            "sync-proxy-rules",
+            self.syncer.sync,
+            min_interval=s.iptables_min_sync_period,
+            max_interval=s.iptables_sync_period,
+        )
+        await self._start_http()
+        await self._start_sources()
+        self._spawn("sync-runner", self.runner.loop())
+        if not s.laptop:
+            self._spawn("rules-check", self._check_rules())
+        self._queue_sync()
+
+    async def wait(self) -> None:
+        """Until stop() or a supervised task failed."""
+        await self._stopped.wait()
+
+    def request_stop(self) -> None:
+        self._stopped.set()
+
+    async def stop(self) -> None:
+        self._stopped.set()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks.clear()
+        if self.syncer is not None:
+            await self.syncer.close(drain=True)
+        if self.healthchecks is not None:
+            await self.healthchecks.close()
+        for server in (self.healthz, self.metrics_server):
+            if server is not None:
+                await server.close()
+        if self.rules is not None:
+            if self.settings.cleanup_on_exit:
+                await self.rules.cleanup()
+            await self.rules.close()
+
+    # ----- pieces -----
+
+    def _make_rules(self) -> RulesBackend:
+        from uproxy.rules import make_backend
+        from uproxy.rules.base import RulesError
+
+        s = self.settings
+        host_ip = s.listen_host
+        if is_unspecified(host_ip):
+            found = primary_ipv4()
+            if found is None and not s.laptop:
+                raise StartupError(
+                    "cannot find this node's IPv4 address for the host portal rules; "
+                    "set --bind-address to it"
+                )
+            host_ip = found or "127.0.0.1"
+        try:
+            return make_backend(s.rules_backend, host_ip=host_ip, iptables_mode=s.iptables_mode)
+        except RulesError as e:
+            raise StartupError(str(e)) from None
+
+    def _nodeport_addresses(self) -> list[str]:
+        if self.settings.laptop:
+            return [self.settings.listen_host]
+        if not self.settings.nodeport_addresses:
+            return ["0.0.0.0"]
+        import ipaddress
+
+        from uproxy.nodeip import _ip_json
+
+        nets = [ipaddress.ip_network(c) for c in self.settings.nodeport_addresses]
+        out = []
+        for link in _ip_json("-4", "addr", "show"):
+            infos = link.get("addr_info")
+            for info in infos if isinstance(infos, list) else []:
+                if isinstance(info, dict):
+                    ip = ipaddress.ip_address(str(info.get("local")))
+                    if any(ip in n for n in nets):
+                        out.append(str(ip))
+        return out
+
+    async def _start_http(self) -> None:
+        s = self.settings
+        for flag, value in (
+            ("--healthz-bind-address", s.healthz_bind_address),
+            ("--metrics-bind-address", s.metrics_bind_address),
+        ):
+            addr = parse_hostport(value)
+            if addr is None:
+                continue
+            try:
+                if flag == "--healthz-bind-address":
+                    self.healthz = HealthzServer(
+                        proxy_health=self.health, address=addr[0], port=addr[1]
+                    )
+                    await self.healthz.start()
+                else:
+                    self.metrics_server = MetricsServer(address=addr[0], port=addr[1])
+                    await self.metrics_server.start()
+            except OSError as e:
+                raise StartupError(
+                    f"cannot listen on {flag} {value}: {e.strerror or e}; "
+                    f"free the port or pass another address (empty disables)"
+                ) from None
+
+    async def _start_sources(self) -> None:
+        s = self.settings
+        if s.services:
+            from uproxy.sources.file import ServicesFileError
+
+            self.file_source = FileSource(path=s.services, tracker=self.tracker)
+            try:
+                self.file_source.load_initial()
+            except (ServicesFileError, OSError) as e:
+                raise StartupError(f"cannot use --services file: {e}") from None
+            self._spawn("file-source", self.file_source.run())
+            return
+        from uproxy.sources.kube import KubeSource, make_api_client
+
+        try:
+            client = await make_api_client(kubeconfig=s.kubeconfig, master=s.master)
+        except Exception as e:
+            raise StartupError(
+                f"cannot configure the Kubernetes client: {e}; pass --kubeconfig or "
+                "--master, or --services FILE to run without a cluster"
+            ) from None
+        source = KubeSource(
+            tracker=self.tracker,
+            api_client=client,
+            node_name=s.node_name,
+            service_proxy_name=s.service_proxy_name,
+            config_sync_period_s=s.config_sync_period,
+        )
+        self._spawn("kube-source", source.run(), cleanup=client.close)
+
+    def _spawn(
+        self,
+        name: str,
+        coro: Coroutine[Any, Any, None],
+        cleanup: Callable[[], Coroutine[Any, Any, Any]] | None = None,
+    ) -> None:
+        async def supervised() -> None:
+            try:
+                await coro
+            finally:
+                if cleanup is not None:
+                    await cleanup()
+
+        task = asyncio.create_task(supervised(), name=name)
+        task.add_done_callback(self._task_done)
+        self._tasks.append(task)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or self._stopped.is_set():
+            return
+        err = task.exception()
+        self.failure = f"task {task.get_name()} ended unexpectedly: {err or 'returned'}"
+        log.error("Supervised task ended, stopping", extra=kv(task=task.get_name(), err=err))
+        self._stopped.set()
+
+    # ----- callbacks -----
+
+    def _queue_sync(self) -> None:
+        self.health.queued()
+        metrics.SYNC_LAST_QUEUED_TIMESTAMP.set(time.time())
+        node = self.tracker.node
+        self.health.set_node_eligible(node is None or not node.deleting)
+        if self.runner is not None:
+            self.runner.request()
+
+    def _synced(self) -> None:
+        self.health.updated()
+        self.synced.set()
+
+    async def _sync_healthchecks(self, ports: dict[ServicePortName, ProxiedPort]) -> None:
+        if self.healthchecks is None:
+            return
+        specs: dict[tuple[str, str], HealthCheckSpec] = {}
+        counts: dict[tuple[str, str], int] = {}
+        for spn, pp in ports.items():
+            hc = pp.port.health_check_node_port
+            if not hc:
+                continue
+            key = spn.service
+            specs[key] = HealthCheckSpec(namespace=key[0], name=key[1], port=hc)
+            counts[key] = max(counts.get(key, 0), pp.balancer.local_endpoint_count)
+        self.healthchecks.set_local_endpoints(counts)
+        await self.healthchecks.sync(specs)
+
+    async def _check_rules(self) -> None:
+        while True:
+            await asyncio.sleep(RULES_CHECK_INTERVAL_S)
+            if self.rules is None or self.syncer is None or not self.tracker.synced:
+                continue
+            try:
+                ok = await self.rules.check()
+            except Exception as e:
+                log.error("Rules check failed", extra=kv(err=e))
+                ok = False
+            if not ok:
+                log.info("Rules missing or changed by someone else, resyncing")
+                self.syncer.force_rules_sync()
+                self._queue_sync()
+
+
+def install_signal_handlers(stop: Callable[[], None]) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop)
+
+
+def running_as_root() -> bool:
+    return os.geteuid() == 0

@@ -1,0 +1,46 @@
+"""Running the proxy process until a signal: start, print the laptop table, stop cleanly."""
+
+from __future__ import annotations
+
+import sys
+
+from uproxy.proxy import Proxy, StartupError, install_signal_handlers
+from uproxy.settings import Settings
+from uproxy.syncer import TableRow
+
+
+def format_table(rows: list[TableRow]) -> str:
+    header = TableRow("SERVICE", "PROTOCOL", "LISTEN", "ENDPOINTS")
+    allrows = [header, *rows]
+    widths = [
+        max(len(getattr(r, col)) for r in allrows) for col in ("service", "protocol", "listen")
+    ]
+    lines = []
+    for r in allrows:
+        lines.append(
+            f"{r.service:<{widths[0]}}  {r.protocol:<{widths[1]}}  {r.listen:<{widths[2]}}  "
+            f"{r.endpoints}"
+        )
+    return "\n".join(lines)
+
+
+def print_table(rows: list[TableRow]) -> None:
+    print(format_table(rows) if rows else "(no services)", flush=True)
+    print(flush=True)
+
+
+async def run_proxy(settings: Settings) -> int:
+    proxy = Proxy(settings, on_table=print_table if settings.laptop else None)
+    try:
+        await proxy.start()
+    except StartupError as e:
+        print(f"uproxy: error: {e}", file=sys.stderr)
+        await proxy.stop()
+        return 1
+    install_signal_handlers(proxy.request_stop)
+    await proxy.wait()
+    await proxy.stop()
+    if proxy.failure:
+        print(f"uproxy: error: {proxy.failure}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,340 @@
+"""uproxy's settings: one table that the flags, the configuration file and the docs all read.
+
+Each field of ``Settings`` carries its flag, its path in a KubeProxyConfiguration file and its
+help text, so the command line, ``--config`` and the generated configuration reference
+cannot drift apart. Values are parsed and checked here; a bad value raises ``SettingsError``
+with one line naming the setting, the value and what is expected.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import socket
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from uproxy.model import LbAlgorithm
+
+
+class SettingsError(ValueError):
+    """A bad flag or configuration value; the message is the whole explanation."""
+
+
+def opt(
+    default: Any,
+    *,
+    flag: str | None,
+    config: str | None,
+    help: str,
+    kind: str = "str",
+    choices: tuple[str, ...] = (),
+) -> Any:
+    return field(
+        default=default,
+        metadata={"flag": flag, "config": config, "help": help, "kind": kind, "choices": choices},
+    )
+
+
+RULES_BACKENDS = ("auto", "iptables-restore", "iptables", "none")
+
+
+@dataclass(slots=True, kw_only=True)
+class Settings:
+    # --- sources ---
+    services: str | None = opt(
+        None,
+        flag="--services",
+        config="uproxy.services",
+        help="Read Services and EndpointSlices from this multi-document YAML file "
+        "(reloaded on change) instead of the Kubernetes API",
+    )
+    kubeconfig: str | None = opt(
+        None,
+        flag="--kubeconfig",
+        config="clientConnection.kubeconfig",
+        help="Path to a kubeconfig file; default: in-cluster config inside a pod, else $KUBECONFIG",
+    )
+    master: str | None = opt(
+        None,
+        flag="--master",
+        config=None,
+        help="The address of the Kubernetes API server (overrides the kubeconfig)",
+    )
+    hostname_override: str = opt(
+        "",
+        flag="--hostname-override",
+        config="hostnameOverride",
+        help="The name of this node (for Local traffic policies); default: the host name",
+    )
+    service_proxy_name: str | None = opt(
+        None,
+        flag="--service-proxy-name",
+        config="uproxy.serviceProxyName",
+        help="Proxy only services labelled service.kubernetes.io/service-proxy-name=NAME; "
+        "without it, only services without that label",
+    )
+    config_sync_period: float = opt(
+        900.0,
+        flag="--config-sync-period",
+        config="configSyncPeriod",
+        kind="duration",
+        help="How often to relist everything from the API server",
+    )
+    # --- data plane ---
+    bind_address: str | None = opt(
+        None,
+        flag="--bind-address",
+        config="bindAddress",
+        kind="ip",
+        help="The address proxy ports listen on; default 0.0.0.0, or 127.0.0.1 with --rules none",
+    )
+    proxy_port_range: str = opt(
+        "",
+        flag="--proxy-port-range",
+        config="portRange",
+        help="Range of host ports for proxy ports, 'begin-end' or 'begin+offset'; "
+        "empty: random ports",
+    )
+    udp_timeout: float = opt(
+        0.25,
+        flag="--udp-timeout",
+        config="udpIdleTimeout",
+        kind="duration",
+        help="How long an idle UDP flow is kept",
+    )
+    udp_max_flows: int = opt(
+        4096,
+        flag="--udp-max-flows",
+        config="uproxy.udpMaxFlows",
+        kind="int",
+        help="Most UDP flows per service port; the oldest is evicted first",
+    )
+    lb_algorithm: str = opt(
+        LbAlgorithm.ROUND_ROBIN.value,
+        flag="--lb-algorithm",
+        config="uproxy.lbAlgorithm",
+        choices=tuple(a.value for a in LbAlgorithm),
+        help="How endpoints are chosen; the annotation uproxy.io/lb-algorithm overrides it "
+        "per service",
+    )
+    # --- rules ---
+    rules: str = opt(
+        "",
+        flag="--rules",
+        config="uproxy.rules",
+        choices=RULES_BACKENDS,
+        help="How service traffic is steered into uproxy: auto (iptables-restore), "
+        "iptables (python-iptables, legacy tables), none (laptop mode); "
+        "default: auto as root, else none",
+    )
+    iptables_mode: str = opt(
+        "auto",
+        flag="--iptables-mode",
+        config="uproxy.iptablesMode",
+        choices=("auto", "nft", "legacy"),
+        help="iptables flavour for --rules auto: detect it as kube-proxy does, or force one",
+    )
+    iptables_sync_period: float = opt(
+        30.0,
+        flag="--iptables-sync-period",
+        config="iptables.syncPeriod",
+        kind="duration",
+        help="The longest time between full syncs (repairs rules someone flushed)",
+    )
+    iptables_min_sync_period: float = opt(
+        1.0,
+        flag="--iptables-min-sync-period",
+        config="iptables.minSyncPeriod",
+        kind="duration",
+        help="The shortest time between syncs when changes arrive",
+    )
+    nodeport_addresses: tuple[str, ...] = opt(
+        (),
+        flag="--nodeport-addresses",
+        config="nodePortAddresses",
+        kind="cidrs",
+        help="CIDRs of the node addresses NodePorts and health-check node ports accept on; "
+        "default: all",
+    )
+    cleanup_on_exit: bool = opt(
+        False,
+        flag="--cleanup-on-exit",
+        config="uproxy.cleanupOnExit",
+        kind="bool",
+        help="Remove the rules on a normal shutdown (by default they stay, as kube-proxy's do)",
+    )
+    # --- health and metrics ---
+    healthz_bind_address: str = opt(
+        "0.0.0.0:10256",
+        flag="--healthz-bind-address",
+        config="healthzBindAddress",
+        kind="hostport",
+        help="Address of /healthz and /livez; empty disables",
+    )
+    metrics_bind_address: str = opt(
+        "127.0.0.1:10249",
+        flag="--metrics-bind-address",
+        config="metricsBindAddress",
+        kind="hostport",
+        help="Address of /metrics; empty disables",
+    )
+    event_loop: str = opt(
+        "auto",
+        flag="--event-loop",
+        config="uproxy.eventLoop",
+        choices=("auto", "uvloop", "asyncio"),
+        help="Event loop implementation: auto uses uvloop when installed",
+    )
+    # --- logging ---
+    verbosity: int = opt(
+        0, flag="-v", config="logging.verbosity", kind="int", help="Log verbosity (2, 3, 4)"
+    )
+    logging_format: str = opt(
+        "text",
+        flag="--logging-format",
+        config="logging.format",
+        choices=("text", "json"),
+        help="Log format on stderr",
+    )
+
+    # ----- derived values -----
+
+    @property
+    def rules_backend(self) -> str:
+        if self.rules:
+            return self.rules
+        return "auto" if os.geteuid() == 0 else "none"
+
+    @property
+    def laptop(self) -> bool:
+        """No kernel rules: listen on the service's own port on loopback when free."""
+        return self.rules_backend == "none"
+
+    @property
+    def listen_host(self) -> str:
+        if self.bind_address:
+            return self.bind_address
+        return "127.0.0.1" if self.laptop else "0.0.0.0"
+
+    @property
+    def node_name(self) -> str:
+        return self.hostname_override or socket.gethostname().lower()
+
+    @property
+    def algorithm(self) -> LbAlgorithm:
+        return LbAlgorithm(self.lb_algorithm)
+
+
+def setting_fields() -> list[Any]:
+    return [f for f in fields(Settings) if f.metadata.get("flag") or f.metadata.get("config")]
+
+
+_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
+_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(text: str) -> float:
+    """A Go duration ('250ms', '30s', '1h30m') in seconds."""
+    text = text.strip()
+    if text in ("0", ""):
+        return 0.0
+    pos, total = 0, 0.0
+    for m in _DURATION_RE.finditer(text):
+        if m.start() != pos:
+            break
+        total += float(m.group(1)) * _UNITS[m.group(2)]
+        pos = m.end()
+    if pos != len(text) or pos == 0:
+        raise ValueError(f"not a duration like 250ms, 30s or 1h30m: {text!r}")
+    return total
+
+
+def format_duration(seconds: float) -> str:
+    if seconds and seconds < 1:
+        return f"{round(seconds * 1000)}ms"
+    if seconds % 3600 == 0 and seconds:
+        return f"{int(seconds // 3600)}h"
+    if seconds % 60 == 0 and seconds:
+        return f"{int(seconds // 60)}m"
+    return f"{seconds:g}s"
+
+
+def parse_hostport(text: str) -> tuple[str, int] | None:
+    """'0.0.0.0:10256' -> ('0.0.0.0', 10256); '' -> None (disabled)."""
+    text = text.strip()
+    if not text:
+        return None
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        raise ValueError(f"expected HOST:PORT, got {text!r}")
+    host = host.strip("[]") or "0.0.0.0"
+    ipaddress.ip_address(host)
+    p = int(port)
+    if not 0 <= p <= 65535:
+        raise ValueError(f"port out of range in {text!r}")
+    return host, p
+
+
+def convert(f: Any, value: Any) -> Any:
+    """Parse one raw value (a flag's string, or a config file's YAML value) for field ``f``."""
+    kind = f.metadata["kind"]
+    name = f.metadata["flag"] or f.metadata["config"]
+    try:
+        out: Any
+        if kind == "duration":
+            if isinstance(value, bool):
+                raise ValueError("expected a duration like 250ms, 30s or 15m")
+            out = float(value) if isinstance(value, (int, float)) else parse_duration(str(value))
+        elif kind == "int":
+            if isinstance(value, bool) or not isinstance(value, (int, str)):
+                raise ValueError(f"expected an integer, got {value!r}")
+            out = int(value)
+        elif kind == "bool":
+            if isinstance(value, str) and value.lower() in ("true", "false"):
+                value = value.lower() == "true"
+            if not isinstance(value, bool):
+                raise ValueError(f"expected true or false, got {value!r}")
+            out = value
+        elif kind == "cidrs":
+            items = value.split(",") if isinstance(value, str) else value
+            if not isinstance(items, list):
+                raise ValueError(f"expected a list of CIDRs, got {value!r}")
+            out = tuple(str(ipaddress.ip_network(str(c).strip(), strict=False)) for c in items if c)
+        else:
+            if not isinstance(value, str):
+                raise ValueError(f"expected a string, got {value!r}")
+            out = value
+            if kind == "ip" and value:
+                ipaddress.ip_address(value)
+            if kind == "hostport":
+                parse_hostport(value)
+        choices = f.metadata["choices"]
+        if choices and out not in choices and not (f.name == "rules" and out == ""):
+            raise ValueError(f"must be one of {', '.join(choices)}, got {out!r}")
+        return out
+    except ValueError as e:
+        raise SettingsError(f"invalid {name}: {e}") from None
+
+
+def validate(s: Settings) -> None:
+    """Cross-field checks; raises SettingsError."""
+    from uproxy.portrange import parse_port_range
+
+    try:
+        parse_port_range(s.proxy_port_range)
+    except ValueError as e:
+        raise SettingsError(f"invalid --proxy-port-range: {e}") from None
+    if s.udp_max_flows < 1:
+        raise SettingsError("invalid --udp-max-flows: must be at least 1")
+    if s.udp_timeout <= 0:
+        raise SettingsError("invalid --udp-timeout: must be positive")
+    if s.iptables_sync_period <= 0:
+        raise SettingsError("invalid --iptables-sync-period: must be positive")
+    if s.iptables_min_sync_period > s.iptables_sync_period:
+        raise SettingsError(
+            "invalid --iptables-min-sync-period: longer than --iptables-sync-period"
+        )
+    if s.services and not os.path.exists(s.services):
+        raise SettingsError(f"--services: no such file: {s.services}")
