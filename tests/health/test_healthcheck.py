@@ -1,0 +1,293 @@
+"""Health-check node ports: status, exact body and headers, lifecycle, ports in use."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+from collections.abc import AsyncIterator, Callable
+
+import aiohttp
+import pytest
+
+from uproxy.health import ProxyHealth
+from uproxy.healthcheck import HealthCheckServers, HealthCheckSpec
+from uproxy.log import V3
+
+from .helpers import FakeClock, assert_same_bytes, free_port, refused, wait_until
+
+KEY = ("shop", "web")
+
+
+def expected_body(namespace: str, name: str, count: int, healthy: bool) -> bytes:
+    # The exact bytes a load balancer sees: kube-proxy's keys, one line.
+    text = (
+        f'{{"service": {{"namespace": "{namespace}", "name": "{name}"}}, '
+        f'"localEndpoints": {count}, "serviceProxyHealthy": {"true" if healthy else "false"}}}'
+    )
+    return text.encode()
+
+
+@pytest.fixture
+def health(clock: FakeClock) -> ProxyHealth:
+    return ProxyHealth(sync_period_s=30.0, clock=clock)
+
+
+@pytest.fixture
+async def servers(health: ProxyHealth) -> AsyncIterator[HealthCheckServers]:
+    hcs = HealthCheckServers(addresses=["127.0.0.1"], proxy_health=health)
+    yield hcs
+    await hcs.close()
+
+
+async def check(
+    http: aiohttp.ClientSession,
+    port: int,
+    *,
+    path: str = "/",
+    method: str = "GET",
+    host: str = "127.0.0.1",
+) -> tuple[int, bytes, int]:
+    """One request; checks the fixed headers; returns status, body and the weight header."""
+    async with http.request(method, f"http://{host}:{port}{path}") as resp:
+        body = await resp.read()
+        assert resp.headers["Content-Type"] == "application/json"
+        assert resp.headers["X-Content-Type-Options"] == "nosniff"
+        assert int(resp.headers["Content-Length"]) == len(body)
+        return resp.status, body, int(resp.headers["X-Load-Balancing-Endpoint-Weight"])
+
+
+async def test_503_without_local_endpoints_then_200(
+    http: aiohttp.ClientSession, servers: HealthCheckServers, unused_port: int
+) -> None:
+    await servers.sync({KEY: HealthCheckSpec("shop", "web", unused_port)})
+    assert servers.ports == {KEY: unused_port}
+    assert servers.failures == {}
+
+    status, body, weight = await check(http, unused_port)
+    assert (status, weight) == (503, 0)
+    assert_same_bytes(body, expected_body("shop", "web", 0, True))
+
+    servers.set_local_endpoints({KEY: 2})
+    status, body, weight = await check(http, unused_port)
+    assert (status, weight) == (200, 2)
+    assert_same_bytes(body, expected_body("shop", "web", 2, True))
+    assert json.loads(body)["localEndpoints"] == 2
+
+    servers.set_local_endpoints({})  # a service missing from the counts has none
+    status, body, weight = await check(http, unused_port)
+    assert (status, weight) == (503, 0)
+    assert_same_bytes(body, expected_body("shop", "web", 0, True))
+
+
+async def test_any_path_and_method_answers(
+    http: aiohttp.ClientSession, servers: HealthCheckServers, unused_port: int
+) -> None:
+    await servers.sync({KEY: HealthCheckSpec("shop", "web", unused_port)})
+    servers.set_local_endpoints({KEY: 1})
+    want = expected_body("shop", "web", 1, True)
+    for path, method in [
+        ("/", "GET"),
+        ("/healthz", "GET"),
+        ("/a/b/c?x=1", "GET"),
+        ("/", "POST"),
+    ]:
+        status, body, weight = await check(http, unused_port, path=path, method=method)
+        assert (status, weight) == (200, 1), (path, method)
+        assert_same_bytes(body, want)
+
+
+async def test_unhealthy_proxy_fails_despite_endpoints(
+    http: aiohttp.ClientSession,
+    servers: HealthCheckServers,
+    health: ProxyHealth,
+    clock: FakeClock,
+    unused_port: int,
+) -> None:
+    await servers.sync({KEY: HealthCheckSpec("shop", "web", unused_port)})
+    servers.set_local_endpoints({KEY: 3})
+    health.queued()
+    clock.advance(61)
+    status, body, weight = await check(http, unused_port)
+    assert (status, weight) == (503, 3)
+    assert_same_bytes(body, expected_body("shop", "web", 3, False))
+    health.updated()
+    assert (await check(http, unused_port))[0] == 200
+
+
+async def test_port_closes_when_service_goes(
+    http: aiohttp.ClientSession, servers: HealthCheckServers
+) -> None:
+    port_a, port_b = free_port(), free_port()
+    other = ("shop", "cart")
+    await servers.sync(
+        {
+            KEY: HealthCheckSpec("shop", "web", port_a),
+            other: HealthCheckSpec("shop", "cart", port_b),
+        }
+    )
+    assert servers.ports == {KEY: port_a, other: port_b}
+    status, body, _ = await check(http, port_b)
+    assert status == 503
+    assert_same_bytes(body, expected_body("shop", "cart", 0, True))
+
+    await servers.sync({KEY: HealthCheckSpec("shop", "web", port_a)})
+    assert servers.ports == {KEY: port_a}
+    assert await refused("127.0.0.1", port_b)
+    assert (await check(http, port_a))[0] == 503
+
+    await servers.sync({})
+    assert servers.ports == {}
+    assert await refused("127.0.0.1", port_a)
+
+
+async def test_port_change_moves_the_server(
+    http: aiohttp.ClientSession, servers: HealthCheckServers
+) -> None:
+    old, new = free_port(), free_port()
+    await servers.sync({KEY: HealthCheckSpec("shop", "web", old)})
+    await servers.sync({KEY: HealthCheckSpec("shop", "web", new)})
+    assert servers.ports == {KEY: new}
+    assert await refused("127.0.0.1", old)
+    status, body, _ = await check(http, new)
+    assert status == 503
+    assert_same_bytes(body, expected_body("shop", "web", 0, True))
+
+
+async def test_unchanged_service_keeps_its_socket(servers: HealthCheckServers) -> None:
+    port = free_port()
+    await servers.sync({KEY: HealthCheckSpec("shop", "web", port)})
+    servers.set_local_endpoints({KEY: 1})
+    # A connection accepted before the next sync must still be served after it: a server
+    # that was closed and reopened would have dropped it.
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        await servers.sync(
+            {
+                KEY: HealthCheckSpec("shop", "web", port),
+                ("shop", "cart"): HealthCheckSpec("shop", "cart", free_port()),
+            }
+        )
+        writer.write(b"GET /x HTTP/1.1\r\nHost: node\r\nConnection: close\r\n\r\n")
+        await writer.drain()
+        response = await asyncio.wait_for(reader.read(), 5.0)
+    finally:
+        writer.close()
+        await writer.wait_closed()
+    head, _, body = response.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 ")
+    assert_same_bytes(body, expected_body("shop", "web", 1, True))
+
+
+async def test_listens_on_each_given_address(
+    http: aiohttp.ClientSession, health: ProxyHealth
+) -> None:
+    port = free_port()
+    hcs = HealthCheckServers(addresses=["127.0.0.1", "127.0.0.2"], proxy_health=health)
+    try:
+        await hcs.sync({KEY: HealthCheckSpec("shop", "web", port)})
+        for host in ("127.0.0.1", "127.0.0.2"):
+            status, body, _ = await check(http, port, host=host)
+            assert status == 503
+            assert_same_bytes(body, expected_body("shop", "web", 0, True))
+        assert await refused("127.0.0.3", port)  # not a node port address
+    finally:
+        await hcs.close()
+    for host in ("127.0.0.1", "127.0.0.2"):
+        assert await refused(host, port)
+
+
+async def test_port_in_use_is_retried_on_next_sync(
+    http: aiohttp.ClientSession,
+    servers: HealthCheckServers,
+    unused_port: int,
+    listening_blocker: Callable[[str, int], socket.socket],
+    uproxy_logs: list[logging.LogRecord],
+) -> None:
+    blocker = listening_blocker("127.0.0.1", unused_port)
+    other_port = free_port()
+    desired = {
+        KEY: HealthCheckSpec("shop", "web", unused_port),
+        ("shop", "cart"): HealthCheckSpec("shop", "cart", other_port),
+    }
+    await servers.sync(desired)  # must not raise
+    assert servers.failures == {KEY: unused_port}
+    assert servers.ports == {("shop", "cart"): other_port}  # one bad port spoils nothing else
+    errors = [r for r in uproxy_logs if r.levelno == logging.ERROR]
+    assert len(errors) == 1
+    kv = errors[0].kv  # type: ignore[attr-defined]
+    assert kv["service"] == "shop/web"
+    assert kv["port"] == unused_port
+    assert "in use" in kv["err"]
+
+    blocker.close()
+    await servers.sync(desired)
+    assert servers.ports == {KEY: unused_port, ("shop", "cart"): other_port}
+    assert servers.failures == {}
+    assert (await check(http, unused_port))[0] == 503
+
+
+async def test_port_in_use_is_retried_in_background(
+    http: aiohttp.ClientSession,
+    servers: HealthCheckServers,
+    unused_port: int,
+    listening_blocker: Callable[[str, int], socket.socket],
+    uproxy_logs: list[logging.LogRecord],
+) -> None:
+    blocker = listening_blocker("127.0.0.1", unused_port)
+    await servers.sync({KEY: HealthCheckSpec("shop", "web", unused_port)})
+    assert servers.failures == {KEY: unused_port}
+
+    def retries() -> int:
+        return sum(1 for r in uproxy_logs if r.levelno == V3 and "will retry" in r.getMessage())
+
+    # The default retry interval, without any further sync: "within a few seconds".
+    await wait_until(lambda: retries() >= 1, timeout=5.0)
+    assert sum(1 for r in uproxy_logs if r.levelno == logging.ERROR) == 1  # reported once
+
+    blocker.close()
+    await wait_until(lambda: servers.ports == {KEY: unused_port}, timeout=5.0)
+    assert servers.failures == {}
+    servers.set_local_endpoints({KEY: 2})
+    status, body, weight = await check(http, unused_port)
+    assert (status, weight) == (200, 2)
+    assert_same_bytes(body, expected_body("shop", "web", 2, True))
+    opened = [r for r in uproxy_logs if r.levelno == logging.INFO and "Opened" in r.getMessage()]
+    assert len(opened) == 1
+
+
+async def test_dropping_a_failed_service_stops_retrying(
+    servers: HealthCheckServers,
+    unused_port: int,
+    listening_blocker: Callable[[str, int], socket.socket],
+) -> None:
+    blocker = listening_blocker("127.0.0.1", unused_port)
+    await servers.sync({KEY: HealthCheckSpec("shop", "web", unused_port)})
+    assert servers.failures == {KEY: unused_port}
+    await servers.sync({})
+    assert servers.failures == {}
+    blocker.close()
+    assert servers.ports == {}
+    assert await refused("127.0.0.1", unused_port)
+
+
+async def test_close_releases_every_port(health: ProxyHealth) -> None:
+    hcs = HealthCheckServers(addresses=["127.0.0.1"], proxy_health=health)
+    ports = [free_port() for _ in range(3)]
+    await hcs.sync(
+        {("ns", f"s{i}"): HealthCheckSpec("ns", f"s{i}", p) for i, p in enumerate(ports)}
+    )
+    assert sorted(hcs.ports.values()) == sorted(ports)
+    await hcs.close()
+    assert hcs.ports == {}
+    for p in ports:
+        assert await refused("127.0.0.1", p)
+    await hcs.sync({("ns", "late"): HealthCheckSpec("ns", "late", ports[0])})  # no-op once closed
+    assert await refused("127.0.0.1", ports[0])
+
+
+async def test_invalid_port_is_a_failure_not_a_crash(servers: HealthCheckServers) -> None:
+    await servers.sync({KEY: HealthCheckSpec("shop", "web", 70000)})
+    assert servers.failures == {KEY: 70000}
+    assert servers.ports == {}

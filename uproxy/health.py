@@ -1,0 +1,186 @@
+"""Proxy health: is uproxy keeping up with the cluster, and should this node take traffic?
+
+Load balancers and the kubelet ask ``/healthz`` and ``/livez`` (``--healthz-bind-address``,
+0.0.0.0:10256 by default). The answer follows kube-proxy's ``proxier_health.go`` so that
+existing probes, cloud load balancer checks and dashboards keep working unchanged:
+
+- A sync that was queued but has not finished within 2 x the sync period makes the proxy
+  *stale*: its rules may no longer match the cluster. Only the oldest pending request
+  counts, so a steady stream of changes that are processed in time never looks stale.
+- Before the first sync nothing is queued, so a starting proxy is healthy; this is
+  kube-proxy's behaviour and keeps a rolling restart from failing every node at once.
+- ``/healthz`` is also 503 while this Node is being deleted (or tainted for deletion), so
+  load balancers drain it; ``/livez`` ignores the node, so the kubelet does not restart a
+  proxy that is merely on its way out.
+
+The clock is injected (wall-clock seconds, as ``time.time``) so tests can move time.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import time
+from collections.abc import Callable
+
+from aiohttp import web
+
+from uproxy import metrics
+from uproxy.log import V3
+
+log = logging.getLogger("uproxy.health")
+
+# Go's zero time, which kube-proxy reports as lastUpdated before the first sync.
+_ZERO_TIME = "0001-01-01T00:00:00Z"
+
+
+def rfc3339(ts: float) -> str:
+    """``2024-05-01T12:00:00.123456Z``: RFC 3339 in UTC, as Go marshals a time.Time."""
+    moment = datetime.datetime.fromtimestamp(ts, tz=datetime.UTC)
+    text = moment.strftime("%Y-%m-%dT%H:%M:%S.%f").rstrip("0").rstrip(".")
+    return text + "Z"
+
+
+class ProxyHealth:
+    """The proxy's own health, fed by the syncer and read by the HTTP handlers.
+
+    Every method is cheap and synchronous: the syncer calls ``queued``/``updated`` on each
+    change and sync, and the HTTP handlers and health-check node ports read ``healthy``.
+    """
+
+    __slots__ = ("_clock", "_last_updated", "_node_eligible", "_oldest_queued", "_timeout_s")
+
+    def __init__(self, *, sync_period_s: float, clock: Callable[[], float] = time.time) -> None:
+        if sync_period_s <= 0:
+            raise ValueError(f"sync_period_s must be positive, got {sync_period_s}")
+        self._timeout_s = 2.0 * sync_period_s
+        self._clock = clock
+        self._oldest_queued: float | None = None
+        self._last_updated: float | None = None
+        self._node_eligible = True
+
+    @property
+    def timeout_s(self) -> float:
+        """How long a queued sync may wait before the proxy counts as stale."""
+        return self._timeout_s
+
+    @property
+    def last_updated(self) -> float | None:
+        """When the last sync finished (clock seconds), or None before the first one."""
+        return self._last_updated
+
+    @property
+    def node_eligible(self) -> bool:
+        return self._node_eligible
+
+    def queued(self) -> None:
+        """A sync was queued; only the oldest one not yet done is remembered."""
+        if self._oldest_queued is None:
+            self._oldest_queued = self._clock()
+
+    def updated(self) -> None:
+        """A sync finished: everything queued before it is done."""
+        self._oldest_queued = None
+        self._last_updated = self._clock()
+
+    def set_node_eligible(self, eligible: bool) -> None:
+        """False while this Node is being deleted or is tainted for deletion."""
+        if eligible != self._node_eligible:
+            log.info("Node eligibility changed", extra={"kv": {"eligible": eligible}})
+        self._node_eligible = eligible
+
+    def _fresh(self, now: float) -> bool:
+        oldest = self._oldest_queued
+        return oldest is None or now - oldest < self._timeout_s
+
+    def live(self) -> bool:
+        """Not stale: no queued sync older than 2 x the sync period (the node is ignored)."""
+        return self._fresh(self._clock())
+
+    def healthy(self) -> bool:
+        """Live, and this node is not being deleted."""
+        return self._node_eligible and self.live()
+
+    def report(self, *, include_node: bool) -> tuple[bool, dict[str, object]]:
+        """The verdict and the JSON body of ``/healthz`` (include_node) or ``/livez``.
+
+        As in kube-proxy, a healthy answer reports ``lastUpdated`` as the current time
+        (older clients read it as "the sync loop ran recently"); an unhealthy one reports
+        the real time of the last finished sync.
+        """
+        now = self._clock()
+        ok = self._fresh(now)
+        eligible = self._node_eligible
+        if include_node:
+            ok = ok and eligible
+        if ok:
+            last = rfc3339(now)
+        elif self._last_updated is None:
+            last = _ZERO_TIME
+        else:
+            last = rfc3339(self._last_updated)
+        body: dict[str, object] = {"lastUpdated": last, "currentTime": rfc3339(now)}
+        if include_node:
+            body["nodeEligible"] = eligible
+        return ok, body
+
+
+_JSON_HEADERS = {"Content-Type": "application/json", "X-Content-Type-Options": "nosniff"}
+
+
+class HealthzServer:
+    """``/healthz`` and ``/livez`` over HTTP (aiohttp, no access log)."""
+
+    def __init__(self, *, proxy_health: ProxyHealth, address: str, port: int) -> None:
+        self._health = proxy_health
+        self._address = address
+        self._port = port
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def port(self) -> int:
+        """The bound port (the real one when constructed with 0); 0 before start."""
+        if self._runner is None or not self._runner.addresses:
+            return 0
+        return int(self._runner.addresses[0][1])
+
+    async def start(self) -> None:
+        """Bind and serve. A bind failure raises OSError with its errno, nothing left open."""
+        if self._runner is not None:
+            return
+        app = web.Application()
+        app.router.add_route("*", "/healthz", self._healthz)
+        app.router.add_route("*", "/livez", self._livez)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, self._address or None, self._port).start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        log.log(V3, "Starting healthz HTTP server", extra={"kv": {"address": self._address}})
+
+    async def close(self) -> None:
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        ok, body = self._health.report(include_node=True)
+        metrics.HEALTHZ_TOTAL.labels(code="200" if ok else "503").inc()
+        return _json_response(ok, body)
+
+    async def _livez(self, request: web.Request) -> web.Response:
+        ok, body = self._health.report(include_node=False)
+        metrics.LIVEZ_TOTAL.labels(code="200" if ok else "503").inc()
+        return _json_response(ok, body)
+
+
+def _json_response(ok: bool, body: dict[str, object]) -> web.Response:
+    return web.Response(
+        status=200 if ok else 503,
+        body=json.dumps(body).encode(),
+        headers=_JSON_HEADERS,
+    )

@@ -1,0 +1,214 @@
+"""Health-check node ports: tell external load balancers which nodes hold local endpoints.
+
+A Service with ``externalTrafficPolicy: Local`` only delivers external traffic to pods on
+the node that received it, so the cloud load balancer must skip nodes without any. It
+asks ``spec.healthCheckNodePort`` on every node; this module answers, as kube-proxy's
+``service_health.go`` does: 200 when this node has local endpoints and the proxy is
+healthy, else 503, with a JSON body naming the service and the count, and the count again
+in ``X-Load-Balancing-Endpoint-Weight`` for load balancers that weight by it.
+
+Servers are opened and closed by difference, so an unchanged service keeps its socket (and
+its clients' keep-alive connections) across syncs. A port that cannot be bound (usually
+another process holds it) is never fatal: it is logged once with the service and port,
+and retried on every sync and by a small background task every few seconds until it
+opens or the service goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import json
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from uproxy.health import ProxyHealth
+from uproxy.log import V2, V3
+
+log = logging.getLogger("uproxy.healthcheck")
+
+ServiceKey = tuple[str, str]  # (namespace, name)
+_Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
+
+_DEFAULT_RETRY_INTERVAL_S = 2.0
+_SHUTDOWN_TIMEOUT_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class HealthCheckSpec:
+    namespace: str
+    name: str
+    port: int
+
+
+class _Instance:
+    """One service's open server: one aiohttp runner with a site per node address."""
+
+    __slots__ = ("runner", "spec")
+
+    def __init__(self, spec: HealthCheckSpec, runner: web.ServerRunner) -> None:
+        self.spec = spec
+        self.runner = runner
+
+
+class HealthCheckServers:
+    """The set of health-check node port servers, kept equal to the desired set."""
+
+    def __init__(
+        self,
+        *,
+        addresses: Sequence[str],
+        proxy_health: ProxyHealth,
+        retry_interval_s: float = _DEFAULT_RETRY_INTERVAL_S,
+    ) -> None:
+        # kube-proxy listens on 0.0.0.0 unless --nodeport-addresses narrows it.
+        self._addresses = tuple(addresses) or ("0.0.0.0",)
+        self._health = proxy_health
+        self._retry_interval_s = retry_interval_s
+        self._desired: dict[ServiceKey, HealthCheckSpec] = {}
+        self._open: dict[ServiceKey, _Instance] = {}
+        self._counts: Mapping[ServiceKey, int] = {}
+        # The last bind error reported per service, so a retry loop logs it only once.
+        self._reported: dict[ServiceKey, tuple[int, int | None]] = {}
+        self._lock = asyncio.Lock()
+        self._retry_task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    @property
+    def ports(self) -> dict[ServiceKey, int]:
+        """Services whose server is open, and its port."""
+        return {key: inst.spec.port for key, inst in self._open.items()}
+
+    @property
+    def failures(self) -> dict[ServiceKey, int]:
+        """Services wanted but not open (their port could not be bound), and the port."""
+        return {k: s.port for k, s in self._desired.items() if k not in self._open}
+
+    async def sync(self, services: Mapping[ServiceKey, HealthCheckSpec]) -> None:
+        """Make the open servers match ``services``; retry any that failed before."""
+        if self._closed:
+            return
+        async with self._lock:
+            self._desired = dict(services)
+            for key in [k for k, inst in self._open.items() if services.get(k) != inst.spec]:
+                await self._close_one(key)
+            for key in [k for k in self._reported if k not in services]:
+                del self._reported[key]
+            await self._open_missing()
+        self._ensure_retry_task()
+
+    def set_local_endpoints(self, counts: Mapping[ServiceKey, int]) -> None:
+        """Local endpoint counts per service; services not listed have none."""
+        self._counts = dict(counts)
+
+    async def close(self) -> None:
+        self._closed = True
+        task, self._retry_task = self._retry_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        async with self._lock:
+            for key in list(self._open):
+                await self._close_one(key)
+            self._desired.clear()
+            self._reported.clear()
+
+    # --- opening and closing ---
+
+    async def _open_missing(self) -> None:
+        for key, spec in self._desired.items():
+            if key not in self._open:
+                await self._open_one(key, spec)
+
+    async def _open_one(self, key: ServiceKey, spec: HealthCheckSpec) -> None:
+        service = f"{spec.namespace}/{spec.name}"
+        if not 0 < spec.port < 65536:
+            # Validation should have refused it; never let it reach bind() (OverflowError).
+            self._report_failure(key, spec, OSError(errno.EINVAL, "invalid port"))
+            return
+        server = web.Server(self._make_handler(key), access_log=None)
+        runner = web.ServerRunner(server, shutdown_timeout=_SHUTDOWN_TIMEOUT_S)
+        await runner.setup()
+        try:
+            for address in self._addresses:
+                await web.TCPSite(runner, address, spec.port).start()
+        except OSError as err:
+            # Close whatever did bind, so a retry (or another owner) starts clean.
+            await runner.cleanup()
+            self._report_failure(key, spec, err)
+            return
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._open[key] = _Instance(spec, runner)
+        if self._reported.pop(key, None) is not None:
+            log.info("Opened healthcheck", extra={"kv": {"service": service, "port": spec.port}})
+        else:
+            log.log(V2, "Opened healthcheck", extra={"kv": {"service": service, "port": spec.port}})
+
+    def _report_failure(self, key: ServiceKey, spec: HealthCheckSpec, err: OSError) -> None:
+        fields = {"service": f"{spec.namespace}/{spec.name}", "port": spec.port, "err": str(err)}
+        signature = (spec.port, err.errno)
+        if self._reported.get(key) == signature:
+            log.log(V3, "Failed to start healthcheck, will retry", extra={"kv": fields})
+            return
+        self._reported[key] = signature
+        log.error("Failed to start healthcheck, will retry", extra={"kv": fields})
+
+    async def _close_one(self, key: ServiceKey) -> None:
+        inst = self._open.pop(key)
+        log.log(
+            V2,
+            "Closing healthcheck",
+            extra={"kv": {"service": f"{key[0]}/{key[1]}", "port": inst.spec.port}},
+        )
+        await inst.runner.cleanup()
+
+    # --- background retry of ports that could not be bound ---
+
+    def _ensure_retry_task(self) -> None:
+        if self._closed or not self.failures:
+            return
+        if self._retry_task is None or self._retry_task.done():
+            self._retry_task = asyncio.create_task(
+                self._retry_loop(), name="uproxy-healthcheck-retry"
+            )
+
+    async def _retry_loop(self) -> None:
+        while not self._closed and self.failures:
+            await asyncio.sleep(self._retry_interval_s)
+            # close() cancels this task before it takes the lock, so no closed check here.
+            async with self._lock:
+                await self._open_missing()
+
+    # --- serving ---
+
+    def _make_handler(self, key: ServiceKey) -> _Handler:
+        namespace, name = key
+
+        async def handle(request: web.BaseRequest) -> web.StreamResponse:
+            count = self._counts.get(key, 0)
+            proxy_healthy = self._health.healthy()
+            body = json.dumps(
+                {
+                    "service": {"namespace": namespace, "name": name},
+                    "localEndpoints": count,
+                    "serviceProxyHealthy": proxy_healthy,
+                }
+            ).encode()
+            return web.Response(
+                status=200 if count > 0 and proxy_healthy else 503,
+                body=body,
+                headers={
+                    "Content-Type": "application/json",
+                    "X-Content-Type-Options": "nosniff",
+                    "X-Load-Balancing-Endpoint-Weight": str(count),
+                },
+            )
+
+        return handle
