@@ -24,7 +24,7 @@ API_VERSION = "kubeproxy.config.k8s.io/v1alpha1"
 KIND = "KubeProxyConfiguration"
 
 # KubeProxyConfiguration fields uproxy reads elsewhere or that do not apply to it.
-_NOT_APPLICABLE = {
+NOT_APPLICABLE = {
     "featureGates",
     "bindAddressHardFail",
     "enableProfiling",
@@ -91,7 +91,7 @@ def apply_config(doc: Any, settings: Settings, *, source: str = "--config") -> S
                 raise SettingsError(
                     f"{source}: {path}: {e}".replace(f"invalid {f.metadata['flag']}: ", "")
                 ) from None
-        elif path in _NOT_APPLICABLE or path.split(".")[0] in _NOT_APPLICABLE:
+        elif path in NOT_APPLICABLE or path.split(".")[0] in NOT_APPLICABLE:
             log.log(V2, "Ignoring configuration field that does not apply", extra=kv(field=path))
         else:
             log.warning("Unknown configuration field", extra=kv(file=source, field=path))
@@ -102,7 +102,7 @@ def _flatten(doc: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
     out: list[tuple[str, Any]] = []
     for key, value in doc.items():
         path = f"{prefix}{key}"
-        if isinstance(value, Mapping) and path not in _NOT_APPLICABLE and value:
+        if isinstance(value, Mapping) and path not in NOT_APPLICABLE and value:
             out.extend(_flatten(value, path + "."))
         else:
             out.append((path, value))

@@ -30,6 +30,7 @@ from uproxy.model import ServicePortName
 from uproxy.nodeip import is_unspecified, primary_ipv4
 from uproxy.portrange import parse_port_range
 from uproxy.rules.base import RulesBackend
+from uproxy.rules.nodeports import NodePortReservations
 from uproxy.runner import BoundedFrequencyRunner
 from uproxy.settings import Settings, parse_hostport
 from uproxy.sources.file import FileSource
@@ -95,6 +96,7 @@ class Proxy:
                     udp_timeout_s=s.udp_timeout, udp_max_flows=s.udp_max_flows
                 ),
                 full_sync_period_s=s.iptables_sync_period,
+                nodeports=None if s.laptop else NodePortReservations(),
                 on_table=self._on_table,
                 on_synced=self._synced,
                 extra_hooks=[self._sync_healthchecks],
@@ -148,16 +150,21 @@ class Proxy:
 
         s = self.settings
         host_ip = s.listen_host
-        if is_unspecified(host_ip):
+        if not s.laptop and is_unspecified(host_ip):
             found = primary_ipv4()
-            if found is None and not s.laptop:
+            if found is None:
                 raise StartupError(
                     "cannot find this node's IPv4 address for the host portal rules; "
                     "set --bind-address to it"
                 )
-            host_ip = found or "127.0.0.1"
+            host_ip = found
         try:
-            return make_backend(s.rules_backend, host_ip=host_ip, iptables_mode=s.iptables_mode)
+            return make_backend(
+                s.rules_backend,
+                host_ip=host_ip,
+                iptables_mode=s.iptables_mode,
+                listen_ip=s.listen_host,
+            )
         except RulesError as e:
             raise StartupError(str(e)) from None
 

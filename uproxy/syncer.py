@@ -26,6 +26,7 @@ from uproxy.log import V2, kv
 from uproxy.model import LbAlgorithm, Protocol, ServicePort, ServicePortName, ServiceState, Traffic
 from uproxy.portrange import PortAllocator
 from uproxy.rules.base import Portal, PortalKind, RulesBackend, RulesError
+from uproxy.rules.nodeports import NodePortReservations
 from uproxy.tracker import Tracker
 
 log = logging.getLogger("uproxy.syncer")
@@ -109,6 +110,8 @@ class SyncerOptions:
     dataplane: DataplaneSettings
     full_sync_period_s: float = 30.0
     drain_timeout_s: float = 5.0
+    # Real sockets holding every node port (node mode); None in laptop mode.
+    nodeports: NodePortReservations | None = None
     on_table: Callable[[list[TableRow]], None] | None = None
     on_synced: Callable[[], None] | None = None
     extra_hooks: list[Callable[[dict[ServicePortName, ProxiedPort]], Awaitable[None]]] = field(
@@ -141,6 +144,7 @@ class Syncer:
         self._force_rules = False
         self._failed: dict[tuple[ServicePortName, Traffic], str] = {}
         self._table: list[TableRow] = []
+        self._nodeport_errors: set[str] = set()
         self.syncs = 0
 
     def force_rules_sync(self) -> None:
@@ -158,6 +162,7 @@ class Syncer:
             await self._remove(spn)
         for spn, state in desired.items():
             await self._ensure(spn, state)
+        self._sync_nodeports()
         await self._sync_rules()
         for hook in self.options.extra_hooks:
             await hook(self.ports)
@@ -183,6 +188,8 @@ class Syncer:
                     if lst is not None:
                         await lst.shutdown(self.options.drain_timeout_s)
         self.ports.clear()
+        if self.options.nodeports is not None:
+            self.options.nodeports.close()
 
     # ----- per service port -----
 
@@ -283,9 +290,24 @@ class Syncer:
                 out.add(Portal(spn, PortalKind.EXTERNAL_IP, ip, sp.port, ext))
             for ip in sp.lb_ingress_ips:
                 out.add(Portal(spn, PortalKind.LB_INGRESS, ip, sp.port, ext))
-            if sp.node_port:
+            reserved = self.options.nodeports
+            if sp.node_port and (reserved is None or (spn.protocol, sp.node_port) in reserved):
                 out.add(Portal(spn, PortalKind.NODE_PORT, None, sp.node_port, ext))
         return frozenset(out)
+
+    def _sync_nodeports(self) -> None:
+        """Hold every node port with a real socket; a taken port is one error line, once."""
+        if self.options.nodeports is None:
+            return
+        desired = {
+            (spn.protocol, pp.port.node_port): spn
+            for spn, pp in self.ports.items()
+            if pp.port.node_port
+        }
+        errors = {str(e) for e in self.options.nodeports.sync(desired)}
+        for msg in sorted(errors - self._nodeport_errors):
+            log.error("Cannot reserve node port, will retry", extra=kv(error=msg))
+        self._nodeport_errors = errors
 
     async def _sync_rules(self) -> None:
         portals = self.portals()
@@ -336,7 +358,9 @@ def _hostport(lst: Listener) -> str:
 
 async def _clear_conntrack(sp: ServicePort) -> None:
     """Stale UDP conntrack entries would keep clients on a dead translation."""
-    from uproxy.rules.conntrack import clear_udp
+    from uproxy.rules.conntrack import clear_udp, clear_udp_node_port
 
     for ip in (*sp.cluster_ips, *sp.external_ips, *sp.lb_ingress_ips):
         await clear_udp(ip, sp.port)
+    if sp.node_port:
+        await clear_udp_node_port(sp.node_port)

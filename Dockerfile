@@ -1,0 +1,48 @@
+# uproxy's node image: the package in a virtual environment on a slim Python base, plus the
+# Debian tools it runs (iptables-{nft,legacy}-{save,restore}, conntrack, ip).
+#
+# The base is pinned to an exact Python and Debian release so a rebuild gets the interpreter
+# the tests ran on. Pin it further by digest where you build
+# (python:3.11.7-slim-bookworm@sha256:...): a digest can only be read from a registry.
+# Both stages use the same base, so the venv's interpreter path is valid in the final one.
+ARG PYTHON_IMAGE=python:3.11.7-slim-bookworm
+
+FROM ${PYTHON_IMAGE} AS build
+# python-iptables compiles a small C wrapper; the compiler stays in this stage.
+# Debian stable only ships security fixes for a release, so its package versions are not
+# pinned: a rebuild should pick those fixes up.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1 \
+    VIRTUAL_ENV=/opt/uproxy
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY uproxy ./uproxy
+RUN python -m venv "$VIRTUAL_ENV" \
+    && "$VIRTUAL_ENV/bin/pip" install . \
+    && "$VIRTUAL_ENV/bin/uproxy" --version
+
+FROM ${PYTHON_IMAGE}
+ARG VERSION=0.1.0
+LABEL org.opencontainers.image.title="uproxy" \
+      org.opencontainers.image.description="A userspace L4 service proxy for Kubernetes (kube-proxy's userspace mode on asyncio/uvloop)" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.licenses="Apache-2.0" \
+      org.opencontainers.image.base.name="docker.io/library/python:3.11.7-slim-bookworm"
+# iptables (nft and legacy variants, and the libraries python-iptables loads), conntrack
+# (forgetting stale UDP entries), iproute2 (finding the node IP).
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends iptables conntrack iproute2 \
+    && rm -rf /var/lib/apt/lists/*
+COPY --from=build /opt/uproxy /opt/uproxy
+# The root filesystem is read-only in the DaemonSet: pip compiled the bytecode at build time,
+# and nothing tries to write more at run time.
+ENV PATH=/opt/uproxy/bin:$PATH \
+    VIRTUAL_ENV=/opt/uproxy \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1
+ENTRYPOINT ["uproxy"]

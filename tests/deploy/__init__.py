@@ -1,0 +1,1 @@
+"""Tests of what ships: manifests, configuration file, image recipe and generated docs."""

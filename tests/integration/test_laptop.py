@@ -1,0 +1,146 @@
+"""Laptop mode end to end: a services file, real listeners on loopback, live reloads."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import wait_for
+from tests.factories import endpoint, endpoint_slice, service
+from tests.integration.backends import NamedBackend, greet
+from uproxy.model import Protocol, ServicePortName
+from uproxy.proxy import Proxy
+from uproxy.settings import Settings
+
+WEB = ServicePortName("default", "web", "http", Protocol.TCP)
+
+
+def write_services(path: Path, backends: list[NamedBackend], *, svc_port: int = 0) -> None:
+    # All backends share one port number per slice, so each gets its own loopback IP.
+    docs = [service(ports=[{"name": "http", "port": svc_port or 1, "protocol": "TCP"}])]
+    for i, b in enumerate(backends):
+        docs.append(
+            endpoint_slice(
+                f"web-{i}",
+                endpoints=[endpoint(b.host)],
+                ports=[{"name": "http", "port": b.port, "protocol": "TCP"}],
+            )
+        )
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump_all(docs))
+    os.replace(tmp, path)  # atomic, as editors save
+
+
+@pytest.fixture
+async def backends() -> AsyncIterator[list[NamedBackend]]:
+    started = [await NamedBackend(f"b{i}", f"127.0.0.{20 + i}").start() for i in range(1, 5)]
+    yield started
+    for b in started:
+        await b.close()
+
+
+@pytest.fixture
+async def proxy_for(tmp_path: Path) -> AsyncIterator[Proxy]:
+    path = tmp_path / "services.yaml"
+    settings = Settings(
+        services=str(path),
+        rules="none",
+        healthz_bind_address="",
+        metrics_bind_address="",
+        iptables_min_sync_period=0.05,
+    )
+    proxy = Proxy(settings)
+    yield proxy
+    await proxy.stop()
+
+
+async def test_reload_moves_new_connections_and_keeps_established_ones(
+    tmp_path: Path, backends: list[NamedBackend], proxy_for: Proxy, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = Path(proxy_for.settings.services or "")
+    write_services(path, backends[:2])
+    await proxy_for.start()
+    await asyncio.wait_for(proxy_for.synced.wait(), 5)
+    assert proxy_for.syncer is not None
+    listener = proxy_for.syncer.ports[WEB].cluster
+    assert listener is not None
+    port = listener.port
+    names = {await greet("127.0.0.1", port) for _ in range(4)}
+    assert names == {"b1", "b2"}
+
+    # An established connection, mid-stream, while the file changes.
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    first = (await reader.readline()).decode().strip()
+    assert first in {"b1", "b2"}
+
+    write_services(path, backends[2:])
+    loop = asyncio.get_running_loop()
+    changed_at = loop.time()
+
+    async def moved() -> bool:
+        return await greet("127.0.0.1", port) in {"b3", "b4"}
+
+    await wait_for(moved, timeout=2.0, message="new connections on the new endpoints")
+    assert loop.time() - changed_at < 2.0
+    assert {await greet("127.0.0.1", port) for _ in range(4)} == {"b3", "b4"}
+    # Same listener, no churn; the old connection still relays, every byte checked.
+    assert proxy_for.syncer.ports[WEB].cluster is listener
+    payload = os.urandom(1 << 20)
+    writer.write(payload)
+    await writer.drain()
+    echoed = await asyncio.wait_for(reader.readexactly(len(payload)), 10)
+    assert hashlib.sha256(echoed).digest() == hashlib.sha256(payload).digest()
+    writer.close()
+
+    # A broken edit: one line naming the field, the last good state keeps serving.
+    with caplog.at_level(logging.ERROR, logger="uproxy"):
+        path.write_text(path.read_text().replace("port: 1\n", "port: 0\n", 1))
+        await wait_for(
+            lambda: any(r.levelno == logging.ERROR for r in caplog.records),
+            timeout=3,
+            message="the error line",
+        )
+        await asyncio.sleep(0.6)  # a further poll must not log again
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "spec.ports[0].port" in str(errors[0].kv)  # type: ignore[attr-defined]
+    assert await greet("127.0.0.1", port) in {"b3", "b4"}
+
+
+async def test_laptop_listens_on_the_service_port_when_free(
+    tmp_path: Path, backends: list[NamedBackend], proxy_for: Proxy, unused_tcp_port: int
+) -> None:
+    path = Path(proxy_for.settings.services or "")
+    write_services(path, backends[:1], svc_port=unused_tcp_port)
+    await proxy_for.start()
+    await asyncio.wait_for(proxy_for.synced.wait(), 5)
+    assert proxy_for.syncer is not None
+    lst = proxy_for.syncer.ports[WEB].cluster
+    assert lst is not None and lst.port == unused_tcp_port and lst.host == "127.0.0.1"
+    assert await greet("127.0.0.1", unused_tcp_port) == "b1"
+    rows = proxy_for.syncer.table()
+    assert rows[0].service == "default/web:http" and str(unused_tcp_port) in rows[0].listen
+
+
+async def test_service_port_taken_falls_back_to_an_os_port(
+    tmp_path: Path, backends: list[NamedBackend], proxy_for: Proxy
+) -> None:
+    blocker = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    taken = blocker.sockets[0].getsockname()[1]
+    try:
+        path = Path(proxy_for.settings.services or "")
+        write_services(path, backends[:1], svc_port=taken)
+        await proxy_for.start()
+        await asyncio.wait_for(proxy_for.synced.wait(), 5)
+        assert proxy_for.syncer is not None
+        lst = proxy_for.syncer.ports[WEB].cluster
+        assert lst is not None and lst.port != taken
+        assert await greet("127.0.0.1", lst.port) == "b1"
+    finally:
+        blocker.close()

@@ -1,0 +1,390 @@
+"""The whole proxy following the API-server double: real listeners, real bytes, real backends.
+
+uproxy runs in laptop mode (no kernel rules) so nothing here needs root; what is checked is
+what the source makes the syncer do: which listeners exist, which endpoints their balancers
+use, that bytes arrive intact, and that listeners of unchanged service ports are never
+reopened whatever the API server does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from tests.conftest import wait_for
+from uproxy.model import Protocol, ServicePortName, Traffic
+from uproxy.testing import ApiServerDouble
+
+from .conftest import ProxyFactory
+from .helpers import (
+    Backends,
+    Client,
+    backend_of,
+    endpoint_slice,
+    free_port,
+    headless_labels,
+    proxy_name_labels,
+    service,
+)
+
+if TYPE_CHECKING:
+    from uproxy.proxy import Proxy
+
+SVC = "Service"
+EPS = "EndpointSlice"
+IPS = ["127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.4"]
+
+
+def spn(name: str) -> ServicePortName:
+    return ServicePortName("default", name, "http", Protocol.TCP)
+
+
+def ports(proxy: Proxy) -> dict[ServicePortName, Any]:
+    return proxy.syncer.ports if proxy.syncer is not None else {}
+
+
+def listener(proxy: Any, name: str) -> Any:
+    pp = proxy.syncer.ports.get(spn(name)) if proxy.syncer is not None else None
+    return pp.cluster if pp is not None else None
+
+
+def endpoints(proxy: Any, name: str) -> list[tuple[str, int]]:
+    pp = proxy.syncer.ports.get(spn(name)) if proxy.syncer is not None else None
+    if pp is None:
+        return []
+    return sorted((e.ip, e.port) for e in pp.balancer.endpoints(Traffic.CLUSTER))
+
+
+@pytest.fixture
+async def backends() -> AsyncIterator[Backends]:
+    b = Backends(free_port())
+    for ip in IPS:
+        await b.add(ip)
+    try:
+        yield b
+    finally:
+        await b.close()
+
+
+async def served_by(port: int, n: int) -> set[str]:
+    return {await backend_of(port) for _ in range(n)}
+
+
+async def test_changes_reach_listeners_and_balancers_within_1s(
+    apiserver: ApiServerDouble, start_proxy: ProxyFactory, backends: Backends
+) -> None:
+    p = backends.port
+    svc_port = free_port()
+    apiserver.create(SVC, service("web", port=svc_port))
+    for i, ip in enumerate(IPS[:3], start=1):
+        apiserver.create(EPS, endpoint_slice(f"web-{i}", service_name="web", ips=[ip], port=p))
+    proxy = await start_proxy()
+    await wait_for(lambda: len(endpoints(proxy, "web")) == 3, timeout=5)
+    lst = listener(proxy, "web")
+    # Three slices, one service: the union of their endpoints, round-robin over all of them.
+    assert await served_by(lst.port, 6) == set(IPS[:3])
+
+    # Deleting one slice removes only its endpoints.
+    apiserver.delete(EPS, endpoint_slice("web-2", service_name="web", ips=[], port=p))
+    await wait_for(lambda: len(endpoints(proxy, "web")) == 2, timeout=1)
+    assert await served_by(lst.port, 6) == {IPS[0], IPS[2]}
+
+    # Endpoints change: a slice gains an address.
+    apiserver.update(EPS, endpoint_slice("web-3", service_name="web", ips=IPS[2:4], port=p))
+    await wait_for(lambda: len(endpoints(proxy, "web")) == 3, timeout=1)
+    assert await served_by(lst.port, 6) == {IPS[0], IPS[2], IPS[3]}
+
+    # Affinity on: one client sticks to one backend; off again: spread.
+    apiserver.update(SVC, service("web", port=svc_port, affinity=True))
+    await wait_for(lambda: ports(proxy)[spn("web")].port.affinity_timeout_s == 600, timeout=1)
+    assert len(await served_by(lst.port, 6)) == 1
+    apiserver.update(SVC, service("web", port=svc_port))
+    await wait_for(lambda: ports(proxy)[spn("web")].port.affinity_timeout_s is None, timeout=1)
+    assert len(await served_by(lst.port, 6)) == 3
+    assert listener(proxy, "web") is lst  # none of that reopened the listener
+
+    # The endpoint port changes: traffic follows to the new backends.
+    other = Backends(free_port())
+    await other.add("127.0.0.5")
+    try:
+        for i in (1, 3):
+            apiserver.delete(EPS, endpoint_slice(f"web-{i}", service_name="web", ips=[], port=p))
+        apiserver.create(
+            EPS, endpoint_slice("web-9", service_name="web", ips=["127.0.0.5"], port=other.port)
+        )
+        await wait_for(lambda: endpoints(proxy, "web") == [("127.0.0.5", other.port)], timeout=1)
+        assert await served_by(lst.port, 3) == {"127.0.0.5"}
+    finally:
+        await other.close()
+
+    # The service port changes (laptop mode listens on it): a listener on the new port.
+    new_port = free_port()
+    apiserver.update(SVC, service("web", port=new_port))
+    await wait_for(lambda: ports(proxy)[spn("web")].port.port == new_port, timeout=1)
+    await wait_for(lambda: listener(proxy, "web") is not None, timeout=1)
+    assert listener(proxy, "web").port == new_port
+
+    # Delete: the listener goes away.
+    apiserver.delete(SVC, service("web"))
+    await wait_for(lambda: spn("web") not in ports(proxy), timeout=1)
+    with pytest.raises(OSError):
+        await Client.connect(new_port, timeout=1)
+
+
+async def _assert_steady(proxy: Any, lst: Any, conn: Client) -> None:
+    assert listener(proxy, "steady") is lst
+    await conn.round_trip()
+
+
+async def test_410_and_dropped_streams_never_reopen_unchanged_listeners(
+    apiserver: ApiServerDouble, start_proxy: ProxyFactory, backends: Backends
+) -> None:
+    p = backends.port
+    apiserver.create(SVC, service("steady", port=free_port()))
+    apiserver.create(EPS, endpoint_slice("steady-1", service_name="steady", ips=IPS[:2], port=p))
+    apiserver.create(SVC, service("moving", port=free_port()))
+    apiserver.create(EPS, endpoint_slice("moving-1", service_name="moving", ips=IPS[:1], port=p))
+    proxy = await start_proxy()
+    await wait_for(lambda: len(endpoints(proxy, "steady")) == 2, timeout=5)
+    await wait_for(lambda: len(endpoints(proxy, "moving")) == 1, timeout=5)
+    lst = listener(proxy, "steady")
+    port = lst.port
+    conn = await Client.connect(port)
+    try:
+        # 1. Every stream dropped mid-chunk, with changes the client cannot see as events.
+        watches = apiserver.watch_count(EPS)
+        apiserver.drop_watches()
+        apiserver.update(
+            EPS, endpoint_slice("moving-1", service_name="moving", ips=IPS[:2], port=p)
+        )
+        await _assert_steady(proxy, lst, conn)
+        await wait_for(lambda: len(endpoints(proxy, "moving")) == 2, timeout=5)
+        assert apiserver.watch_count(EPS) > watches
+        await _assert_steady(proxy, lst, conn)
+
+        # 2. History compacted while the streams are down: 410 Gone, relist, converge.
+        lists = apiserver.list_count(SVC), apiserver.list_count(EPS)
+        apiserver.drop_watches()
+        apiserver.update(
+            EPS, endpoint_slice("moving-1", service_name="moving", ips=IPS[:3], port=p)
+        )
+        apiserver.create(SVC, service("fresh", port=free_port()))
+        apiserver.compact()
+        await _assert_steady(proxy, lst, conn)
+        await wait_for(lambda: apiserver.list_count(SVC) > lists[0], timeout=5)
+        await wait_for(lambda: apiserver.list_count(EPS) > lists[1], timeout=5)
+        await wait_for(lambda: len(endpoints(proxy, "moving")) == 3, timeout=5)
+        await wait_for(lambda: listener(proxy, "fresh") is not None, timeout=5)
+        await _assert_steady(proxy, lst, conn)
+        assert lst.port == port
+        assert endpoints(proxy, "steady") == [(ip, p) for ip in IPS[:2]]
+        # New connections through the same listener still work.
+        assert await backend_of(port) in IPS[:2]
+    finally:
+        await conn.close()
+
+
+@pytest.mark.slow
+async def test_api_server_gone_for_10s(
+    apiserver: ApiServerDouble, start_proxy: ProxyFactory, backends: Backends
+) -> None:
+    p = backends.port
+    apiserver.create(SVC, service("steady", port=free_port()))
+    apiserver.create(EPS, endpoint_slice("steady-1", service_name="steady", ips=IPS[:2], port=p))
+    proxy = await start_proxy()
+    await wait_for(lambda: len(endpoints(proxy, "steady")) == 2, timeout=5)
+    lst = listener(proxy, "steady")
+    conn = await Client.connect(lst.port)
+    outage = asyncio.create_task(apiserver.restart(down_for_s=10.0))
+    try:
+        await wait_for(lambda: not apiserver.running, timeout=2)
+        # Changes made while uproxy cannot see them.
+        apiserver.update(
+            EPS, endpoint_slice("steady-1", service_name="steady", ips=IPS[:3], port=p)
+        )
+        apiserver.create(SVC, service("late", port=free_port()))
+        # Meanwhile the last state keeps serving: the open connection and new ones.
+        deadline = time.monotonic() + 30
+        while not outage.done() and time.monotonic() < deadline:
+            await _assert_steady(proxy, lst, conn)
+            assert await backend_of(lst.port) in IPS[:2]
+            assert len(endpoints(proxy, "steady")) == 2
+            await asyncio.wait({outage}, timeout=0.5)
+        await outage
+        # Back: converge (within the capped reconnect backoff).
+        await wait_for(lambda: len(endpoints(proxy, "steady")) == 3, timeout=40)
+        await wait_for(lambda: listener(proxy, "late") is not None, timeout=5)
+        await _assert_steady(proxy, lst, conn)
+    finally:
+        if not outage.done():
+            outage.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await outage
+        await conn.close()
+
+
+async def test_nothing_programmed_before_both_lists(
+    apiserver: ApiServerDouble, start_proxy: ProxyFactory, backends: Backends
+) -> None:
+    svc_port = free_port()
+    apiserver.create(SVC, service("web", port=svc_port))
+    apiserver.create(
+        EPS, endpoint_slice("web-1", service_name="web", ips=IPS[:1], port=backends.port)
+    )
+    apiserver.hold_lists(EPS)
+    proxy = await start_proxy()
+    await wait_for(lambda: apiserver.list_count(EPS) == 1 and apiserver.open_watches(SVC) == 1)
+    assert proxy.tracker.snapshot()  # the services are known...
+    # ...but nothing is programmed, and it stays so (bounded observation).
+    deadline = time.monotonic() + 0.5
+    while time.monotonic() < deadline:
+        assert not ports(proxy) and not proxy.synced.is_set()
+        await asyncio.sleep(0.05)
+    with pytest.raises(OSError):
+        await Client.connect(svc_port, timeout=1)
+    apiserver.release_lists(EPS)
+    await wait_for(lambda: len(endpoints(proxy, "web")) == 1, timeout=2)
+    assert await backend_of(listener(proxy, "web").port) == IPS[0]
+
+
+@pytest.mark.parametrize("proxy_name", [None, "uproxy"])
+async def test_service_proxy_name_and_headless(
+    apiserver: ApiServerDouble,
+    start_proxy: ProxyFactory,
+    backends: Backends,
+    proxy_name: str | None,
+) -> None:
+    labels = {
+        "plain": {},
+        "ours": proxy_name_labels("uproxy"),
+        "theirs": proxy_name_labels("other"),
+        "headless": headless_labels(),
+    }
+    for name, lab in labels.items():
+        apiserver.create(SVC, service(name, port=free_port(), labels=lab))
+        # The EndpointSlice controller copies the service's labels onto its slices.
+        apiserver.create(
+            EPS,
+            endpoint_slice(
+                f"{name}-1", service_name=name, ips=IPS[:1], port=backends.port, labels=lab
+            ),
+        )
+    proxy = await start_proxy(service_proxy_name=proxy_name)
+    want = "plain" if proxy_name is None else "ours"
+    await wait_for(lambda: proxy.synced.is_set() and len(endpoints(proxy, want)) == 1)
+    assert {k.name for k in ports(proxy)} == {want}
+    assert await backend_of(listener(proxy, want).port) == IPS[0]
+
+
+MALFORMED_SERVICES: dict[str, dict[str, Any]] = {
+    "port-string": {"ports": [{"name": "http", "port": "80"}]},
+    "port-range": {"ports": [{"name": "http", "port": 70000}]},
+    "protocol": {"ports": [{"name": "http", "port": 80, "protocol": "HTTP"}]},
+    "cluster-ip": {"clusterIP": "not-an-ip", "clusterIPs": ["not-an-ip"]},
+    "type": {"type": "Weird"},
+    "affinity": {"sessionAffinity": "Sticky"},
+    "affinity-timeout": {
+        "sessionAffinity": "ClientIP",
+        "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 0}},
+    },
+    "affinity-timeout-type": {
+        "sessionAffinity": "ClientIP",
+        "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": "10"}},
+    },
+    "traffic-policy": {"externalTrafficPolicy": "Nowhere"},
+    "ports-not-list": {"ports": "80"},
+    "unnamed-ports": {"ports": [{"port": 80}, {"port": 81}]},
+    "duplicate-ports": {"ports": [{"name": "a", "port": 80}, {"name": "a", "port": 81}]},
+    "no-ports": {"ports": []},
+    "external-ip": {"externalIPs": ["999.1.1.1"]},
+    "source-range": {"type": "LoadBalancer", "loadBalancerSourceRanges": ["nope"]},
+    "node-port": {"type": "NodePort", "ports": [{"name": "http", "port": 80, "nodePort": -1}]},
+    "sctp-only": {"ports": [{"name": "http", "port": 80, "protocol": "SCTP"}]},
+    "health-port": {"externalTrafficPolicy": "Local", "healthCheckNodePort": "abc"},
+}
+
+
+def malformed_objects(backend_port: int) -> list[tuple[str, dict[str, Any]]]:
+    out: list[tuple[str, dict[str, Any]]] = []
+    for name, spec in MALFORMED_SERVICES.items():
+        out.append((SVC, service(f"bad-{name}", spec=spec)))
+    spec_not_object = service("bad-spec-not-object")
+    spec_not_object["spec"] = "x"
+    out.append((SVC, spec_not_object))
+    labels_not_object = service("bad-labels")
+    labels_not_object["metadata"]["labels"] = ["a"]
+    out.append((SVC, labels_not_object))
+    lb_algo = service("bad-lb-algorithm")
+    lb_algo["metadata"]["annotations"] = {"uproxy.io/lb-algorithm": "fastest"}
+    out.append((SVC, lb_algo))
+    lb_ip = service("bad-lb-ingress", spec={"type": "LoadBalancer"})
+    lb_ip["status"] = {"loadBalancer": {"ingress": [{"ip": "x"}]}}
+    out.append((SVC, lb_ip))
+
+    # Slices of the good service itself: its good slice must keep serving.
+    def bad_slice(name: str, **changes: Any) -> dict[str, Any]:
+        s = endpoint_slice(name, service_name="good", ips=IPS[:1], port=backend_port)
+        s.update(changes)
+        return s
+
+    out.append((EPS, bad_slice("bad-address-type", addressType="MAC")))
+    out.append((EPS, bad_slice("bad-family", endpoints=[{"addresses": ["::1"], "conditions": {}}])))
+    out.append((EPS, bad_slice("bad-no-addresses", endpoints=[{"addresses": []}])))
+    out.append(
+        (
+            EPS,
+            bad_slice(
+                "bad-ready", endpoints=[{"addresses": ["127.0.0.9"], "conditions": {"ready": 1}}]
+            ),
+        )
+    )
+    out.append((EPS, bad_slice("bad-slice-port", ports=[{"name": "http", "port": 0}])))
+    out.append((EPS, bad_slice("bad-endpoints-not-list", endpoints={"a": 1})))
+    no_label = bad_slice("bad-no-service-label")
+    no_label["metadata"]["labels"] = {}
+    out.append((EPS, no_label))
+    return out
+
+
+async def test_malformed_objects_are_skipped_one_line_each(
+    apiserver: ApiServerDouble,
+    start_proxy: ProxyFactory,
+    backends: Backends,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    bad = malformed_objects(backends.port)
+    assert len(bad) >= 20
+    half = len(bad) // 2
+    for kind, obj in bad[:half]:
+        apiserver.create(kind, obj)
+    apiserver.create(SVC, service("good", port=free_port()))
+    apiserver.create(
+        EPS, endpoint_slice("good-1", service_name="good", ips=IPS[:2], port=backends.port)
+    )
+    caplog.set_level(logging.WARNING)
+    proxy = await start_proxy()
+    await wait_for(lambda: len(endpoints(proxy, "good")) == 2, timeout=5)
+    # The other half arrives through the watch, not the list.
+    for kind, obj in bad[half:]:
+        apiserver.create(kind, obj)
+    expected = {f"default/{obj['metadata']['name']}" for _, obj in bad}
+
+    def logged() -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for r in caplog.records:
+            if r.getMessage() == "Skipping invalid object":
+                key = r.__dict__["kv"]["object"]
+                counts[key] = counts.get(key, 0) + 1
+        return counts
+
+    await wait_for(lambda: expected <= set(logged()), timeout=5)
+    assert all(logged()[k] == 1 for k in expected), logged()
+    assert {k.name for k in ports(proxy)} == {"good"}
+    assert endpoints(proxy, "good") == [(ip, backends.port) for ip in IPS[:2]]
+    assert await served_by(listener(proxy, "good").port, 4) == set(IPS[:2])

@@ -1,0 +1,326 @@
+"""The Kubernetes source against the API-server double, observed through the tracker.
+
+Everything goes over TLS through the unpatched kubernetes-asyncio client. These tests pin the
+watch loop's behaviour: list then watch, bookmarks remembered, relist on 410 Gone only,
+re-watch (not relist) after a dropped or silent stream, periodic relist, filtering.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import wait_for
+from uproxy.model import Protocol, ServicePortName
+from uproxy.sources.kube import KubeConfigError, make_api_client, service_label_selector
+from uproxy.testing import ApiServerDouble
+from uproxy.tracker import Tracker
+
+from .conftest import NODE, SourceFactory
+from .helpers import endpoint_slice, headless_labels, node, proxy_name_labels, service
+
+SVC = "Service"
+EPS = "EndpointSlice"
+
+
+def spn(name: str, namespace: str = "default") -> ServicePortName:
+    return ServicePortName(namespace, name, "http", Protocol.TCP)
+
+
+def ips(tracker: Tracker, name: str) -> list[str]:
+    state = tracker.snapshot().get(spn(name))
+    return sorted(e.ip for e in state.endpoints) if state else []
+
+
+def names(tracker: Tracker) -> set[str]:
+    return {k.name for k in tracker.snapshot()}
+
+
+async def test_lists_then_follows_changes(
+    apiserver: ApiServerDouble, start_source: SourceFactory
+) -> None:
+    apiserver.create(SVC, service("web"))
+    apiserver.create(EPS, endpoint_slice("web-1", service_name="web", ips=["10.1.0.1"], port=80))
+    apiserver.create("Node", node(NODE, zone="zone-a"))
+    tracker, _ = await start_source()
+    await wait_for(lambda: tracker.synced and ips(tracker, "web") == ["10.1.0.1"], timeout=5)
+    await wait_for(lambda: tracker.node is not None and tracker.node.zone == "zone-a")
+    await wait_for(lambda: apiserver.open_watches(SVC) == 1 and apiserver.open_watches(EPS) == 1)
+
+    # Watch: add, update and delete show up without another list.
+    apiserver.create(SVC, service("api", cluster_ip="10.96.0.11"))
+    apiserver.create(EPS, endpoint_slice("api-1", service_name="api", ips=["10.2.0.1"], port=80))
+    apiserver.update(
+        EPS, endpoint_slice("web-1", service_name="web", ips=["10.1.0.1", "10.1.0.2"], port=80)
+    )
+    await wait_for(lambda: ips(tracker, "api") == ["10.2.0.1"], timeout=1)
+    await wait_for(lambda: ips(tracker, "web") == ["10.1.0.1", "10.1.0.2"], timeout=1)
+    apiserver.delete(SVC, service("api"))
+    await wait_for(lambda: names(tracker) == {"web"}, timeout=1)
+    draining = node(NODE, zone="zone-b", ip="192.0.2.20")
+    draining["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    draining["spec"]["taints"] = [
+        {"key": "node.kubernetes.io/unschedulable", "effect": "NoSchedule"}
+    ]
+    apiserver.update("Node", draining)
+    await wait_for(lambda: tracker.node is not None and tracker.node.zone == "zone-b", timeout=1)
+    assert tracker.node is not None
+    assert tracker.node.deleting and tracker.node.addresses == ("192.0.2.20",)
+    assert tracker.node.taints == ("node.kubernetes.io/unschedulable:NoSchedule",)
+    apiserver.delete("Node", node(NODE))
+    await wait_for(lambda: tracker.node is None, timeout=1)
+    assert apiserver.list_count(SVC) == 1
+    assert apiserver.list_count(EPS) == 1
+    # The watch starts from the list's version and asks for bookmarks.
+    params = apiserver.last_params[("watch", SVC)]
+    assert params["allowWatchBookmarks"].lower() == "true"
+    assert params["labelSelector"] == service_label_selector(None)
+    assert apiserver.last_params[("watch", "Node")]["fieldSelector"] == f"metadata.name={NODE}"
+
+
+async def test_nothing_is_synced_before_both_lists(
+    apiserver: ApiServerDouble, start_source: SourceFactory
+) -> None:
+    apiserver.create(SVC, service("web"))
+    apiserver.create(EPS, endpoint_slice("web-1", service_name="web", ips=["10.1.0.1"], port=80))
+    apiserver.hold_lists(EPS)
+    tracker, _ = await start_source()
+    await wait_for(lambda: apiserver.list_count(SVC) == 1 and apiserver.list_count(EPS) == 1)
+    await wait_for(lambda: apiserver.open_watches(SVC) == 1)
+    assert not tracker.synced
+    apiserver.release_lists(EPS)
+    await wait_for(lambda: tracker.synced and ips(tracker, "web") == ["10.1.0.1"])
+
+
+async def test_paged_list_is_applied_whole(
+    apiserver: ApiServerDouble, start_source: SourceFactory
+) -> None:
+    for i in range(1234):
+        apiserver.create(SVC, service(f"s{i:04}", cluster_ip=f"10.96.{i // 200}.{i % 200 + 1}"))
+    tracker, _ = await start_source()
+    await wait_for(lambda: apiserver.open_watches(SVC) == 1, timeout=10)
+    assert len(names(tracker)) == 1234
+    assert apiserver.list_count(SVC) == 3  # pages of 500
+    assert apiserver.last_params[("list", SVC)]["limit"] == "500"
+
+
+async def test_relists_after_410_and_converges(
+    apiserver: ApiServerDouble, start_source: SourceFactory
+) -> None:
+    for name in ("a", "b", "c"):
+        apiserver.create(SVC, service(name))
+        apiserver.create(
+            EPS, endpoint_slice(f"{name}-1", service_name=name, ips=["10.1.0.1"], port=80)
+        )
+    tracker, _ = await start_source()
+    await wait_for(lambda: tracker.synced and names(tracker) == {"a", "b", "c"})
+    await wait_for(lambda: apiserver.open_watches(SVC) == 1 and apiserver.open_watches(EPS) == 1)
+    lists_before = apiserver.list_count(SVC)
+
+    # Changes the client will never see as events: the stream is cut, history compacted.
+    apiserver.drop_watches()
+    apiserver.delete(SVC, service("a"))
+    apiserver.create(SVC, service("d"))
+    apiserver.update(
+        EPS, endpoint_slice("b-1", service_name="b", ips=["10.1.0.1", "10.1.0.9"], port=80)
+    )
+    apiserver.compact()
+    await wait_for(lambda: names(tracker) == {"b", "c", "d"}, timeout=5)
+    await wait_for(lambda: ips(tracker, "b") == ["10.1.0.1", "10.1.0.9"], timeout=5)
+    assert apiserver.list_count(SVC) == lists_before + 1
+
+
+async def test_dropped_stream_rewatches_without_relist(
+    apiserver: ApiServerDouble, start_source: SourceFactory
+) -> None:
+    apiserver.create(SVC, service("a"))
+    tracker, _ = await start_source()
+    await wait_for(lambda: apiserver.open_watches(SVC) == 1 and apiserver.open_watches(EPS) == 1)
+    watches = apiserver.watch_count(SVC)
+    apiserver.drop_watches()
+    apiserver.create(SVC, service("b"))  # happens while no stream is open
+    await wait_for(lambda: names(tracker) == {"a", "b"}, timeout=5)
+    assert apiserver.watch_count(SVC) > watches
+    assert apiserver.list_count(SVC) == 1
+
+
+async def test_bookmark_advances_the_remembered_version(
+    apiserver: ApiServerDouble, start_source: SourceFactory
+) -> None:
+    apiserver.create(SVC, service("a"))
+    tracker, source = await start_source()
+    await wait_for(lambda: apiserver.open_watches(SVC) == 1)
+    # The global version moves on without a Service event (another node's Node object).
+    for i in range(5):
+        apiserver.create("Node", node(f"other-{i}"))
+    listed_at = source.feeds[0].rv
+    assert apiserver.send_bookmarks() >= 1
+    await wait_for(lambda: source.feeds[0].rv == str(apiserver.resource_version))
+    assert listed_at != source.feeds[0].rv
+    # Compact at the bookmark: re-watching from it is still valid, so no relist.
+    apiserver.compact()
+    apiserver.drop_watches()
+    await wait_for(lambda: apiserver.open_watches(SVC) == 1 and apiserver.watch_count(SVC) >= 2)
+    apiserver.create(SVC, service("b"))
+    await wait_for(lambda: names(tracker) == {"a", "b"})
+    assert apiserver.list_count(SVC) == 1
+
+
+async def test_silent_stream_is_restarted(
+    apiserver: ApiServerDouble, start_source: SourceFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    apiserver.create(SVC, service("a"))
+    tracker, _ = await start_source(inactivity_timeout_s=0.3)
+    await wait_for(lambda: tracker.synced)
+    await wait_for(lambda: apiserver.watch_count(SVC) >= 3, timeout=5)
+    assert apiserver.list_count(SVC) == 1
+    assert any(r.getMessage() == "Watch stream silent; restarting it" for r in caplog.records)
+    apiserver.create(SVC, service("b"))
+    await wait_for(lambda: names(tracker) == {"a", "b"}, timeout=2)
+
+
+async def test_periodic_relist(apiserver: ApiServerDouble, start_source: SourceFactory) -> None:
+    apiserver.create(SVC, service("a"))
+    tracker, _ = await start_source(config_sync_period_s=0.5)
+    await wait_for(lambda: apiserver.list_count(SVC) >= 3, timeout=5)
+    assert names(tracker) == {"a"}
+
+
+async def test_server_restart_keeps_state_then_converges(
+    apiserver: ApiServerDouble, start_source: SourceFactory
+) -> None:
+    apiserver.create(SVC, service("a"))
+    apiserver.create(EPS, endpoint_slice("a-1", service_name="a", ips=["10.1.0.1"], port=80))
+    tracker, _ = await start_source()
+    await wait_for(lambda: tracker.synced and ips(tracker, "a") == ["10.1.0.1"])
+    await apiserver.go_down()
+    apiserver.update(EPS, endpoint_slice("a-1", service_name="a", ips=["10.1.0.2"], port=80))
+    apiserver.create(SVC, service("b"))
+    # Down: the last state stays, whatever the retries see.
+    await asyncio.sleep(1.0)  # the scenario: an outage lasting a second, not a synchronisation
+    assert ips(tracker, "a") == ["10.1.0.1"] and names(tracker) == {"a"}
+    await apiserver.start()
+    await wait_for(lambda: names(tracker) == {"a", "b"}, timeout=5)
+    await wait_for(lambda: ips(tracker, "a") == ["10.1.0.2"], timeout=5)
+
+
+async def test_label_filters(apiserver: ApiServerDouble, start_source: SourceFactory) -> None:
+    apiserver.create(SVC, service("plain"))
+    apiserver.create(SVC, service("ours", labels=proxy_name_labels("uproxy")))
+    apiserver.create(SVC, service("theirs", labels=proxy_name_labels("other")))
+    apiserver.create(SVC, service("headless", labels=headless_labels()))
+    apiserver.create(
+        SVC, service("ours-headless", labels={**proxy_name_labels("uproxy"), **headless_labels()})
+    )
+    default, _ = await start_source()
+    named, _ = await start_source(service_proxy_name="uproxy")
+    await wait_for(lambda: default.synced and named.synced)
+    assert names(default) == {"plain"}
+    assert names(named) == {"ours"}
+    selectors = {
+        p["labelSelector"] for (verb, kind), p in apiserver.last_params.items() if kind == SVC
+    }
+    assert service_label_selector("uproxy") in selectors or service_label_selector(None) in (
+        selectors
+    )
+    # Relabelling moves a service between proxies (the watch sends ADDED/DELETED).
+    apiserver.update(SVC, service("plain", labels=proxy_name_labels("uproxy")))
+    await wait_for(lambda: names(default) == set() and names(named) == {"ours", "plain"})
+
+
+def test_service_label_selector_matches_kube_proxy() -> None:
+    assert service_label_selector(None) == (
+        "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless"
+    )
+    assert service_label_selector("uproxy") == (
+        "service.kubernetes.io/service-proxy-name=uproxy,!service.kubernetes.io/headless"
+    )
+
+
+async def test_bad_token_is_retried_not_fatal(
+    apiserver: ApiServerDouble, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from uproxy.sources.kube import KubeSource
+
+    apiserver.create(SVC, service("a"))
+    good_token = apiserver.token
+    apiserver.token = "not-the-token"
+    client = await make_api_client(
+        kubeconfig=str(apiserver.write_kubeconfig(tmp_path / "kc")), master=None
+    )
+    apiserver.token = good_token
+    tracker = Tracker()
+    source = KubeSource(
+        tracker=tracker,
+        api_client=client,
+        node_name=NODE,
+        service_proxy_name=None,
+        backoff_max_s=0.2,
+    )
+    task = asyncio.create_task(source.run())
+    try:
+        with caplog.at_level(logging.WARNING, logger="uproxy.sources.kube"):
+            await wait_for(lambda: apiserver.unauthorized >= 6, timeout=5)
+        assert not tracker.synced
+        assert not task.done()
+        assert apiserver.list_count(SVC) == 0
+        assert any(
+            r.getMessage() == "Listing failed; retrying" and "401" in str(r.__dict__.get("kv"))
+            for r in caplog.records
+        )
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await client.close()
+
+
+async def test_make_api_client_master_overrides(tmp_path: Path, apiserver: ApiServerDouble) -> None:
+    kc = apiserver.write_kubeconfig(tmp_path / "kc")
+    client = await make_api_client(kubeconfig=str(kc), master="https://127.0.0.1:1")
+    try:
+        assert client.configuration.host == "https://127.0.0.1:1"
+    finally:
+        await client.close()
+
+
+async def test_make_api_client_explains_missing_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KUBECONFIG", raising=False)
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with pytest.raises(KubeConfigError, match="pass --kubeconfig or --master"):
+        await make_api_client(kubeconfig=None, master=None)
+    with pytest.raises(KubeConfigError, match="cannot"):
+        await make_api_client(kubeconfig=str(tmp_path / "missing"), master=None)
+
+
+async def test_kubeconfig_env_is_honoured(
+    apiserver: ApiServerDouble, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kc = apiserver.write_kubeconfig(tmp_path / "kc")
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("KUBECONFIG", str(kc))
+    client = await make_api_client(kubeconfig=None, master=None)
+    try:
+        assert client.configuration.host == apiserver.url
+    finally:
+        await client.close()
+
+
+async def test_410_in_an_open_stream_relists(
+    apiserver: ApiServerDouble, start_source: SourceFactory
+) -> None:
+    apiserver.create(SVC, service("a"))
+    tracker, _ = await start_source()
+    await wait_for(lambda: tracker.synced and apiserver.open_watches(SVC) == 1)
+    apiserver.create(SVC, service("b"))
+    await wait_for(lambda: names(tracker) == {"a", "b"})
+    assert apiserver.expire_watches() >= 2
+    await wait_for(lambda: apiserver.list_count(SVC) == 2 and apiserver.list_count(EPS) == 2)
+    apiserver.delete(SVC, service("a"))
+    await wait_for(lambda: names(tracker) == {"b"})

@@ -1,0 +1,91 @@
+"""Runs rules-backend operations inside a network namespace (``ip netns exec ... -m``).
+
+Python 3.11 cannot enter a namespace itself, so tests send this module a JSON script on stdin
+(a backend spec and a list of operations) and read one JSON result per operation from stdout.
+A script runs in one process, so a backend keeps its memory (e.g. what it installed) across
+the operations of one script, exactly as in the running proxy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from typing import Any
+
+from uproxy.model import Protocol, ServicePortName
+from uproxy.rules import RulesBackend, RulesError, cleanup_all, command, conntrack, make_backend
+from uproxy.rules.base import Portal, PortalKind
+from uproxy.rules.restore import detect_mode
+
+
+def portal_to_json(p: Portal) -> dict[str, Any]:
+    s = p.service
+    return {
+        "service": [s.namespace, s.name, s.port_name, s.protocol.value],
+        "kind": p.kind.value,
+        "ip": p.ip,
+        "port": p.port,
+        "proxy_port": p.proxy_port,
+    }
+
+
+def portal_from_json(d: dict[str, Any]) -> Portal:
+    ns, name, port_name, proto = d["service"]
+    return Portal(
+        ServicePortName(ns, name, port_name, Protocol(proto)),
+        PortalKind(d["kind"]),
+        d["ip"],
+        d["port"],
+        d["proxy_port"],
+    )
+
+
+async def _op(backend: RulesBackend, op: dict[str, Any]) -> Any:
+    kind = op["op"]
+    if kind == "sync":
+        await backend.sync([portal_from_json(p) for p in op["portals"]])
+        return None
+    if kind == "check":
+        return await backend.check()
+    if kind == "verify":
+        verify = getattr(backend, "verify", None)
+        return True if verify is None else await verify()
+    if kind == "cleanup":
+        await backend.cleanup()
+        return None
+    if kind == "cleanup_all":
+        return await cleanup_all()
+    if kind == "detect_mode":
+        return await detect_mode()
+    if kind == "clear_udp":
+        await conntrack.clear_udp(op["ip"], op["port"])
+        return None
+    if kind == "clear_udp_node_port":
+        await conntrack.clear_udp_node_port(op["port"])
+        return None
+    if kind == "shell":
+        return (await command.run(op["argv"], stdin=op.get("stdin"))).stdout
+    raise ValueError(f"unknown op {kind}")
+
+
+async def main() -> int:
+    script = json.load(sys.stdin)
+    spec = script["backend"]
+    backend = make_backend(spec["name"], host_ip=spec["host_ip"], iptables_mode=spec["mode"])
+    results: list[Any] = []
+    try:
+        for op in script["ops"]:
+            try:
+                results.append({"ok": await _op(backend, op)})
+            except RulesError as exc:
+                results.append({"error": str(exc)})
+                break
+    finally:
+        await backend.close()
+    json.dump(results, sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))

@@ -1,0 +1,69 @@
+"""Shared pieces of the namespace tests: running the driver, reading iptables-save."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Collection
+from typing import Any
+
+import pytest
+
+from tests.netns.driver import portal_to_json
+from tests.netns.topology import REPO, Topology
+from uproxy.rules.base import Portal
+
+# (backend name, iptables variant it writes)
+BACKENDS = [
+    pytest.param("iptables-restore", "nft", id="restore-nft"),
+    pytest.param("iptables-restore", "legacy", id="restore-legacy"),
+    pytest.param("iptables", "legacy", id="python-iptables"),
+]
+
+# Someone else's rules, present before uproxy starts: they must survive every operation.
+FOREIGN = """\
+*filter
+:OTHER - [0:0]
+-A INPUT -j OTHER
+-A OTHER -p tcp -m tcp --dport 22 -j ACCEPT
+COMMIT
+*nat
+:OTHER-NAT - [0:0]
+-A PREROUTING -p tcp -m tcp --dport 2222 -j DNAT --to-destination 10.200.2.2:22
+-A OUTPUT -j OTHER-NAT
+-A POSTROUTING -s 10.200.0.0/16 -o eth0 -j MASQUERADE
+COMMIT
+"""
+
+
+def sync_op(portals: Collection[Portal]) -> dict[str, Any]:
+    return {"op": "sync", "portals": [portal_to_json(p) for p in sorted(portals)]}
+
+
+def run_ops(
+    topo: Topology, backend: str, mode: str, ops: list[dict[str, Any]], *, ns: str | None = None
+) -> list[Any]:
+    """Run ``ops`` with one backend instance inside the node; fail on any error."""
+    script = {"backend": {"name": backend, "mode": mode, "host_ip": topo.node_ip}, "ops": ops}
+    done = subprocess.run(
+        topo.python_argv(ns or topo.node, "tests.netns.driver"),
+        input=json.dumps(script),
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=REPO,
+    )
+    assert done.returncode == 0, done.stderr
+    results: list[dict[str, Any]] = json.loads(done.stdout)
+    errors = [r["error"] for r in results if "error" in r]
+    assert not errors, errors
+    assert len(results) == len(ops)
+    return [r["ok"] for r in results]
+
+
+def save(topo: Topology, mode: str) -> str:
+    return topo.run(topo.node, f"iptables-{mode}-save")
+
+
+def install_foreign(topo: Topology, mode: str) -> None:
+    topo.run(topo.node, f"iptables-{mode}-restore", "--noflush", stdin=FOREIGN)

@@ -1,0 +1,122 @@
+"""Kernel details around the rules: nft/legacy detection, conntrack, a concurrent writer."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.netns.helpers import run_ops, save, sync_op
+from tests.netns.test_rules import PORTALS
+from tests.netns.topology import REPO, Topology
+
+pytestmark = pytest.mark.root
+
+HINT = "*mangle\n:KUBE-IPTABLES-HINT - [0:0]\nCOMMIT\n"
+
+
+@pytest.mark.parametrize(
+    ("hint_in", "expected"),
+    [(None, "nft"), ("nft", "nft"), ("legacy", "legacy")],
+)
+def test_mode_detection_follows_the_kubelet_hint(
+    topo: Topology, hint_in: str | None, expected: str
+) -> None:
+    if hint_in is not None:
+        topo.run(topo.node, f"iptables-{hint_in}-restore", "--noflush", stdin=HINT)
+    assert run_ops(topo, "none", "auto", [{"op": "detect_mode"}]) == [expected]
+    # Detection never creates legacy tables as a side effect.
+    if hint_in is None:
+        assert topo.run(topo.node, "cat", "/proc/net/ip_tables_names").strip() == ""
+
+
+def test_auto_backend_writes_where_the_hint_is(topo: Topology) -> None:
+    topo.run(topo.node, "iptables-legacy-restore", "--noflush", stdin=HINT)
+    run_ops(topo, "auto", "auto", [sync_op(PORTALS)])
+    assert "KUBE-PORTALS-CONTAINER" in save(topo, "legacy")
+    assert "KUBE-PORTALS-CONTAINER" not in save(topo, "nft")
+
+
+def conntrack_count(topo: Topology, port: int) -> int:
+    done = subprocess.run(
+        topo.exec_argv(topo.node, "conntrack", "-L", "-p", "udp", "--dport", str(port)),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return sum(1 for line in done.stdout.splitlines() if line.startswith("udp"))
+
+
+def make_udp_flow(topo: Topology, ip: str, port: int) -> None:
+    code = (
+        "import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); "
+        f"s.sendto(b'x', ('{ip}', {port}))"
+    )
+    topo.run(topo.pod, "python3", "-c", code)
+
+
+def test_clear_udp_forgets_only_that_service(topo: Topology) -> None:
+    run_ops(topo, "auto", "auto", [sync_op(PORTALS)])  # NAT rules switch conntrack on
+    make_udp_flow(topo, "10.96.0.53", 53)
+    make_udp_flow(topo, "10.96.0.54", 53)
+    make_udp_flow(topo, topo.node_ip, 30053)
+    assert conntrack_count(topo, 53) == 2
+    ops = [{"op": "clear_udp", "ip": "10.96.0.53", "port": 53}]
+    ops += [{"op": "clear_udp", "ip": "10.96.0.53", "port": 53}]  # nothing left: still fine
+    run_ops(topo, "none", "auto", ops)
+    assert conntrack_count(topo, 53) == 1
+    assert conntrack_count(topo, 30053) == 1
+    run_ops(topo, "none", "auto", [{"op": "clear_udp_node_port", "port": 30053}])
+    assert conntrack_count(topo, 30053) == 0
+
+
+def test_python_iptables_survives_a_concurrent_writer(topo: Topology) -> None:
+    # Another program rewrites the nat table while syncs run: EAGAIN is retried, the lock
+    # is shared with the iptables binaries, and the end state is exact.
+    loop = (
+        "i=0; while [ $i -lt 300 ]; do "
+        "iptables-legacy -w -t nat -A POSTROUTING -s 10.9.9.9/32 -j ACCEPT; "
+        "iptables-legacy -w -t nat -D POSTROUTING -s 10.9.9.9/32 -j ACCEPT; "
+        "i=$((i+1)); done"
+    )
+    writer = topo.popen(topo.node, ["sh", "-c", loop])
+    try:
+        ops = []
+        for i in range(8):
+            ops += [sync_op(PORTALS[: 2 + i % 4]), {"op": "verify"}]
+        results = run_ops(topo, "iptables", "legacy", ops)
+        assert results[1::2] == [True] * 8
+    finally:
+        writer.wait(timeout=120)
+        for stream in (writer.stdout, writer.stderr):
+            if stream is not None:
+                stream.close()
+    assert writer.returncode == 0
+
+
+@pytest.mark.parametrize(
+    ("backend", "mode"), [("auto", "nft"), ("auto", "legacy"), ("iptables", "")]
+)
+def test_without_cap_net_admin_the_error_is_one_clear_line(
+    topo: Topology, backend: str, mode: str
+) -> None:
+    drop = ["setpriv", "--bounding-set=-net_admin,-net_raw", "--inh-caps=-net_admin,-net_raw"]
+    script = {
+        "backend": {"name": backend, "mode": mode or "auto", "host_ip": topo.node_ip},
+        "ops": [sync_op(PORTALS)],
+    }
+    done = subprocess.run(
+        topo.exec_argv(topo.node, *drop, sys.executable, "-m", "tests.netns.driver"),
+        input=json.dumps(script),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+    assert done.returncode == 0, done.stderr
+    [result] = json.loads(done.stdout)
+    assert "permission denied; run as root or with CAP_NET_ADMIN" in result["error"]
+    assert result["error"].endswith("or use --rules none")
+    assert "\n" not in result["error"]

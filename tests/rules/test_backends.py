@@ -1,0 +1,64 @@
+"""Backend selection and the one-line errors a user sees without privileges or binaries."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from uproxy.model import Protocol, ServicePortName
+from uproxy.rules import (
+    IptcBackend,
+    NoRules,
+    Portal,
+    PortalKind,
+    RestoreBackend,
+    RulesError,
+    command,
+    make_backend,
+)
+
+
+def test_factory_names() -> None:
+    assert isinstance(make_backend("auto", host_ip="10.0.0.1"), RestoreBackend)
+    assert isinstance(make_backend("iptables-restore", host_ip="10.0.0.1"), RestoreBackend)
+    assert isinstance(make_backend("iptables", host_ip="10.0.0.1"), IptcBackend)
+    assert isinstance(make_backend("none", host_ip="10.0.0.1"), NoRules)
+    with pytest.raises(RulesError, match="unknown rules backend 'ipvs'"):
+        make_backend("ipvs", host_ip="10.0.0.1")
+    with pytest.raises(RulesError, match="unknown iptables mode"):
+        make_backend("auto", host_ip="10.0.0.1", iptables_mode="xt")
+
+
+async def test_missing_binary_is_one_clear_line() -> None:
+    with pytest.raises(RulesError, match=r"^no-such-iptables not found: .*--rules none$"):
+        await command.run(["no-such-iptables"])
+
+
+async def test_failure_reports_first_line() -> None:
+    with pytest.raises(RulesError, match="sh failed: boom"):
+        await command.run(["sh", "-c", "echo boom >&2; echo more >&2; exit 3"])
+
+
+async def test_permission_denied_says_how_to_fix() -> None:
+    with pytest.raises(RulesError, match="permission denied; run as root or with CAP_NET_ADMIN"):
+        await command.run(["sh", "-c", "echo 'Permission denied (you must be root)' >&2; exit 4"])
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="checks the unprivileged error path")
+async def test_unprivileged_sync_fails_clearly() -> None:
+    backend = RestoreBackend(host_ip="10.0.0.1", mode="nft")
+    portal = Portal(
+        ServicePortName("a", "b", "c", Protocol.TCP), PortalKind.CLUSTER_IP, "10.96.0.1", 80, 4000
+    )
+    with pytest.raises(RulesError, match="run as root or with CAP_NET_ADMIN"):
+        await backend.sync([portal])
+
+
+async def test_invalid_portal_is_rules_error() -> None:
+    backend = RestoreBackend(host_ip="10.0.0.1", mode="nft")
+    portal = Portal(
+        ServicePortName("a", "b", "c", Protocol.TCP), PortalKind.CLUSTER_IP, None, 80, 4000
+    )
+    with pytest.raises(RulesError, match="has no address"):
+        await backend.sync([portal])

@@ -1,0 +1,77 @@
+"""Node port reservations: a real socket holds each node port."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+
+import pytest
+
+from uproxy.model import Protocol, ServicePortName
+from uproxy.rules.nodeports import NodePortError, NodePortReservations
+
+WEB = ServicePortName("default", "web", "http", Protocol.TCP)
+DNS = ServicePortName("kube-system", "dns", "dns", Protocol.UDP)
+
+
+@pytest.fixture
+def reservations() -> Iterator[NodePortReservations]:
+    held = NodePortReservations(bind_ip="127.0.0.1")
+    yield held
+    held.close()
+
+
+def free_port(kind: socket.SocketKind) -> int:
+    with socket.socket(socket.AF_INET, kind) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def test_reserved_tcp_port_cannot_be_taken(reservations: NodePortReservations) -> None:
+    port = free_port(socket.SOCK_STREAM)
+    reservations.reserve(WEB, Protocol.TCP, port)
+    with socket.socket() as other, pytest.raises(OSError):
+        other.bind(("127.0.0.1", port))
+    reservations.release(Protocol.TCP, port)
+    with socket.socket() as other:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        other.bind(("127.0.0.1", port))
+
+
+def test_taken_port_names_service_and_port(reservations: NodePortReservations) -> None:
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen(1)
+        port = squatter.getsockname()[1]
+        with pytest.raises(NodePortError, match=rf"node port {port}/TCP .*default/web:http"):
+            reservations.reserve(WEB, Protocol.TCP, port)
+    assert (Protocol.TCP, port) not in reservations
+
+
+def test_udp_port_taken(reservations: NodePortReservations) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        port = squatter.getsockname()[1]
+        with pytest.raises(NodePortError, match=rf"{port}/UDP .*kube-system/dns:dns"):
+            reservations.reserve(DNS, Protocol.UDP, port)
+
+
+def test_sync_by_difference_reports_failures(reservations: NodePortReservations) -> None:
+    a = free_port(socket.SOCK_STREAM)
+    b = free_port(socket.SOCK_DGRAM)
+    assert reservations.sync({(Protocol.TCP, a): WEB, (Protocol.UDP, b): DNS}) == []
+    assert len(reservations) == 2
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen(1)
+        taken = squatter.getsockname()[1]
+        failures = reservations.sync({(Protocol.TCP, a): DNS, (Protocol.TCP, taken): WEB})
+    assert [str(f) for f in failures] == [
+        f"node port {taken}/TCP for service default/web:http is not available: "
+        "Address already in use"
+    ]
+    assert len(reservations) == 1
+    assert reservations.owner(Protocol.TCP, a) == DNS  # same port, new owner: kept open
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as other:
+        other.bind(("127.0.0.1", b))  # released by the sync

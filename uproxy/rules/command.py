@@ -1,0 +1,94 @@
+"""Running iptables/conntrack binaries from the event loop, with errors a user can act on.
+
+Everything the kernel backends execute goes through ``run``: an asyncio subprocess (the loop
+never blocks on a fork or on the xtables lock), a bounded wait, and one translation of the
+two failures users cause — a missing binary and missing privileges — into a one-line
+``RulesError`` that says what to do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from uproxy.rules.base import RulesError
+
+log = logging.getLogger("uproxy.rules.command")
+
+DEFAULT_TIMEOUT_S = 60.0
+_FIX = (
+    "run as root or with CAP_NET_ADMIN (and CAP_NET_RAW for legacy iptables), or use --rules none"
+)
+_PERMISSION_MARKERS = ("Permission denied", "must be root", "Operation not permitted")
+
+
+@dataclass(frozen=True, slots=True)
+class Completed:
+    argv: tuple[str, ...]
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def message(self) -> str:
+        """The first line of the program's complaint, for a one-line error."""
+        text = (self.stderr or self.stdout).strip()
+        return text.splitlines()[0] if text else f"exit code {self.returncode}"
+
+
+def permission_error(program: str) -> RulesError:
+    return RulesError(f"{program}: permission denied; {_FIX}")
+
+
+async def run(
+    argv: Sequence[str],
+    *,
+    stdin: str | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    check: bool = True,
+) -> Completed:
+    """Run ``argv`` and return its output; raise RulesError when it cannot run or fails.
+
+    With ``check=False`` a non-zero exit is returned to the caller instead (permission
+    problems and a missing binary still raise).
+    """
+    program = argv[0]
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+    except FileNotFoundError:
+        raise RulesError(
+            f"{program} not found: install the iptables/conntrack tools, or use --rules none"
+        ) from None
+    except PermissionError:
+        raise permission_error(program) from None
+    try:
+        out, err = await asyncio.wait_for(
+            proc.communicate(stdin.encode() if stdin is not None else None), timeout_s
+        )
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise RulesError(f"{program} did not finish within {timeout_s:g}s") from None
+    done = Completed(
+        tuple(argv),
+        proc.returncode or 0,
+        out.decode(errors="replace"),
+        err.decode(errors="replace"),
+    )
+    if done.returncode != 0:
+        if any(marker in done.stderr for marker in _PERMISSION_MARKERS):
+            raise permission_error(program)
+        if check:
+            log.debug(
+                "Command failed",
+                extra={"kv": {"argv": " ".join(argv), "rc": done.returncode, "err": done.stderr}},
+            )
+            raise RulesError(f"{program} failed: {done.message}")
+    return done

@@ -1,0 +1,358 @@
+"""The portal rule set: which iptables rules steer each service address into uproxy.
+
+This is a pure function of the desired portals, so both kernel backends (iptables-restore and
+python-iptables) render the *same* structured rules and tests can compare exact text without
+root. The rules follow kube-proxy's userspace mode, chain names and comments included, so
+operators' habits carry over:
+
+- nat ``KUBE-PORTALS-CONTAINER`` (jumped to first from PREROUTING): traffic from pods and other
+  hosts to a ClusterIP / LoadBalancer IP / externalIP is REDIRECTed to the proxy port (or DNATed
+  to the listen address when uproxy listens on one address only).
+- nat ``KUBE-PORTALS-HOST`` (first in OUTPUT): traffic from the node itself is DNATed to
+  ``host_ip:proxy_port``. Never 127.0.0.1: that needs ``route_localnet`` (CVE-2020-8558).
+- nat ``KUBE-NODEPORT-CONTAINER`` / ``KUBE-NODEPORT-HOST`` (appended last, only for local
+  destinations): node ports, after every portal so a portal always wins.
+- filter ``KUBE-NODEPORT-NON-LOCAL`` (from INPUT): accepts new connections to the proxy port of a
+  node port behind default-deny firewalls. It matches the *proxy* port, as the packet has
+  already been redirected when it reaches INPUT.
+
+externalIPs get kube-proxy's three rules: from containers when the packet did not come in over a
+bridge port (``physdev ! --physdev-is-in``), from containers when the address is local, and
+from the host when the address is local.
+
+Rules render in the exact canonical form ``iptables-save`` prints, so "installed == expected"
+is a plain text comparison.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass, field, replace
+
+from uproxy.rules.base import Portal, PortalKind
+
+NAT = "nat"
+FILTER = "filter"
+
+CONTAINER_PORTALS = "KUBE-PORTALS-CONTAINER"
+HOST_PORTALS = "KUBE-PORTALS-HOST"
+CONTAINER_NODEPORTS = "KUBE-NODEPORT-CONTAINER"
+HOST_NODEPORTS = "KUBE-NODEPORT-HOST"
+NON_LOCAL_NODEPORTS = "KUBE-NODEPORT-NON-LOCAL"
+
+# Every chain uproxy owns, per table, in a fixed order.
+CHAINS: dict[str, tuple[str, ...]] = {
+    NAT: (CONTAINER_PORTALS, HOST_PORTALS, CONTAINER_NODEPORTS, HOST_NODEPORTS),
+    FILTER: (NON_LOCAL_NODEPORTS,),
+}
+TABLES: tuple[str, ...] = (NAT, FILTER)
+ALL_CHAINS: frozenset[str] = frozenset(c for chains in CHAINS.values() for c in chains)
+
+_PORTALS_COMMENT = "handle ClusterIPs; NOTE: this must be before the NodePort rules"
+_NODEPORTS_COMMENT = "handle service NodePorts; NOTE: this must be the last rule in the chain"
+_NON_LOCAL_COMMENT = "Ensure that non-local NodePort traffic can flow"
+
+ANY_IPV4 = "0.0.0.0"
+
+
+_PLAIN = frozenset("_-0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+
+
+def quote(value: str) -> str:
+    """Quote a string as iptables-save does: bare when plain, else in escaped double quotes."""
+    if value and all(ch in _PLAIN for ch in value):
+        return value
+    escaped = "".join("\\" + ch if ch in "\"\\'" else ch for ch in value)
+    return f'"{escaped}"'
+
+
+@dataclass(frozen=True, slots=True)
+class JumpRule:
+    """A rule in a built-in chain that sends packets into one of uproxy's chains."""
+
+    table: str
+    chain: str  # the built-in chain: PREROUTING, OUTPUT or INPUT
+    target: str  # uproxy's chain
+    comment: str
+    dst_local: bool = False
+    first: bool = True  # inserted at position 1 (else appended)
+
+    def spec(self) -> str:
+        """The rule's arguments after ``-A CHAIN``, exactly as iptables-save prints them."""
+        parts: list[str] = []
+        if self.dst_local:
+            parts.append("-m addrtype --dst-type LOCAL")
+        parts.append(f"-m comment --comment {quote(self.comment)}")
+        parts.append(f"-j {self.target}")
+        return " ".join(parts)
+
+    def save_line(self) -> str:
+        return f"-A {self.chain} {self.spec()}"
+
+
+@dataclass(frozen=True, slots=True)
+class PortalRule:
+    """One rule in one of uproxy's chains, as data both backends can render."""
+
+    table: str
+    chain: str
+    comment: str  # str(ServicePortName)
+    protocol: str  # "tcp" | "udp"
+    dport: int
+    target: str  # "REDIRECT" | "DNAT" | "ACCEPT"
+    dst: str | None = None  # CIDR, e.g. "10.96.0.10/32"
+    not_physdev_in: bool = False
+    dst_local: bool = False
+    state_new: bool = False
+    to_ports: str | None = None  # REDIRECT --to-ports
+    to_destination: str | None = None  # DNAT --to-destination
+
+    def spec(self) -> str:
+        """The rule's arguments after ``-A CHAIN``, exactly as iptables-save prints them."""
+        parts: list[str] = []
+        if self.dst is not None:
+            parts.append(f"-d {self.dst}")
+        parts.append(f"-p {self.protocol}")
+        parts.append(f"-m comment --comment {quote(self.comment)}")
+        parts.append(f"-m {self.protocol} --dport {self.dport}")
+        if self.not_physdev_in:
+            parts.append("-m physdev ! --physdev-is-in")
+        if self.dst_local:
+            parts.append("-m addrtype --dst-type LOCAL")
+        if self.state_new:
+            parts.append("-m state --state NEW")
+        parts.append(f"-j {self.target}")
+        if self.to_ports is not None:
+            parts.append(f"--to-ports {self.to_ports}")
+        if self.to_destination is not None:
+            parts.append(f"--to-destination {self.to_destination}")
+        return " ".join(parts)
+
+    def save_line(self) -> str:
+        return f"-A {self.chain} {self.spec()}"
+
+
+@dataclass(frozen=True, slots=True)
+class RuleSet:
+    """The complete desired state of uproxy's chains: jumps plus rules, in install order."""
+
+    jumps: tuple[JumpRule, ...]
+    rules: tuple[PortalRule, ...]
+    chains: dict[str, tuple[str, ...]] = field(default_factory=lambda: dict(CHAINS))
+
+    def rules_in(self, table: str) -> list[PortalRule]:
+        return [r for r in self.rules if r.table == table]
+
+    def rules_in_chain(self, chain: str) -> list[PortalRule]:
+        return [r for r in self.rules if r.chain == chain]
+
+    def jumps_in(self, table: str) -> list[JumpRule]:
+        return [j for j in self.jumps if j.table == table]
+
+    def count_by_chain(self) -> dict[str, int]:
+        counts = {c: 0 for c in ALL_CHAINS}
+        for rule in self.rules:
+            counts[rule.chain] += 1
+        return counts
+
+    def save_lines(self, table: str) -> dict[str, list[str]]:
+        """Expected ``iptables-save`` lines per chain of ``table`` (uproxy's lines only).
+
+        Built-in chains map to the jump lines only; other rules in them are not uproxy's.
+        """
+        out: dict[str, list[str]] = {c: [] for c in self.chains[table]}
+        for jump in self.jumps_in(table):
+            out.setdefault(jump.chain, []).append(jump.save_line())
+        for rule in self.rules_in(table):
+            out[rule.chain].append(rule.save_line())
+        return out
+
+
+JUMPS: tuple[JumpRule, ...] = (
+    JumpRule(NAT, "PREROUTING", CONTAINER_PORTALS, _PORTALS_COMMENT),
+    JumpRule(NAT, "OUTPUT", HOST_PORTALS, _PORTALS_COMMENT),
+    JumpRule(NAT, "PREROUTING", CONTAINER_NODEPORTS, _NODEPORTS_COMMENT, True, first=False),
+    JumpRule(NAT, "OUTPUT", HOST_NODEPORTS, _NODEPORTS_COMMENT, True, first=False),
+    JumpRule(FILTER, "INPUT", NON_LOCAL_NODEPORTS, _NON_LOCAL_COMMENT),
+)
+
+
+def _canonical(ip: str) -> tuple[str, int]:
+    """The address as iptables prints it, and its family (C parsing: 10,000s per sync)."""
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    try:
+        return socket.inet_ntop(family, socket.inet_pton(family, ip)), family
+    except OSError:
+        raise ValueError(f"invalid IP address {ip!r}") from None
+
+
+def _cidr(ip: str) -> str:
+    text, family = _canonical(ip)
+    return f"{text}/128" if family == socket.AF_INET6 else f"{text}/32"
+
+
+def _join_host_port(ip: str, port: int) -> str:
+    text, family = _canonical(ip)
+    return f"[{text}]:{port}" if family == socket.AF_INET6 else f"{text}:{port}"
+
+
+def _is_any(ip: str) -> bool:
+    return ipaddress.ip_address(ip).is_unspecified
+
+
+@dataclass(frozen=True, slots=True)
+class _Target:
+    target: str
+    to_ports: str | None = None
+    to_destination: str | None = None
+
+
+def _rule(
+    chain: str, portal: Portal, dport: int, target: _Target, *, dst_local: bool = False
+) -> PortalRule:
+    return PortalRule(
+        table=NAT,
+        chain=chain,
+        comment=str(portal.service),
+        protocol=portal.protocol.value.lower(),
+        dport=dport,
+        target=target.target,
+        dst=_cidr(portal.ip) if portal.ip is not None else None,
+        dst_local=dst_local,
+        to_ports=target.to_ports,
+        to_destination=target.to_destination,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Targets:
+    """Where portal traffic goes, computed once per build (not once per portal)."""
+
+    redirect: bool  # from containers: REDIRECT (proxy bound to any address) or DNAT
+    container_host: str  # DNAT address from containers when not redirecting
+    host: str  # DNAT address from the node itself
+
+    def from_container(self, proxy_port: int) -> _Target:
+        # REDIRECT reaches a proxy bound to any address on the incoming interface's primary
+        # address, so replies (UDP included) leave from it.
+        if self.redirect:
+            return _Target("REDIRECT", to_ports=str(proxy_port))
+        return _Target("DNAT", to_destination=_join_host_port(self.container_host, proxy_port))
+
+    def from_host(self, proxy_port: int) -> _Target:
+        # REDIRECT from OUTPUT would go to 127.0.0.1, so DNAT to the node address.
+        return _Target("DNAT", to_destination=_join_host_port(self.host, proxy_port))
+
+
+def _rules_for(portal: Portal, targets: _Targets) -> Iterable[PortalRule]:
+    from_container = targets.from_container(portal.proxy_port)
+    from_host = targets.from_host(portal.proxy_port)
+    if portal.kind is PortalKind.NODE_PORT:
+        yield _rule(CONTAINER_NODEPORTS, portal, portal.port, from_container)
+        yield _rule(HOST_NODEPORTS, portal, portal.port, from_host)
+        yield PortalRule(
+            table=FILTER,
+            chain=NON_LOCAL_NODEPORTS,
+            comment=str(portal.service),
+            protocol=portal.protocol.value.lower(),
+            dport=portal.proxy_port,
+            target="ACCEPT",
+            state_new=True,
+        )
+        return
+    if portal.kind is PortalKind.EXTERNAL_IP:
+        not_bridged = _rule(CONTAINER_PORTALS, portal, portal.port, from_container)
+        yield replace(not_bridged, not_physdev_in=True)
+        yield _rule(CONTAINER_PORTALS, portal, portal.port, from_container, dst_local=True)
+        yield _rule(HOST_PORTALS, portal, portal.port, from_host, dst_local=True)
+        return
+    # ClusterIP and LoadBalancer ingress IP.
+    yield _rule(CONTAINER_PORTALS, portal, portal.port, from_container)
+    yield _rule(HOST_PORTALS, portal, portal.port, from_host)
+
+
+def _portal_key(p: Portal) -> tuple[str, str, str, str, str, str, int, int]:
+    # Same order as Portal's own ordering, but on plain tuples: 5x faster at 10,000 portals.
+    s = p.service
+    return (s.namespace, s.name, s.port_name, s.protocol, p.kind, p.ip or "", p.port, p.proxy_port)
+
+
+class RuleBuilder:
+    """Builds rule sets, remembering each portal's rules (and their text) between syncs.
+
+    A sync at 10,000 service ports mostly repeats the last one; rebuilding 20,000 rules costs
+    ~0.4 s of Python, looking them up ~20 ms. The memory is pruned to the current portals.
+    """
+
+    def __init__(self, *, host_ip: str, listen_ip: str = ANY_IPV4) -> None:
+        if _is_any(host_ip) or ipaddress.ip_address(host_ip).is_loopback:
+            raise ValueError(f"host_ip must be a routable node address, not {host_ip}")
+        redirect = _is_any(listen_ip)
+        self._targets = _Targets(redirect, listen_ip, host_ip if redirect else listen_ip)
+        self._by_portal: dict[Portal, tuple[PortalRule, ...]] = {}
+        self.lines: dict[PortalRule, str] = {}
+
+    def build(self, portals: Collection[Portal]) -> RuleSet:
+        """The exact rule set for ``portals`` (sorted, duplicates dropped)."""
+        by_portal: dict[Portal, tuple[PortalRule, ...]] = {}
+        seen: set[PortalRule] = set()
+        ordered: list[PortalRule] = []
+        for portal in sorted(set(portals), key=_portal_key):
+            rules = self._by_portal.get(portal)
+            if rules is None:
+                if portal.kind is not PortalKind.NODE_PORT and portal.ip is None:
+                    raise ValueError(
+                        f"portal of kind {portal.kind} for {portal.service} has no address"
+                    )
+                rules = tuple(_rules_for(portal, self._targets))
+            by_portal[portal] = rules
+            for rule in rules:
+                if rule not in seen:
+                    seen.add(rule)
+                    ordered.append(rule)
+        self._by_portal = by_portal
+        self.lines = {rule: self.lines.get(rule) or rule.save_line() for rule in ordered}
+        # Stable per chain: group by chain in the fixed chain order, keeping portal order within.
+        ordered.sort(key=lambda r: _CHAIN_ORDER[r.chain])
+        return RuleSet(jumps=JUMPS, rules=tuple(ordered))
+
+
+_CHAIN_ORDER = {c: i for i, c in enumerate(c for t in TABLES for c in CHAINS[t])}
+
+
+def build_rules(portals: Collection[Portal], *, host_ip: str, listen_ip: str = ANY_IPV4) -> RuleSet:
+    """Turn the desired portals into the exact rule set (sorted, duplicates dropped).
+
+    ``host_ip`` is the node address host-originated traffic is DNATed to; ``listen_ip`` is
+    where the proxy sockets are bound (any address: REDIRECT from containers).
+    """
+    return RuleBuilder(host_ip=host_ip, listen_ip=listen_ip).build(portals)
+
+
+def restore_payload(
+    ruleset: RuleSet,
+    table: str,
+    *,
+    missing_jumps: Collection[JumpRule] = (),
+    lines: Mapping[PortalRule, str] | None = None,
+) -> str:
+    """The ``iptables-restore --noflush`` input replacing uproxy's chains in ``table``.
+
+    Declaring a chain (``:NAME - [0:0]``) creates it or flushes it, so the whole table's share
+    of uproxy is replaced in one atomic commit; other chains are left alone. Jumps that are
+    missing from built-in chains are added in the same commit.
+    """
+    out = [f"*{table}"]
+    out.extend(f":{chain} - [0:0]" for chain in ruleset.chains[table])
+    for jump in ruleset.jumps_in(table):
+        if jump in missing_jumps:
+            where = f"-I {jump.chain} 1" if jump.first else f"-A {jump.chain}"
+            out.append(f"{where} {jump.spec()}")
+    if lines is None:
+        out.extend(rule.save_line() for rule in ruleset.rules_in(table))
+    else:
+        out.extend(lines[rule] for rule in ruleset.rules_in(table))
+    out.append("COMMIT")
+    return "\n".join(out) + "\n"

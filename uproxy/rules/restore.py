@@ -1,0 +1,165 @@
+"""The ``iptables-restore`` backend: uproxy's chains replaced atomically, one commit per table.
+
+Why restore and not one ``iptables`` call per rule: a sync of 10,000 portal rules takes about
+0.1 s (legacy) / 0.3 s (nft) this way, against minutes rule by rule. The input names only
+uproxy's chains (``--noflush``), and declaring a chain flushes it, so each table's share is
+replaced in a single commit and nobody else's rules are touched. Jumps from the built-in chains
+are read (``-S`` on the three built-in chains) and added in the same commit when missing, so a
+sync also repairs a flushed table.
+
+nft or legacy: chosen the way kube-proxy's image does it (iptables-wrappers' DetectMode), so
+uproxy writes to the same variant as the kubelet; ``mode`` overrides it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+from collections.abc import Collection
+
+from uproxy.rules import command
+from uproxy.rules.base import Portal, RulesError
+from uproxy.rules.portals import ANY_IPV4, JUMPS, TABLES, RuleBuilder, RuleSet, restore_payload
+from uproxy.rules.saved import SavedTable, cleanup_payload, matches, missing_jumps, parse_save
+
+log = logging.getLogger("uproxy.rules.restore")
+
+MODES = ("nft", "legacy")
+_HINTS = ("KUBE-IPTABLES-HINT", "KUBE-KUBELET-CANARY")
+LOCK_WAIT_S = 5
+
+
+def _has_hint(save_output: str) -> bool:
+    return any(f":{hint} " in save_output for hint in _HINTS)
+
+
+async def detect_mode() -> str:
+    """nft when the kubelet's hint chain is in nft mangle; legacy when it is in legacy; else nft.
+
+    The legacy probe saves *all* tables: ``-t mangle`` would create the legacy mangle table.
+    """
+    if shutil.which("iptables-nft-save"):
+        done = await command.run(["iptables-nft-save", "-t", "mangle"], check=False)
+        if done.returncode == 0 and _has_hint(done.stdout):
+            return "nft"
+    if shutil.which("iptables-legacy-save"):
+        done = await command.run(["iptables-legacy-save"], check=False)
+        if done.returncode == 0 and _has_hint(done.stdout):
+            return "legacy"
+    return "nft"
+
+
+async def save(mode: str) -> str:
+    """Every table of ``mode`` (does not create legacy tables)."""
+    return (await command.run([f"iptables-{mode}-save"])).stdout
+
+
+async def builtin_rules(mode: str) -> dict[str, SavedTable]:
+    """The rules of the built-in chains uproxy jumps from, as ``-A`` lines.
+
+    ``-S CHAIN`` reads one chain: ~2 ms with nft at any number of services, where a full
+    ``iptables-nft-save`` of 20,000 rules takes 0.7 s.
+    """
+    tables: dict[str, SavedTable] = {}
+    for table, chain in sorted({(j.table, j.chain) for j in JUMPS}):
+        argv = [f"iptables-{mode}", "-w", str(LOCK_WAIT_S), "-t", table, "-S", chain]
+        out = (await command.run(argv)).stdout
+        lines = [line for line in out.splitlines() if line.startswith("-A ")]
+        tables.setdefault(table, SavedTable(table)).chains[chain] = lines
+    return tables
+
+
+async def restore(mode: str, payload: str) -> None:
+    await command.run(
+        [f"iptables-{mode}-restore", "--noflush", "-w", str(LOCK_WAIT_S)], stdin=payload
+    )
+
+
+async def cleanup_mode(mode: str) -> bool:
+    """Remove uproxy's jumps and chains from one variant; False when nothing was installed."""
+    if not shutil.which(f"iptables-{mode}-save"):
+        return False
+    payload = cleanup_payload(parse_save(await save(mode)))
+    if payload is None:
+        return False
+    await restore(mode, payload)
+    log.info("Removed iptables rules", extra={"kv": {"mode": mode}})
+    return True
+
+
+class RestoreBackend:
+    """Programs the portal rules with ``iptables-{nft,legacy}-restore``."""
+
+    name = "iptables-restore"
+
+    def __init__(self, *, host_ip: str, mode: str = "auto", listen_ip: str = ANY_IPV4) -> None:
+        if mode not in ("auto", *MODES):
+            raise RulesError(f"unknown iptables mode {mode!r}: use auto, nft or legacy")
+        try:
+            self._builder = RuleBuilder(host_ip=host_ip, listen_ip=listen_ip)
+        except ValueError as exc:
+            raise RulesError(str(exc)) from None
+        self.host_ip = host_ip
+        self.listen_ip = listen_ip
+        self._requested_mode = mode
+        self._mode: str | None = None if mode == "auto" else mode
+        self._lock = asyncio.Lock()
+        self._installed: RuleSet | None = None
+
+    async def mode(self) -> str:
+        """The variant in use (detected once, on first use)."""
+        if self._mode is None:
+            self._mode = await detect_mode()
+            log.info("Using iptables mode", extra={"kv": {"mode": self._mode}})
+        return self._mode
+
+    async def sync(self, portals: Collection[Portal]) -> None:
+        async with self._lock:
+            try:
+                ruleset = self._builder.build(portals)
+            except ValueError as exc:
+                raise RulesError(str(exc)) from None
+            mode = await self.mode()
+            missing = missing_jumps(await builtin_rules(mode), ruleset)
+            payload = "".join(
+                restore_payload(ruleset, t, missing_jumps=missing, lines=self._builder.lines)
+                for t in TABLES
+            )
+            await restore(mode, payload)
+            if missing:
+                log.info(
+                    "Installed jumps into uproxy chains",
+                    extra={"kv": {"mode": mode, "count": len(missing)}},
+                )
+            self._installed = ruleset
+
+    async def check(self) -> bool:
+        """Whether the jumps into uproxy's chains are all in place.
+
+        Cheap at any size (three short built-in chains are read), and it notices what
+        actually happens to nodes: a flushed table, a firewall reload, deleted chains (a chain
+        cannot be deleted while a jump refers to it). A rule deleted by hand from inside
+        uproxy's chains is not looked for: every sync rewrites those chains whole, so the
+        periodic sync repairs it. ``verify`` compares everything.
+        """
+        async with self._lock:
+            if self._installed is None:
+                return True
+            return not missing_jumps(await builtin_rules(await self.mode()), self._installed)
+
+    async def verify(self) -> bool:
+        """Full comparison of the installed chains with the last sync (reads every table)."""
+        async with self._lock:
+            if self._installed is None:
+                return True
+            return matches(parse_save(await save(await self.mode())), self._installed)
+
+    async def cleanup(self) -> None:
+        async with self._lock:
+            for mode in MODES:
+                await cleanup_mode(mode)
+            self._installed = None
+
+    async def close(self) -> None:
+        return None

@@ -1,0 +1,118 @@
+"""Reading ``iptables-save`` output: what is installed, per table and chain.
+
+The backends compare installed rules with the desired ones as text, so this parser keeps each
+``-A`` line verbatim (counters, which only appear with ``-c``, are never requested).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from uproxy.rules.portals import ALL_CHAINS, CHAINS, TABLES, JumpRule, RuleSet
+
+BUILTIN_CHAINS = frozenset({"PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING"})
+
+
+@dataclass(slots=True)
+class SavedTable:
+    name: str
+    chains: dict[str, list[str]] = field(default_factory=dict)  # chain -> its "-A" lines
+
+
+def parse_save(text: str) -> dict[str, SavedTable]:
+    """Parse ``iptables-save`` output into tables of chains of rule lines."""
+    tables: dict[str, SavedTable] = {}
+    current: SavedTable | None = None
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("*"):
+            current = tables.setdefault(line[1:], SavedTable(line[1:]))
+        elif current is None or line == "COMMIT":
+            continue
+        elif line.startswith(":"):
+            current.chains.setdefault(line[1:].split(" ", 1)[0], [])
+        elif line.startswith("-A "):
+            chain = line.split(" ", 2)[1]
+            current.chains.setdefault(chain, []).append(line)
+    return tables
+
+
+def jump_target(line: str) -> str | None:
+    """The chain a rule line jumps to (``-j NAME``), if any."""
+    parts = line.split()
+    for i, part in enumerate(parts[:-1]):
+        if part in ("-j", "-g"):
+            return parts[i + 1]
+    return None
+
+
+def strip_save(text: str) -> str:
+    """``iptables-save`` output without comments and counters, for byte comparison."""
+    out: list[str] = []
+    for raw in text.splitlines():
+        if raw.startswith("#"):
+            continue
+        if raw.startswith(":") and raw.endswith("]"):
+            raw = raw[: raw.rindex("[")].rstrip()
+        out.append(raw)
+    return "\n".join(out) + "\n"
+
+
+def missing_jumps(tables: dict[str, SavedTable], ruleset: RuleSet) -> list[JumpRule]:
+    """The jumps from built-in chains that are not installed."""
+    missing: list[JumpRule] = []
+    for jump in ruleset.jumps:
+        table = tables.get(jump.table)
+        if table is None or jump.save_line() not in table.chains.get(jump.chain, []):
+            missing.append(jump)
+    return missing
+
+
+def matches(tables: dict[str, SavedTable], ruleset: RuleSet) -> bool:
+    """Whether every chain, jump and rule of ``ruleset`` is installed, and nothing else of ours.
+
+    Rule *counts* per chain are compared (not the text): cheap, and enough to notice a flush,
+    a deleted chain or a lost table; the next sync rewrites the text anyway.
+    """
+    if missing_jumps(tables, ruleset):
+        return False
+    counts = ruleset.count_by_chain()
+    for table_name, chains in ruleset.chains.items():
+        table = tables.get(table_name)
+        if table is None:
+            return False
+        for chain in chains:
+            lines = table.chains.get(chain)
+            if lines is None or len(lines) != counts[chain]:
+                return False
+    return True
+
+
+def cleanup_payload(tables: dict[str, SavedTable]) -> str | None:
+    """``iptables-restore --noflush`` input deleting every jump to, and every one of, our chains.
+
+    None when nothing of uproxy's is installed.
+    """
+    blocks: list[str] = []
+    for name in TABLES:
+        table = tables.get(name)
+        if table is None:
+            continue
+        ours = [c for c in CHAINS[name] if c in table.chains]
+        deletes = [
+            "-D " + line[3:]
+            for chain, lines in table.chains.items()
+            if chain not in ALL_CHAINS
+            for line in lines
+            if jump_target(line) in ALL_CHAINS
+        ]
+        if not ours and not deletes:
+            continue
+        lines = [f"*{name}", *deletes]
+        lines.extend(f":{chain} - [0:0]" for chain in ours)
+        lines.extend(f"-X {chain}" for chain in ours)
+        lines.append("COMMIT")
+        blocks.append("\n".join(lines) + "\n")
+    return "".join(blocks) or None
