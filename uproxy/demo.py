@@ -143,5 +143,5 @@ def _print_instructions(proxy: Proxy) -> None:
         lines.append(
             f"  curl -s http://127.0.0.1:{proxy.metrics_server.port}/metrics | grep uproxy_"
         )
-    lines.append("Edit nothing, break nothing: Ctrl-C stops the demo.")
+    lines.append("Ctrl-C stops the demo.")
     print("\n".join(lines), flush=True)

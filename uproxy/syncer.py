@@ -331,7 +331,7 @@ class Syncer:
         for spn in sorted(self.ports):
             pp = self.ports[spn]
             listens = [_hostport(lst) for lst in (pp.cluster, pp.external) if lst is not None]
-            eps = pp.balancer.endpoints(Traffic.CLUSTER)
+            eps = sorted(pp.balancer.endpoints(Traffic.CLUSTER))
             rows.append(
                 TableRow(
                     service=str(spn),

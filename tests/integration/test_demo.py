@@ -12,20 +12,21 @@ import time
 import urllib.request
 
 
-def read_until(proc: subprocess.Popen[str], pattern: str, timeout: float) -> str:
+def read_until(proc: subprocess.Popen[bytes], pattern: str, timeout: float) -> str:
+    # Raw reads on the descriptor: a buffered readline() could hide lines from select().
     assert proc.stdout is not None
+    fd = proc.stdout.fileno()
     sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    out = ""
+    sel.register(fd, selectors.EVENT_READ)
+    out = b""
     deadline = time.monotonic() + timeout
-    while not re.search(pattern, out):
+    while not re.search(pattern.encode(), out):
         left = deadline - time.monotonic()
         if left <= 0 or proc.poll() is not None:
-            raise AssertionError(f"demo did not print {pattern!r}; output so far:\n{out}")
+            raise AssertionError(f"demo did not print {pattern!r}; output so far:\n{out.decode()}")
         if sel.select(left):
-            line = proc.stdout.readline()
-            out += line
-    return out
+            out += os.read(fd, 65536)
+    return out.decode()
 
 
 def test_demo_serves_three_backends_and_stops_on_ctrl_c() -> None:
@@ -33,7 +34,7 @@ def test_demo_serves_three_backends_and_stops_on_ctrl_c() -> None:
         [sys.executable, "-m", "uproxy.cli", "demo"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        text=True,
+        bufsize=0,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     try:
@@ -62,5 +63,5 @@ def test_demo_serves_three_backends_and_stops_on_ctrl_c() -> None:
             proc.kill()
             raise
     assert proc.returncode == 0, err
-    assert "demo stopped" in rest
-    assert "Traceback" not in err
+    assert b"demo stopped" in rest
+    assert b"Traceback" not in err
