@@ -1,0 +1,88 @@
+"""A TCP listener in its own process, so tests can measure its RSS and starve its fds.
+
+Usage: python -m tests.dataplane.proxy_child --backend HOST:PORT [--nofile N]
+Prints ``PORT <n> NOFILE <n>`` once listening. Each ``stats`` line on stdin is answered
+with one JSON line (active connections, accept pauses, VmRSS in KiB); EOF on stdin shuts
+the listener down and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import resource
+import sys
+
+import uvloop
+
+from uproxy import metrics
+from uproxy.dataplane.balancer import Balancer
+from uproxy.dataplane.limits import raise_nofile_limit
+from uproxy.dataplane.settings import DataplaneSettings
+from uproxy.dataplane.tcp import TcpListener
+from uproxy.model import Endpoint, LbAlgorithm, Protocol, ServicePort, ServicePortName, Traffic
+
+
+def rss_kib() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:  # out of fds, in the EMFILE test
+        pass
+    return -1
+
+
+def accept_pauses() -> float:
+    total = 0.0
+    for metric in metrics.ACCEPT_PAUSED.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_total"):
+                total += sample.value
+    return total
+
+
+async def main(backend: str, nofile: int | None) -> None:
+    if nofile is not None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+    limit = raise_nofile_limit()
+    host, port = backend.rsplit(":", 1)
+    name = ServicePortName("default", "child", "", Protocol.TCP)
+    settings = DataplaneSettings()
+    balancer = Balancer(
+        name, node_name="n", default_algorithm=LbAlgorithm.ROUND_ROBIN, settings=settings
+    )
+    balancer.update(ServicePort(name=name, port=80), [Endpoint(host, int(port))])
+    listener = await TcpListener.open(
+        name=name,
+        balancer=balancer,
+        traffic=Traffic.CLUSTER,
+        host="127.0.0.1",
+        port=0,
+        settings=settings,
+    )
+    print(f"PORT {listener.port} NOFILE {limit}", flush=True)
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    while line := await reader.readline():
+        if line.strip() == b"stats":
+            stats = {"active": listener.active, "paused": accept_pauses(), "rss_kib": rss_kib()}
+            print(json.dumps(stats), flush=True)
+    await listener.shutdown(1.0)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--backend", required=True)
+    parser.add_argument("--nofile", type=int)
+    parser.add_argument("--profile", help="write a cProfile of the run to this file")
+    args = parser.parse_args()
+    if args.profile:
+        import cProfile
+
+        cProfile.run("uvloop.run(main(args.backend, args.nofile))", args.profile)
+    else:
+        uvloop.run(main(args.backend, args.nofile))

@@ -1,0 +1,294 @@
+"""TCP relay through real sockets on loopback: balancing, integrity, half-close, failures."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from collections import Counter
+
+from tests.dataplane.conftest import (
+    NODE,
+    TCP_NAME,
+    BackendFactory,
+    ListenerFactory,
+    digest,
+    make_balancer,
+    open_fds,
+    wait_until,
+)
+from uproxy import metrics
+from uproxy.dataplane.settings import DataplaneSettings
+from uproxy.model import Endpoint, LbAlgorithm, ServicePort, Traffic
+
+S = DataplaneSettings()
+
+
+async def ident_via(port: int, *, local: str = "127.0.0.1") -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(local, 0))
+    try:
+        return (await asyncio.wait_for(reader.readline(), 5)).strip()
+    finally:
+        writer.close()
+        await writer.wait_closed()
+
+
+async def test_round_robin_splits_300_connections_exactly(
+    backends: BackendFactory, tcp_listener: ListenerFactory
+) -> None:
+    bs = [await backends(f"b{i}", greet=True) for i in range(3)]
+    listener = await tcp_listener(make_balancer(TCP_NAME, [b.endpoint for b in bs], settings=S))
+    seen = Counter([await ident_via(listener.port) for _ in range(300)])
+    assert seen == {b"b0": 100, b"b1": 100, b"b2": 100}
+
+
+async def test_random_is_within_15_percent_of_even(
+    backends: BackendFactory, tcp_listener: ListenerFactory
+) -> None:
+    bs = [await backends(f"b{i}", greet=True) for i in range(3)]
+    balancer = make_balancer(
+        TCP_NAME, [b.endpoint for b in bs], settings=S, algorithm=LbAlgorithm.RANDOM
+    )
+    listener = await tcp_listener(balancer)
+    seen = Counter([await ident_via(listener.port) for _ in range(300)])
+    assert set(seen) == {b"b0", b"b1", b"b2"}
+    assert all(85 <= n <= 115 for n in seen.values()), seen
+
+
+async def test_client_ip_affinity_pins_then_moves_after_expiry(
+    backends: BackendFactory, tcp_listener: ListenerFactory
+) -> None:
+    now = [500.0]
+    bs = [await backends(f"b{i}", greet=True) for i in range(3)]
+    balancer = make_balancer(
+        TCP_NAME, [b.endpoint for b in bs], settings=S, affinity_s=30, clock=lambda: now[0]
+    )
+    listener = await tcp_listener(balancer)
+    first = await ident_via(listener.port, local="127.0.0.11")
+    other = await ident_via(listener.port, local="127.0.0.12")
+    assert other != first  # a different client IP is balanced normally
+    for _ in range(10):
+        now[0] += 20  # within the timeout of the previous use
+        assert await ident_via(listener.port, local="127.0.0.11") == first
+    now[0] += 31
+    assert await ident_via(listener.port, local="127.0.0.11") != first
+
+
+async def relay(port: int, payload: bytes, *, chunk: int = 256 * 1024) -> bytes:
+    """Send ``payload`` through the proxy to an echo backend, half-close, read all back."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+
+    async def send() -> None:
+        view = memoryview(payload)
+        for i in range(0, len(view), chunk):
+            writer.write(view[i : i + chunk])
+            await writer.drain()
+        writer.write_eof()
+
+    sender = asyncio.create_task(send())
+    received = bytearray()
+    while data := await reader.read(1 << 20):
+        received += data
+    await sender
+    writer.close()
+    await writer.wait_closed()
+    return bytes(received)
+
+
+async def test_64_mib_each_way_through_one_connection(
+    backends: BackendFactory, tcp_listener: ListenerFactory
+) -> None:
+    b = await backends("echo")
+    listener = await tcp_listener(make_balancer(TCP_NAME, [b.endpoint], settings=S))
+    to_endpoint = metrics.BYTES.labels(str(TCP_NAME), "to_endpoint")
+    to_client = metrics.BYTES.labels(str(TCP_NAME), "to_client")
+    opened = metrics.OPEN_CONNECTIONS.labels(str(TCP_NAME), "TCP")
+    before = (to_endpoint._value.get(), to_client._value.get(), opened._value.get())
+    payload = os.urandom(64 << 20)
+    got = await asyncio.wait_for(relay(listener.port, payload), 60)
+    assert digest(got) == digest(payload)
+    await wait_until(lambda: listener.active == 0, what="pair closed")
+    after = (to_endpoint._value.get(), to_client._value.get(), opened._value.get())
+    assert (after[0] - before[0], after[1] - before[1], after[2]) == (64 << 20, 64 << 20, before[2])
+
+
+async def test_200_concurrent_connections_of_1_mib_and_no_fd_growth(
+    backends: BackendFactory, tcp_listener: ListenerFactory
+) -> None:
+    b = await backends("echo")
+    listener = await tcp_listener(make_balancer(TCP_NAME, [b.endpoint], settings=S))
+    await relay(listener.port, b"warm-up")  # lazily created loop fds are not a leak
+    await wait_until(lambda: listener.active == 0, what="warm-up closed")
+    before = open_fds()
+    payloads = [os.urandom(1 << 20) for _ in range(200)]
+    results = await asyncio.wait_for(
+        asyncio.gather(*(relay(listener.port, p) for p in payloads)), 120
+    )
+    for sent, got in zip(payloads, results, strict=True):
+        assert digest(got) == digest(sent)
+    await wait_until(lambda: listener.active == 0 and b.open == 0, what="all pairs closed")
+    await wait_until(lambda: open_fds() <= before, what=f"fds back to {before}")
+
+
+async def test_half_close_client_still_gets_the_full_reply(tcp_listener: ListenerFactory) -> None:
+    """The backend reads until EOF, then answers: only works if the FIN is passed on alone."""
+    reply = os.urandom(3 << 20)
+    got_request = asyncio.Event()
+    request = bytearray()
+
+    async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        request.extend(await r.read())  # until the client's FIN
+        got_request.set()
+        w.write(reply)
+        await w.drain()
+        w.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        port = server.sockets[0].getsockname()[1]
+        ep = Endpoint("127.0.0.1", port, node_name=NODE)
+        listener = await tcp_listener(make_balancer(TCP_NAME, [ep], settings=S))
+        sent = os.urandom(100_000)
+        got = await asyncio.wait_for(relay(listener.port, sent), 10)
+        assert digest(bytes(request)) == digest(sent)
+        assert digest(got) == digest(reply)
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+def refused_endpoint() -> Endpoint:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # bound and closed, not listening: connecting is refused
+    return Endpoint("127.0.0.1", port, node_name=NODE)
+
+
+async def test_one_refusing_endpoint_out_of_three_all_connections_succeed(
+    backends: BackendFactory, tcp_listener: ListenerFactory
+) -> None:
+    bs = [await backends(f"b{i}", greet=True) for i in range(2)]
+    eps = [bs[0].endpoint, refused_endpoint(), bs[1].endpoint]
+    failed = metrics.DIAL_ATTEMPTS.labels(result="failed")
+    failed_before = failed._value.get()
+    listener = await tcp_listener(make_balancer(TCP_NAME, eps, settings=S))
+    seen = Counter([await ident_via(listener.port) for _ in range(100)])
+    assert sum(seen.values()) == 100 and set(seen) == {b"b0", b"b1"}
+    assert failed._value.get() - failed_before >= 30  # the refusing one was really tried
+
+
+async def test_no_endpoints_resets_the_client_within_a_second(
+    tcp_listener: ListenerFactory,
+) -> None:
+    counter = metrics.NO_ENDPOINTS.labels(str(TCP_NAME), Traffic.CLUSTER.value)
+    before = counter._value.get()
+    listener = await tcp_listener(make_balancer(TCP_NAME, [], settings=S))
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    outcome = "answered"
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
+        try:
+            writer.write(b"hello")
+            data = await asyncio.wait_for(reader.read(100), 1.0)
+            outcome = "closed" if data == b"" else "answered"
+        finally:
+            writer.close()
+    except (ConnectionResetError, ConnectionRefusedError):
+        outcome = "reset"
+    assert outcome in ("reset", "closed")
+    assert loop.time() - started < 1.0
+    assert counter._value.get() == before + 1
+
+
+async def test_all_dials_failing_resets_the_client(tcp_listener: ListenerFactory) -> None:
+    listener = await tcp_listener(
+        make_balancer(TCP_NAME, [refused_endpoint(), refused_endpoint()], settings=S)
+    )
+    reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
+    try:
+        writer.write(b"early bytes")
+        try:
+            assert await asyncio.wait_for(reader.read(100), 2.0) == b""
+        except ConnectionResetError:
+            pass
+    finally:
+        writer.close()
+    await wait_until(lambda: listener.active == 0, what="failed pair released")
+
+
+async def test_existing_connections_survive_endpoint_updates(
+    backends: BackendFactory, tcp_listener: ListenerFactory
+) -> None:
+    old, new = await backends("old", greet=True), await backends("new", greet=True)
+    balancer = make_balancer(TCP_NAME, [old.endpoint], settings=S)
+    listener = await tcp_listener(balancer)
+    reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
+    assert (await reader.readline()).strip() == b"old"
+    balancer.update(ServicePort(name=TCP_NAME, port=80), [new.endpoint])
+    assert await ident_via(listener.port) == b"new"  # new connections go to the new set
+    payload = os.urandom(1 << 20)
+    writer.write(payload)
+    writer.write_eof()
+    got = await asyncio.wait_for(reader.read(), 10)  # the old pair still relays
+    assert digest(got) == digest(payload)
+    writer.close()
+    await writer.wait_closed()
+
+
+async def test_data_sent_before_the_dial_completes_is_forwarded(
+    backends: BackendFactory, tcp_listener: ListenerFactory
+) -> None:
+    """The first endpoint refuses, so the client's bytes wait for the second dial."""
+    b = await backends("echo")
+    balancer = make_balancer(TCP_NAME, [refused_endpoint(), b.endpoint], settings=S)
+    listener = await tcp_listener(balancer)
+    for _ in range(4):  # whichever endpoint comes first, some dials are retried
+        payload = os.urandom(1 << 20)  # more than high_water: reading the client pauses
+        got = await asyncio.wait_for(relay(listener.port, payload), 10)
+        assert digest(got) == digest(payload)
+
+
+async def test_both_sides_use_tcp_nodelay(
+    backends: BackendFactory, tcp_listener: ListenerFactory
+) -> None:
+    b = await backends("echo")
+    listener = await tcp_listener(make_balancer(TCP_NAME, [b.endpoint], settings=S))
+    reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
+    writer.write(b"x")
+    assert await reader.readexactly(1) == b"x"
+    (conn,) = listener._conns
+    for side in (conn, conn.peer):
+        assert side is not None and side.transport is not None
+        sock = side.transport.get_extra_info("socket")
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+    writer.close()
+    await writer.wait_closed()
+
+
+async def test_half_closed_pair_lingers_only_for_its_bound(tcp_listener: ListenerFactory) -> None:
+    """A backend that never sends its FIN: the pair is closed after half_close_linger_s."""
+    holders: list[asyncio.StreamWriter] = []
+
+    async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        holders.append(w)  # keep the connection open and silent
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        ep = Endpoint("127.0.0.1", server.sockets[0].getsockname()[1], node_name=NODE)
+        settings = DataplaneSettings(half_close_linger_s=0.3)
+        listener = await tcp_listener(
+            make_balancer(TCP_NAME, [ep], settings=settings), settings=settings
+        )
+        reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
+        writer.write_eof()
+        await wait_until(lambda: listener.active == 1, what="pair open")
+        assert await asyncio.wait_for(reader.read(), 3) == b""
+        await wait_until(lambda: listener.active == 0, timeout=3, what="pair closed")
+        writer.close()
+    finally:
+        for w in holders:
+            w.close()
+        server.close()
+        await server.wait_closed()

@@ -1,0 +1,256 @@
+"""UDP relay through real sockets on loopback: flows, sizes, expiry, bounds, reply source."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from tests.dataplane.conftest import (
+    NODE,
+    UDP_NAME,
+    UdpListenerFactory,
+    digest,
+    make_balancer,
+    open_fds,
+    wait_until,
+)
+from uproxy import metrics
+from uproxy.dataplane.settings import DataplaneSettings
+from uproxy.model import Endpoint, ServicePort, Traffic
+
+
+class _UdpEcho(asyncio.DatagramProtocol):
+    """Replies with its ident followed by the datagram."""
+
+    def __init__(self, ident: bytes) -> None:
+        self.ident = ident
+        self.transport: asyncio.DatagramTransport | None = None
+        self.received = 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+        self.received += 1
+        if self.transport is not None:
+            self.transport.sendto(self.ident + data, addr)
+
+
+class _UdpSink:
+    """Counts datagrams, draining its socket fully on every wake-up (keeps up with a burst)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.setblocking(False)
+        self.received = 0
+        self.loop = asyncio.get_running_loop()
+        self.loop.add_reader(self.sock.fileno(), self._drain)
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                self.sock.recv(70_000)
+            except BlockingIOError:
+                return
+            self.received += 1
+
+    @property
+    def endpoint(self) -> Endpoint:
+        return Endpoint("127.0.0.1", self.sock.getsockname()[1], node_name=NODE)
+
+    def close(self) -> None:
+        if self.sock.fileno() >= 0:
+            self.loop.remove_reader(self.sock.fileno())
+            self.sock.close()
+
+
+UdpBackendFactory = Callable[[str], Awaitable[tuple[Endpoint, _UdpEcho]]]
+
+
+@pytest.fixture
+async def udp_backends() -> AsyncIterator[UdpBackendFactory]:
+    transports: list[asyncio.DatagramTransport] = []
+
+    async def make(ident: str) -> tuple[Endpoint, _UdpEcho]:
+        loop = asyncio.get_running_loop()
+        transport, proto = await loop.create_datagram_endpoint(
+            lambda: _UdpEcho(ident.encode()), local_addr=("127.0.0.1", 0)
+        )
+        transports.append(transport)
+        port = transport.get_extra_info("sockname")[1]
+        return Endpoint("127.0.0.1", port, node_name=NODE), proto
+
+    yield make
+    for t in transports:
+        t.close()
+
+
+def client_socket(*, connect_to: tuple[str, int] | None = None) -> socket.socket:
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+    s.setblocking(False)
+    s.bind(("127.0.0.1", 0))
+    if connect_to is not None:
+        s.connect(connect_to)
+    return s
+
+
+async def exchange(sock: socket.socket, payload: bytes, to: tuple[str, int]) -> bytes:
+    loop = asyncio.get_running_loop()
+    sock.sendto(payload, to)
+    deadline = loop.time() + 3
+    while True:
+        try:
+            return sock.recv(70_000)
+        except BlockingIOError:
+            if loop.time() > deadline:
+                raise AssertionError("no reply within 3 s") from None
+            await asyncio.sleep(0.002)
+
+
+async def test_request_response_and_flow_reuse(
+    udp_backends: UdpBackendFactory, udp_listener: UdpListenerFactory
+) -> None:
+    (ep_a, _), (ep_b, _) = await udp_backends("a"), await udp_backends("b")
+    listener = await udp_listener(
+        make_balancer(UDP_NAME, [ep_a, ep_b], settings=DataplaneSettings(udp_timeout_s=5))
+    )
+    to = ("127.0.0.1", listener.port)
+    with client_socket() as c1, client_socket() as c2:
+        r1 = await exchange(c1, b"ping-1", to)
+        r2 = await exchange(c2, b"ping-2", to)
+        assert {r1[:1], r2[:1]} == {b"a", b"b"} and r1[1:] == b"ping-1" and r2[1:] == b"ping-2"
+        for i in range(5):  # one flow per client: the same endpoint every time
+            assert await exchange(c1, b"again%d" % i, to) == r1[:1] + b"again%d" % i
+        assert listener.active == 2
+
+
+async def test_a_60000_byte_datagram_arrives_whole(
+    udp_backends: UdpBackendFactory, udp_listener: UdpListenerFactory
+) -> None:
+    ep, echo = await udp_backends("x")
+    listener = await udp_listener(make_balancer(UDP_NAME, [ep], settings=DataplaneSettings()))
+    payload = os.urandom(60_000)
+    with client_socket() as c:
+        c.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+        reply = await exchange(c, payload, ("127.0.0.1", listener.port))
+    assert digest(reply) == digest(b"x" + payload)
+    assert echo.received == 1
+
+
+async def test_flows_expire_after_the_idle_timeout(
+    udp_backends: UdpBackendFactory, udp_listener: UdpListenerFactory
+) -> None:
+    ep, _ = await udp_backends("x")
+    settings = DataplaneSettings(udp_timeout_s=0.2)
+    listener = await udp_listener(
+        make_balancer(UDP_NAME, [ep], settings=settings), settings=settings
+    )
+    to = ("127.0.0.1", listener.port)
+    fds = open_fds()
+    with client_socket() as c:
+        await exchange(c, b"1", to)
+        assert listener.active == 1
+        for _ in range(6):  # traffic every 0.1 s keeps the flow alive across timeouts
+            await asyncio.sleep(0.1)
+            await exchange(c, b"2", to)
+            assert listener.active == 1
+        started = time.monotonic()
+        await wait_until(lambda: listener.active == 0, timeout=2, what="flow expiry")
+        idle = time.monotonic() - started
+    assert 0.1 <= idle <= 0.6, idle
+    assert open_fds() <= fds  # the flow's socket was closed
+
+
+async def test_flow_table_is_bounded_under_10000_client_ports(
+    udp_listener: UdpListenerFactory, request: pytest.FixtureRequest
+) -> None:
+    sink = _UdpSink()
+    request.addfinalizer(sink.close)
+    ep = sink.endpoint
+    settings = DataplaneSettings(udp_max_flows=128, udp_timeout_s=30)
+    listener = await udp_listener(
+        make_balancer(UDP_NAME, [ep], settings=settings), settings=settings
+    )
+    to = ("127.0.0.1", listener.port)
+    gauge = metrics.UDP_FLOWS.labels(str(UDP_NAME))
+    fds = open_fds()
+    flows_before = metrics.CONNECTIONS.labels(str(UDP_NAME), "UDP", "ok")._value.get()
+    largest = 0
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 60
+    ports: set[int] = set()
+    for i in range(10_000):
+        assert loop.time() < deadline, "bounded loop ran out of time"
+        with client_socket() as c:
+            ports.add(c.getsockname()[1])
+            c.sendto(b"%d" % i, to)
+        if i % 32 == 31:
+            await asyncio.sleep(0.001)  # let the listener and the backend drain their sockets
+            largest = max(largest, listener.active)
+            assert gauge._value.get() <= 128
+    flows = metrics.CONNECTIONS.labels(str(UDP_NAME), "UDP", "ok")
+    await wait_until(lambda: flows._value.get() - flows_before >= 9_500, what="flows created")
+    await wait_until(lambda: sink.received >= 9_500, timeout=10, what="datagrams relayed")
+    largest = max(largest, listener.active)
+    assert len(ports) > 1_000  # many distinct client addresses really were used
+    assert 64 <= largest <= 128
+    assert open_fds() <= fds + 128
+
+
+async def test_no_endpoint_drops_and_counts(udp_listener: UdpListenerFactory) -> None:
+    counter = metrics.NO_ENDPOINTS.labels(str(UDP_NAME), Traffic.CLUSTER.value)
+    before = counter._value.get()
+    listener = await udp_listener(make_balancer(UDP_NAME, [], settings=DataplaneSettings()))
+    with client_socket() as c:
+        for _ in range(3):
+            c.sendto(b"lost", ("127.0.0.1", listener.port))
+        await wait_until(lambda: counter._value.get() == before + 3, what="drops counted")
+        with pytest.raises(BlockingIOError):
+            c.recv(100)
+    assert listener.active == 0
+
+
+async def test_flows_persist_across_endpoint_updates(
+    udp_backends: UdpBackendFactory, udp_listener: UdpListenerFactory
+) -> None:
+    (old, _), (new, _) = await udp_backends("o"), await udp_backends("n")
+    balancer = make_balancer(UDP_NAME, [old], settings=DataplaneSettings(udp_timeout_s=5))
+    listener = await udp_listener(balancer)
+    to = ("127.0.0.1", listener.port)
+    with client_socket() as c1, client_socket() as c2:
+        assert (await exchange(c1, b"x", to))[:1] == b"o"
+        balancer.update(ServicePort(name=UDP_NAME, port=53), [new])
+        assert (await exchange(c2, b"x", to))[:1] == b"n"
+        assert (await exchange(c1, b"y", to))[:1] == b"o"
+
+
+async def test_wildcard_listener_replies_from_the_address_the_client_used(
+    udp_backends: UdpBackendFactory, udp_listener: UdpListenerFactory
+) -> None:
+    """A connected client socket accepts only replies from the address it sent to."""
+    ep, _ = await udp_backends("w")
+    listener = await udp_listener(
+        make_balancer(UDP_NAME, [ep], settings=DataplaneSettings(udp_timeout_s=5)),
+        host="0.0.0.0",
+    )
+    for target in ("127.0.0.2", "127.0.0.3"):
+        with client_socket(connect_to=(target, listener.port)) as c:
+            c.send(b"hi")
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 3
+            while True:
+                try:
+                    data, source = c.recvfrom(100)
+                    break
+                except BlockingIOError:
+                    assert loop.time() < deadline, f"no reply from {target}"
+                    await asyncio.sleep(0.005)
+            assert data == b"whi" and source == (target, listener.port)

@@ -1,0 +1,46 @@
+"""Data-plane tunables, grouped in one frozen object the syncer hands to every listener.
+
+Every field names its unit and says why it has its default, so that an operator reading
+``--udp-timeout`` or a benchmark tweaking buffer sizes knows what the number trades off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DataplaneSettings:
+    # Seconds without a datagram either way before a UDP flow is closed (--udp-timeout).
+    # kube-proxy's userspace default: 250 ms, enough for DNS and short RPCs.
+    udp_timeout_s: float = 0.25
+    # UDP flows per listener; the least recently active one is evicted first. Each flow holds
+    # one socket (an fd), so this bounds a listener's fds under a flood of client ports.
+    udp_max_flows: int = 4096
+    # Seconds allowed for each dial attempt; one attempt per entry, each to a different
+    # endpoint. The original userspace proxy's schedule (250 ms doubling to 2 s).
+    dial_timeouts_s: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0)
+    # Seconds a half-closed TCP pair may stay open before both sides are closed, so that
+    # a peer that never sends its FIN cannot pile up FIN_WAIT2/CLOSE_WAIT sockets.
+    half_close_linger_s: float = 60.0
+    # Bytes: when one side's write buffer grows above high_water, the other side stops being
+    # read until the buffer drains below low_water. 256 KiB keeps a 10 Gb/s pipe busy while
+    # bounding memory per connection to about 2 x high_water.
+    high_water: int = 256 * 1024
+    low_water: int = 64 * 1024
+    # ClientIP affinity entries per balancer (one per client IP); oldest evicted first.
+    max_affinity_entries: int = 65536
+    # listen() backlog of TCP proxy ports (the kernel caps it at net.core.somaxconn).
+    # Large, because a burst of new connections must not see SYN drops while Python runs.
+    listen_backlog: int = 4096
+    # Connections accepted per readiness callback: amortises the callback over a burst,
+    # small enough that one busy port cannot starve the others on the loop.
+    accept_batch: int = 64
+    # Seconds accepting stays paused after EMFILE/ENFILE/ENOBUFS/ENOMEM. Short: fds come back
+    # as soon as connections close; long enough that a full fd table does not spin the loop.
+    accept_backoff_s: float = 0.1
+    # Bytes of the UDP receive buffer: one datagram of up to 65,507 bytes (IPv4) or 65,527
+    # (IPv6) always fits, so a datagram is never truncated.
+    udp_buffer: int = 65536
+    # Datagrams read per readiness callback (same trade-off as accept_batch).
+    udp_batch: int = 64

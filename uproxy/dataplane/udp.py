@@ -1,0 +1,300 @@
+"""UDP proxy ports: a flow per client address, each with its own socket to an endpoint.
+
+The listener reads datagrams from one socket per service port (and traffic class). The
+first datagram from a client address creates a flow: a socket connected to the endpoint
+the balancer picked, so the endpoint's replies arrive on a socket that already identifies
+the client. Replies leave through the listener socket, from the address the client sent
+to: behind REDIRECT, conntrack only turns the reply's source back into the ClusterIP if it
+comes from the address the request was delivered to.
+
+Why raw sockets with ``loop.add_reader`` rather than ``DatagramProtocol``: to pick a reply's
+source address on a wildcard-bound socket we need ``recvmsg``/``sendmsg`` with IP_PKTINFO
+(IPV6_PKTINFO), which transports do not expose. One readiness callback drains up to
+``udp_batch`` datagrams into one preallocated 64 KiB buffer and forwards each slice of it
+without a copy; a specific bound address uses ``recvfrom_into``/``sendto`` (the kernel
+then answers from that address by itself).
+
+Idle flows are found by a periodic sweep (every ``udp_timeout_s / 2``, only while flows
+exist), not a timer per datagram: a datagram only stores ``loop.time()`` in its flow.
+The flow table is a dict in order of the clients' last datagram, so evicting "the least
+recently active" flow when the table is full is ``next(iter(...))``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import struct
+from typing import Self
+
+from uproxy import metrics
+from uproxy.dataplane.balancer import Balancer
+from uproxy.dataplane.settings import DataplaneSettings
+from uproxy.model import Endpoint, ServicePortName, Traffic
+
+log = logging.getLogger("uproxy.dataplane.udp")
+
+IP_PKTINFO = 8  # linux/in.h; not exported by Python's socket module
+_ANC_SIZE = socket.CMSG_SPACE(32)  # room for in_pktinfo (12 B) or in6_pktinfo (20 B)
+_WILDCARDS = ("0.0.0.0", "::", "")
+
+
+class UdpFlow:
+    """One client address and its connected socket to the chosen endpoint."""
+
+    __slots__ = ("client", "endpoint", "last", "listener", "pktinfo", "sock")
+
+    def __init__(
+        self,
+        listener: UdpListener,
+        client: tuple[str, int],
+        endpoint: Endpoint,
+        sock: socket.socket,
+        pktinfo: list[tuple[int, int, bytes]] | None,
+        now: float,
+    ) -> None:
+        self.listener = listener
+        self.client = client
+        self.endpoint = endpoint
+        self.sock = sock
+        self.pktinfo = pktinfo
+        self.last = now
+
+    def on_reply(self) -> None:
+        listener = self.listener
+        lsock = listener.sock
+        if lsock is None:
+            return
+        buf = listener.reply_buffer
+        view = listener.reply_view
+        sock = self.sock
+        counter = listener.bytes_to_client
+        for _ in range(listener.settings.udp_batch):
+            try:
+                n = sock.recv_into(buf)
+            except BlockingIOError:
+                return
+            except OSError:
+                # ECONNREFUSED (ICMP port unreachable) and the like: forget the flow so the
+                # client's next datagram picks an endpoint afresh.
+                listener.drop_flow(self)
+                return
+            self.last = listener.loop.time()
+            counter.inc(n)
+            try:
+                if self.pktinfo is None:
+                    lsock.sendto(view[:n], self.client)
+                else:
+                    lsock.sendmsg([view[:n]], self.pktinfo, 0, self.client)
+            except OSError:
+                pass  # a full send buffer drops the reply, as the network would
+
+
+class UdpListener:
+    """One UDP proxy port of one service port and traffic class."""
+
+    def __init__(
+        self,
+        *,
+        loop: asyncio.AbstractEventLoop,
+        sock: socket.socket,
+        name: ServicePortName,
+        balancer: Balancer,
+        traffic: Traffic,
+        settings: DataplaneSettings,
+        pktinfo_level: int | None,
+    ) -> None:
+        self.loop = loop
+        self.sock: socket.socket | None = sock
+        self.name = name
+        self.balancer = balancer
+        self.traffic = traffic
+        self.settings = settings
+        self.host: str = sock.getsockname()[0]
+        self.port: int = sock.getsockname()[1]
+        self._family = sock.family
+        self._pktinfo_level = pktinfo_level
+        self.flows: dict[tuple[str, int], UdpFlow] = {}
+        self._buffer = bytearray(settings.udp_buffer)
+        self._view = memoryview(self._buffer)
+        self.reply_buffer = bytearray(settings.udp_buffer)
+        self.reply_view = memoryview(self.reply_buffer)
+        self._sweeper: asyncio.TimerHandle | None = None
+        service = str(name)
+        self.bytes_to_endpoint = metrics.BYTES.labels(service, "to_endpoint")
+        self.bytes_to_client = metrics.BYTES.labels(service, "to_client")
+        self._flows_gauge = metrics.UDP_FLOWS.labels(service)
+        self._new_flows = metrics.CONNECTIONS.labels(service, name.protocol.value, "ok")
+        self._refused = metrics.CONNECTIONS.labels(service, name.protocol.value, "no_endpoints")
+        self._no_endpoints = metrics.NO_ENDPOINTS.labels(service, traffic.value)
+
+    @classmethod
+    async def open(
+        cls,
+        *,
+        name: ServicePortName,
+        balancer: Balancer,
+        traffic: Traffic,
+        host: str,
+        port: int,
+        settings: DataplaneSettings,
+    ) -> Self:
+        """Bind and start receiving; port 0 lets the OS choose. Raises OSError."""
+        loop = asyncio.get_running_loop()
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_DGRAM)
+        pktinfo_level: int | None = None
+        try:
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind((host, port))
+            sock.setblocking(False)
+            if host in _WILDCARDS:
+                # Learn each datagram's destination address so the reply can leave from it.
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_RECVPKTINFO, 1)
+                    pktinfo_level = socket.IPPROTO_IPV6
+                else:
+                    sock.setsockopt(socket.IPPROTO_IP, IP_PKTINFO, 1)
+                    pktinfo_level = socket.IPPROTO_IP
+        except OSError:
+            sock.close()
+            raise
+        self = cls(
+            loop=loop,
+            sock=sock,
+            name=name,
+            balancer=balancer,
+            traffic=traffic,
+            settings=settings,
+            pktinfo_level=pktinfo_level,
+        )
+        loop.add_reader(sock.fileno(), self._on_datagrams)
+        return self
+
+    @property
+    def active(self) -> int:
+        """Live UDP flows."""
+        return len(self.flows)
+
+    def _reply_pktinfo(self, ancdata: list[tuple[int, int, bytes]]) -> list[tuple[int, int, bytes]]:
+        """Ancillary data that makes a reply leave from the request's destination address."""
+        for level, kind, data in ancdata:
+            if level == socket.IPPROTO_IP and kind == IP_PKTINFO and len(data) >= 12:
+                # struct in_pktinfo {int ifindex; in_addr spec_dst; in_addr addr}: send from
+                # addr (the request's destination) and let routing choose the interface.
+                return [(level, kind, struct.pack("=i4s4s", 0, data[8:12], bytes(4)))]
+            if level == socket.IPPROTO_IPV6 and kind == socket.IPV6_PKTINFO:
+                return [(level, kind, data[:20])]  # in6_pktinfo: send as received
+        return []
+
+    def _on_datagrams(self) -> None:
+        sock = self.sock
+        if sock is None:
+            return
+        buf = self._buffer
+        view = self._view
+        flows = self.flows
+        pktinfo = self._pktinfo_level is not None
+        ancdata: list[tuple[int, int, bytes]] = []
+        now = self.loop.time()
+        for _ in range(self.settings.udp_batch):
+            try:
+                if pktinfo:
+                    n, ancdata, _flags, addr = sock.recvmsg_into([buf], _ANC_SIZE)
+                else:
+                    n, addr = sock.recvfrom_into(buf)
+            except BlockingIOError:
+                break
+            except OSError:
+                continue
+            client = (addr[0], addr[1])
+            flow = flows.pop(client, None)
+            if flow is None:
+                flow = self._new_flow(client, ancdata if pktinfo else None, now)
+                if flow is None:
+                    continue
+            flows[client] = flow  # re-insert: the dict stays in order of client activity
+            flow.last = now
+            self.bytes_to_endpoint.inc(n)
+            try:
+                flow.sock.send(view[:n])
+            except BlockingIOError:
+                pass  # dropped, as a full network queue would
+            except OSError:
+                self.drop_flow(flow)  # e.g. ECONNREFUSED from an earlier datagram
+        self._flows_gauge.set(len(flows))
+
+    def _new_flow(
+        self,
+        client: tuple[str, int],
+        ancdata: list[tuple[int, int, bytes]] | None,
+        now: float,
+    ) -> UdpFlow | None:
+        ep = self.balancer.pick(client[0], self.traffic)
+        if ep is None:
+            self._refused.inc()
+            self._no_endpoints.inc()
+            return None
+        flows = self.flows
+        while len(flows) >= self.settings.udp_max_flows:
+            self.drop_flow(next(iter(flows.values())))
+        family = socket.AF_INET6 if ":" in ep.ip else socket.AF_INET
+        try:
+            sock = socket.socket(family, socket.SOCK_DGRAM)
+        except OSError:
+            return None  # out of fds: drop this datagram, the client will retry
+        try:
+            sock.setblocking(False)
+            sock.connect(ep.address)
+        except OSError:
+            sock.close()
+            self.balancer.dial_failed(client[0], ep)
+            return None
+        reply_anc = self._reply_pktinfo(ancdata) if ancdata is not None else None
+        flow = UdpFlow(self, client, ep, sock, reply_anc or None, now)
+        self.loop.add_reader(sock.fileno(), flow.on_reply)
+        self._new_flows.inc()
+        if self._sweeper is None:
+            self._sweeper = self.loop.call_later(self._sweep_interval(), self._sweep)
+        return flow
+
+    def _sweep_interval(self) -> float:
+        return max(self.settings.udp_timeout_s / 2, 0.01)
+
+    def _sweep(self) -> None:
+        self._sweeper = None
+        deadline = self.loop.time() - self.settings.udp_timeout_s
+        for flow in [f for f in self.flows.values() if f.last <= deadline]:
+            self.drop_flow(flow)
+        self._flows_gauge.set(len(self.flows))
+        if self.flows and self.sock is not None:
+            self._sweeper = self.loop.call_later(self._sweep_interval(), self._sweep)
+
+    def drop_flow(self, flow: UdpFlow) -> None:
+        if self.flows.get(flow.client) is flow:
+            del self.flows[flow.client]
+        fd = flow.sock.fileno()
+        if fd >= 0:
+            self.loop.remove_reader(fd)
+            flow.sock.close()
+
+    def close(self) -> None:
+        """Stop receiving and drop every flow (replies could no longer reach clients)."""
+        sock = self.sock
+        if sock is None:
+            return
+        self.sock = None
+        self.loop.remove_reader(sock.fileno())
+        sock.close()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+        for flow in list(self.flows.values()):
+            self.drop_flow(flow)
+        self._flows_gauge.set(0)
+
+    async def shutdown(self, timeout: float) -> None:
+        """Close at once: UDP has no connections to drain (``timeout`` is for symmetry)."""
+        self.close()
