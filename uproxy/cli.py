@@ -8,12 +8,12 @@ on stderr and a non-zero exit, never a traceback.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from uproxy import __version__
+from uproxy.eventloop import run_loop
 from uproxy.log import setup as setup_logging
 from uproxy.settings import Settings, SettingsError, convert, setting_fields, validate
 
@@ -97,20 +97,6 @@ def parse_settings(argv: Sequence[str]) -> tuple[Settings, argparse.Namespace]:
             setattr(settings, f.name, convert(f, getattr(ns, f.name)))
     validate(settings)
     return settings, ns
-
-
-def run_loop(main: Callable[[], Coroutine[Any, Any, int]], event_loop: str = "auto") -> int:
-    """Run ``main`` on uvloop when wanted and installed, else on asyncio."""
-    if event_loop in ("auto", "uvloop"):
-        try:
-            import uvloop
-        except ImportError:
-            if event_loop == "uvloop":
-                raise SettingsError("--event-loop uvloop: uvloop is not installed") from None
-        else:
-            result: int = uvloop.run(main())
-            return result
-    return asyncio.run(main())
 
 
 def main(argv: Sequence[str] | None = None) -> int:

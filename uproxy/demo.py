@@ -15,6 +15,7 @@ from importlib import resources
 
 from aiohttp import web
 
+from uproxy.eventloop import run_loop
 from uproxy.log import setup as setup_logging
 from uproxy.model import Protocol
 from uproxy.proxy import Proxy, StartupError, install_signal_handlers
@@ -82,8 +83,6 @@ def demo_main(argv: Sequence[str]) -> int:
     parser.add_argument("-v", type=int, default=0, dest="verbosity", help="log verbosity")
     ns = parser.parse_args(list(argv))
     setup_logging(verbosity=ns.verbosity)
-    from uproxy.cli import run_loop
-
     try:
         return run_loop(_demo)
     except KeyboardInterrupt:

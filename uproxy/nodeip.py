@@ -24,15 +24,21 @@ def _ip_json(*args: str) -> list[dict[str, object]]:
     return data if isinstance(data, list) else []
 
 
-def primary_ipv4(preferred: tuple[str, ...] = ()) -> str | None:
-    """The node IP: the first IPv4 of ``preferred`` (the Node's addresses) present locally,
-    else the default route's source address, else the first global IPv4 address."""
-    local = []
+def local_ipv4_addresses(*, global_only: bool = True) -> list[str]:
+    """This host's IPv4 addresses (global scope only, by default)."""
+    out = []
     for link in _ip_json("-4", "addr", "show"):
         infos = link.get("addr_info")
         for info in infos if isinstance(infos, list) else []:
-            if isinstance(info, dict) and info.get("scope") == "global":
-                local.append(str(info.get("local")))
+            if isinstance(info, dict) and (not global_only or info.get("scope") == "global"):
+                out.append(str(info.get("local")))
+    return out
+
+
+def primary_ipv4(preferred: tuple[str, ...] = ()) -> str | None:
+    """The node IP: the first IPv4 of ``preferred`` (the Node's addresses) present locally,
+    else the default route's source address, else the first global IPv4 address."""
+    local = local_ipv4_addresses()
     for ip in preferred:
         if ip in local:
             return ip

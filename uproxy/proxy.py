@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import os
 import signal
@@ -27,7 +28,7 @@ from uproxy.healthcheck import HealthCheckServers, HealthCheckSpec
 from uproxy.log import V2, kv
 from uproxy.metrics_server import MetricsServer
 from uproxy.model import ServicePortName
-from uproxy.nodeip import is_unspecified, primary_ipv4
+from uproxy.nodeip import is_unspecified, local_ipv4_addresses, primary_ipv4
 from uproxy.portrange import parse_port_range
 from uproxy.rules.base import RulesBackend
 from uproxy.rules.nodeports import NodePortReservations
@@ -173,19 +174,11 @@ class Proxy:
             return [self.settings.listen_host]
         if not self.settings.nodeport_addresses:
             return ["0.0.0.0"]
-        import ipaddress
-
-        from uproxy.nodeip import _ip_json
-
         nets = [ipaddress.ip_network(c) for c in self.settings.nodeport_addresses]
         out = []
-        for link in _ip_json("-4", "addr", "show"):
-            infos = link.get("addr_info")
-            for info in infos if isinstance(infos, list) else []:
-                if isinstance(info, dict):
-                    ip = ipaddress.ip_address(str(info.get("local")))
-                    if any(ip in n for n in nets):
-                        out.append(str(ip))
+        for ip in local_ipv4_addresses(global_only=False):
+            if any(ipaddress.ip_address(ip) in n for n in nets):
+                out.append(ip)
         return out
 
     async def _start_http(self) -> None:
