@@ -40,7 +40,9 @@ from uproxy.tracker import Tracker
 
 log = logging.getLogger("uproxy.proxy")
 
-RULES_CHECK_INTERVAL_S = 5.0  # the cheap "are our rules still there" check
+# The cheap "are our rules still there" check (reads three built-in chains, ~20 ms): often
+# enough that traffic is back within a few seconds of someone flushing the nat table.
+RULES_CHECK_INTERVAL_S = 1.0
 
 
 class StartupError(Exception):

@@ -1,0 +1,109 @@
+"""The services the end-to-end tests proxy, and the backends behind them.
+
+Backends name themselves (``web-1``…), so a test can tell which endpoint answered; their
+addresses and ports are fixed, the EndpointSlices point at them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.e2e.cluster import Cluster
+from tests.e2e.harness import slice_endpoint
+from tests.factories import endpoint_slice, service
+
+Obj = dict[str, Any]
+
+WEB_IP = "10.96.0.10"
+DNS_IP = "10.96.0.53"
+SUM_IP = "10.96.0.20"
+EXTERNAL_IP = "203.0.113.10"
+LB_IP = "203.0.113.20"
+WEB_NODE_PORT = 30080
+WEB_PORT = 8080  # every http backend
+SUM_PORT = 9000  # every sum backend
+DNS_NAME = "www.svc.test"
+DNS_ANSWER = "192.0.2.53"
+
+
+def backend_argv(net: Cluster) -> list[str]:
+    """The servers module serving ``web-N`` (http) and ``sum-N`` on every backend address."""
+    import sys
+
+    specs = []
+    for i, ip in enumerate(net.backend_ips, start=1):
+        specs += [f"web-{i}={ip}:{WEB_PORT}:http", f"sum-{i}={ip}:{SUM_PORT}:sum"]
+    return [sys.executable, "-m", "tests.e2e.servers", *specs]
+
+
+def dnsmasq_argv(ip: str) -> list[str]:
+    return [
+        "dnsmasq",
+        "--no-daemon",
+        "--conf-file=/dev/null",
+        "--pid-file=",
+        "--user=root",
+        "--port=53",
+        f"--listen-address={ip}",
+        "--bind-interfaces",
+        "--no-resolv",
+        "--no-hosts",
+        f"--address=/svc.test/{DNS_ANSWER}",
+    ]
+
+
+def web_service(name: str = "web", *, cluster_ip: str = WEB_IP, **spec: Any) -> Obj:
+    return service(
+        name,
+        cluster_ip=cluster_ip,
+        ports=[{"name": "http", "port": 80, "protocol": "TCP", "targetPort": WEB_PORT}],
+        **spec,
+    )
+
+
+def web_slice(name: str, service_name: str, endpoints: list[Obj]) -> Obj:
+    return endpoint_slice(
+        name,
+        service_name,
+        endpoints=endpoints,
+        ports=[{"name": "http", "port": WEB_PORT, "protocol": "TCP"}],
+    )
+
+
+def lb_web(net: Cluster) -> list[Obj]:
+    """A LoadBalancer service with a NodePort, an externalIP and an ingress IP; two endpoints."""
+    svc = web_service(type="LoadBalancer", externalIPs=[EXTERNAL_IP])
+    svc["spec"]["ports"][0]["nodePort"] = WEB_NODE_PORT
+    svc["status"] = {"loadBalancer": {"ingress": [{"ip": LB_IP}]}}
+    eps = [slice_endpoint(ip) for ip in net.backend_ips[:2]]
+    return [svc, web_slice("web-1", "web", eps)]
+
+
+def dns(net: Cluster) -> list[Obj]:
+    svc = service(
+        "dns",
+        cluster_ip=DNS_IP,
+        ports=[{"name": "dns", "port": 53, "protocol": "UDP", "targetPort": 53}],
+    )
+    eps = endpoint_slice(
+        "dns-1",
+        "dns",
+        endpoints=[slice_endpoint(net.topo.backend_ip)],
+        ports=[{"name": "dns", "port": 53, "protocol": "UDP"}],
+    )
+    return [svc, eps]
+
+
+def sum_service(net: Cluster, *, endpoints: int = 1) -> list[Obj]:
+    svc = service(
+        "sum",
+        cluster_ip=SUM_IP,
+        ports=[{"name": "raw", "port": 9000, "protocol": "TCP", "targetPort": SUM_PORT}],
+    )
+    eps = endpoint_slice(
+        "sum-1",
+        "sum",
+        endpoints=[slice_endpoint(ip) for ip in net.backend_ips[:endpoints]],
+        ports=[{"name": "raw", "port": SUM_PORT, "protocol": "TCP"}],
+    )
+    return [svc, eps]

@@ -1,0 +1,114 @@
+"""Issue 4: ``uproxy --cleanup`` restores the tables, and a taken node port is one clear error.
+
+Someone else's rules are installed before uproxy starts (in the variant uproxy writes), so
+"restored" means: theirs still there, uproxy's gone, and both ``iptables-nft-save`` and
+``iptables-legacy-save`` print exactly what they printed before (counters stripped).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.cluster import Cluster
+from tests.e2e.conftest import StartProc, StartUproxy
+from tests.e2e.harness import ServicesFile, curl, slice_endpoint
+from tests.e2e.manifests import WEB_IP, WEB_NODE_PORT, backend_argv, lb_web, web_service, web_slice
+from tests.e2e.saved import normalized
+from tests.netns.helpers import FOREIGN
+
+pytestmark = [pytest.mark.root]
+
+MODES = ("nft", "legacy")
+
+
+def saves(net: Cluster) -> dict[str, str]:
+    return {m: normalized(net.topo.run(net.topo.node, f"iptables-{m}-save")) for m in MODES}
+
+
+@pytest.mark.parametrize(
+    ("rules", "mode"),
+    [
+        pytest.param(["--rules", "auto"], "nft", id="restore-nft"),
+        pytest.param(
+            ["--rules", "auto", "--iptables-mode", "legacy"], "legacy", id="restore-legacy"
+        ),
+        pytest.param(["--rules", "iptables"], "legacy", id="python-iptables"),
+    ],
+)
+def test_cleanup_restores_iptables_save_exactly(
+    net: Cluster,
+    services: ServicesFile,
+    start_proc: StartProc,
+    start_uproxy: StartUproxy,
+    tmp_path: Path,
+    rules: list[str],
+    mode: str,
+) -> None:
+    topo = net.topo
+    topo.run(topo.node, f"iptables-{mode}-restore", "--noflush", stdin=FOREIGN)
+    before = saves(net)
+    assert "OTHER-NAT" in before[mode]
+
+    start_proc(topo.backend, backend_argv(net), ready_line=True)
+    services.put(*lb_web(net))
+    services.write()
+    proxy = start_uproxy(rules[1], extra=rules[2:])
+    proxy.wait_synced()
+    curl(topo, topo.pod, f"http://{WEB_IP}/", body=b"installed", tmp=tmp_path)
+    during = saves(net)
+    assert "KUBE-PORTALS-CONTAINER" in during[mode]
+    assert "-A OUTPUT -j OTHER-NAT" in during[mode]  # someone else's rules are untouched
+    assert proxy.stop() == 0
+
+    # Exit status 0 is checked by run(); afterwards the tables are exactly as before.
+    topo.run(topo.node, sys.executable, "-m", "uproxy.cli", "--cleanup")
+    assert saves(net) == before
+
+
+def test_taken_node_port_is_one_error_line_and_others_keep_working(
+    net: Cluster,
+    services: ServicesFile,
+    start_proc: StartProc,
+    start_uproxy: StartUproxy,
+    tmp_path: Path,
+) -> None:
+    topo = net.topo
+    taken_port = 30081
+    holder = (
+        "import socket, time\n"
+        f"s = socket.create_server(('0.0.0.0', {taken_port}))\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(300)\n"
+    )
+    start_proc(topo.node, [sys.executable, "-c", holder], ready_line=True)
+    start_proc(topo.backend, backend_argv(net), ready_line=True)
+    taken = web_service("taken", cluster_ip="10.96.0.11", type="NodePort")
+    taken["spec"]["ports"][0]["nodePort"] = taken_port
+    taken_eps = web_slice("taken-1", "taken", [slice_endpoint(net.backend_ips[2])])
+    services.put(*lb_web(net), taken, taken_eps)
+    services.write()
+    proxy = start_uproxy("auto")
+    proxy.wait_synced()
+    # A few more syncs (a file change each): the error must still be reported only once.
+    for i in range(3):
+        started = time.time()
+        services.put(web_service(f"filler-{i}", cluster_ip=f"10.96.1.{i + 1}"))
+        services.write()
+        proxy.wait_synced(after=started)
+
+    errors = [line for line in proxy.proc.stderr_lines if str(taken_port) in line]
+    assert len(errors) == 1, proxy.proc.stderr_lines
+    assert errors[0].startswith("E"), errors[0]
+    assert "default/taken" in errors[0]
+    assert f"node port {taken_port}/TCP" in errors[0]
+
+    # The other service works on every path; the taken service's ClusterIP works too.
+    curl(topo, topo.pod, f"http://{WEB_IP}/", body=b"cluster", tmp=tmp_path)
+    curl(topo, topo.outside, f"http://{topo.node_ip}:{WEB_NODE_PORT}/", body=b"np", tmp=tmp_path)
+    answers = curl(topo, topo.pod, "http://10.96.0.11/", body=b"taken", tmp=tmp_path)
+    assert [a.name for a in answers] == ["web-3"]
+    assert proxy.proc.popen.poll() is None

@@ -1,0 +1,81 @@
+"""Issue 4: service traffic from a pod, the node and outside reaches the backends (both backends).
+
+uproxy runs as a real process in the node namespace and follows a services file; real clients
+(curl, dig) send real bytes, and every HTTP answer carries the length and sha256 of the body
+the backend received.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.cluster import Cluster
+from tests.e2e.conftest import StartProc, StartUproxy
+from tests.e2e.harness import ServicesFile, curl, dig, wait_until_ok
+from tests.e2e.manifests import (
+    DNS_ANSWER,
+    DNS_IP,
+    DNS_NAME,
+    EXTERNAL_IP,
+    LB_IP,
+    WEB_IP,
+    WEB_NODE_PORT,
+    backend_argv,
+    dns,
+    dnsmasq_argv,
+    lb_web,
+)
+
+RULES = [pytest.param("auto", id="restore"), pytest.param("iptables", id="python-iptables")]
+
+pytestmark = [pytest.mark.root]
+
+
+@pytest.mark.parametrize("rules", RULES)
+def test_pod_node_and_outside_reach_backends(
+    net: Cluster,
+    services: ServicesFile,
+    start_proc: StartProc,
+    start_uproxy: StartUproxy,
+    tmp_path: Path,
+    rules: str,
+) -> None:
+    topo = net.topo
+    start_proc(topo.backend, backend_argv(net), ready_line=True)
+    start_proc(topo.backend, dnsmasq_argv(topo.backend_ip))
+    wait_until_ok(
+        lambda: dig(topo, topo.backend, topo.backend_ip, DNS_NAME) == DNS_ANSWER,
+        message="dnsmasq answering",
+    )
+    services.put(*lb_web(net), *dns(net))
+    services.write()
+    proxy = start_uproxy(rules)
+    proxy.wait_synced()
+
+    body = bytes(range(256)) * 4096  # 1 MiB, every byte value
+    web = f"http://{WEB_IP}/"
+    # From a pod (PREROUTING, REDIRECT): round robin over both endpoints.
+    names = {a.name for a in curl(topo, topo.pod, web, body=body, tmp=tmp_path, count=4)}
+    assert names == {"web-1", "web-2"}
+    # From the node itself (OUTPUT, DNAT to the node address).
+    assert {a.name for a in curl(topo, topo.node, web, body=body, tmp=tmp_path, count=2)} == {
+        "web-1",
+        "web-2",
+    }
+    # From outside: the node port on the node's address, the externalIP, the LB ingress IP.
+    for url in (
+        f"http://{topo.node_ip}:{WEB_NODE_PORT}/",
+        f"http://{EXTERNAL_IP}/",
+        f"http://{LB_IP}/",
+    ):
+        assert {
+            a.name for a in curl(topo, topo.outside, url, body=body, tmp=tmp_path, count=2)
+        } == {
+            "web-1",
+            "web-2",
+        }, url
+    # UDP through the ClusterIP, from a pod and from the node.
+    assert dig(topo, topo.pod, DNS_IP, DNS_NAME) == DNS_ANSWER
+    assert dig(topo, topo.node, DNS_IP, DNS_NAME) == DNS_ANSWER
