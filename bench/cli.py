@@ -1,0 +1,406 @@
+"""``python -m bench``: run every peer through every workload and write the results.
+
+As root, each part of the run (one peer, the control-plane runs, the profile) happens in its
+own fresh network namespace: every peer starts from the same kernel state (no TIME_WAIT
+sockets or conntrack entries left by the previous peer, conntrack loaded only where the
+kernel-DNAT rule needs it). The bench re-executes itself inside each namespace, which is
+created here and removed on every exit path, Ctrl-C included. Without root everything runs on
+the host's loopback and the kernel-DNAT peer is skipped with a note. ``--quick`` runs each
+installed peer once, briefly, and still writes every output: CI uses it as a smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from bench import controlplane, dataplane, netns, report
+from bench import workloads as wl
+from bench.backends import BackendPorts, missing_tools
+from bench.backends import start as start_backends
+from bench.peers import Context, Peer, Uproxy, all_peers
+from bench.procs import Cores, ProcessGroup
+from bench.progress import Progress
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+FULL = dataplane.Plan(runs=3, warmup=True, durations=wl.Durations(tcp=3, http=3, udp=3))
+QUICK = dataplane.Plan(runs=1, warmup=False, durations=wl.Durations(tcp=1, http=1, udp=0.5))
+FULL_SIZES = [1000, 5000, 10000]
+QUICK_SIZES = [100, 500]
+RULES_SYNC_SIZES = {False: "100,1000,10000", True: "100,1000"}
+RULES_SYNC_PLANNED_S = {False: 40.0, True: 5.0}
+PROFILE_S = 6
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m bench",
+        description="uproxy side by side with no proxy, kernel DNAT, HAProxy, nginx stream and "
+        "socat: throughput, connection rate, latency, UDP, CPU, RSS and control-plane sync.",
+    )
+    p.add_argument("--quick", action="store_true", help="one brief run per peer (~1 minute)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        help=f"output directory (default: {DEFAULT_OUT}, or its quick/ subdirectory with --quick)",
+    )
+    p.add_argument("--peers", help="comma-separated peer names to run (default: all)")
+    p.add_argument("--runs", type=int, help="measured runs per workload (default: 3, quick: 1)")
+    p.add_argument("--no-control-plane", action="store_true", help="skip the sync-time runs")
+    p.add_argument("--no-profile", action="store_true", help="skip the py-spy profile")
+    p.add_argument("--no-rules-sync", action="store_true", help="skip python -m bench.rules_sync")
+    p.add_argument("--keep-logs", action="store_true", help="keep the child processes' logs")
+    p.add_argument("--no-netns", action="store_true", help="run on the host's loopback")
+    p.add_argument(
+        "--render",
+        type=Path,
+        metavar="RESULTS_JSON",
+        help="only rewrite RESULTS.md and the plots from a results.json (into --out or its dir)",
+    )
+    # Internal: one part of the run, inside its namespace.
+    p.add_argument("--inside", help=argparse.SUPPRESS)
+    p.add_argument("--part", help=argparse.SUPPRESS)
+    p.add_argument("--part-out", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--progress", help=argparse.SUPPRESS)
+    p.add_argument("--cores", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def _plan(args: argparse.Namespace) -> dataplane.Plan:
+    plan = QUICK if args.quick else FULL
+    if args.runs:
+        plan = dataplane.Plan(runs=args.runs, warmup=plan.warmup, durations=plan.durations)
+    return plan
+
+
+def _sizes(args: argparse.Namespace) -> list[int]:
+    return [] if args.no_control_plane else (QUICK_SIZES if args.quick else FULL_SIZES)
+
+
+def _cp_runs(args: argparse.Namespace) -> int:
+    return 1 if args.quick else 3
+
+
+def _cp_planned_run_s(args: argparse.Namespace) -> float:
+    return 1.5 if args.quick else 5.0
+
+
+def _part_planned_s(args: argparse.Namespace, part: str) -> float:
+    if part == "control-plane":
+        return _cp_planned_run_s(args) * _cp_runs(args) * len(_sizes(args)) + 1.0
+    if part == "profile":
+        return PROFILE_S + 4.0
+    return dataplane.planned_seconds(_plan(args), 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    args = parse(args_list)
+    if args.render:
+        return render(args.render, args.out or args.render.parent)
+    missing = missing_tools()
+    if missing:
+        print(
+            f"bench: error: missing tools: {', '.join(missing)} (Debian packages: nginx-light, "
+            "iperf3, wrk, util-linux)",
+            file=sys.stderr,
+        )
+        return 2
+    if args.part:
+        return run_part(args)
+    try:
+        return run_all(args, args_list)
+    except KeyboardInterrupt:
+        return 130
+
+
+def render(source: Path, out: Path) -> int:
+    """Rebuild the summary, table and plots from raw runs (after changing what is reported)."""
+    results: dict[str, Any] = json.loads(source.read_text())
+    for entry in results["peers"].values():
+        for runs in entry.get("runs", {}).values():
+            for figures in runs:
+                dataplane.derive_core_busy(figures)
+    results["summary"] = report.summary_table(
+        {p: e for p, e in results["peers"].items() if not e.get("skipped")}
+    )
+    for path in report.write(results, out):
+        print(path)
+    return 0
+
+
+def _terminate(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def run_all(args: argparse.Namespace, args_list: list[str]) -> int:
+    """The outer process: one part after another, then the report."""
+    signal.signal(signal.SIGTERM, _terminate)
+    use_netns = not args.no_netns and os.geteuid() == 0
+    plan = _plan(args)
+    out: Path = args.out or (DEFAULT_OUT / "quick" if args.quick else DEFAULT_OUT)
+    cores = Cores.pick()
+    peers = all_peers()
+    if args.peers:
+        wanted = set(args.peers.split(","))
+        peers = [p for p in peers if p.name in wanted]
+    probe_ctx = Context(
+        procs=ProcessGroup(logdir=Path(tempfile.gettempdir())),
+        cores=cores,
+        workdir=Path(tempfile.gettempdir()),
+        backend=BackendPorts(),
+        in_netns=use_netns,
+    )
+    uproxy_missing = Uproxy("uvloop").unavailable(probe_ctx)
+    parts: list[str] = []
+    results: dict[str, Any] = {
+        "meta": {
+            "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+            "quick": args.quick,
+            "netns": use_netns,
+            "cores": {"proxy": cores.proxy, "load": cores.load},
+            "plan": {
+                "runs": plan.runs,
+                "warmup": plan.warmup,
+                "durations": _durations_text(plan.durations),
+            },
+            "machine": report.machine(),
+            "uproxy_revision": _revision(),
+        },
+        "peers": {},
+    }
+    for peer in peers:
+        why = peer.unavailable(probe_ctx)
+        if why:
+            results["peers"][peer.name] = {"label": peer.label, "skipped": why}
+        else:
+            results["peers"][peer.name] = {"label": peer.label, "skipped": "did not run"}
+            parts.append(f"peer:{peer.name}")
+    if _sizes(args):
+        if uproxy_missing:
+            results["control_plane"] = {"sizes": {}, "notes": [f"skipped: {uproxy_missing}"]}
+        else:
+            parts.append("control-plane")
+    if not (args.quick or args.no_profile or uproxy_missing):
+        parts.append("profile")
+    rules_sync = use_netns and not args.no_rules_sync and RULES_SYNC.exists()
+    results["meta"]["load_average_start"] = _loadavg()
+    planned = sum(_part_planned_s(args, p) for p in parts)
+    planned += RULES_SYNC_PLANNED_S[args.quick] if rules_sync else 0.0
+    progress = Progress(planned_s=planned)
+    if results["meta"]["load_average_start"][0] > BUSY_LOADAVG:
+        progress.say(
+            f"warning: the machine is busy (load average {results['meta']['load_average_start']}"
+            "): figures will be noisy; rerun on a quiet machine to compare small differences"
+        )
+    for peer in peers:
+        why = results["peers"][peer.name]["skipped"]
+        if why != "did not run":
+            progress.say(f"{peer.name}: skipped: {why}")
+    failed = False
+    with tempfile.TemporaryDirectory(prefix="uproxy-bench-parts-") as tmp:
+        for i, part in enumerate(parts):
+            part_out = Path(tmp) / f"part-{i}.json"
+            child_args = [
+                *args_list,
+                "--part",
+                part,
+                "--part-out",
+                str(part_out),
+                "--progress",
+                f"{progress.done_planned_s},{planned},{progress.start_wall}",
+                "--cores",
+                f"{cores.proxy},{cores.load}",
+            ]
+            if use_netns:
+                name = f"ubench-{os.getpid()}-{i}"
+                rc = netns.run_inside(name, [*child_args, "--inside", name])
+            else:
+                rc = run_part(parse(child_args))
+            if rc == 130:
+                progress.say("interrupted")
+                return 130
+            progress.advance(_part_planned_s(args, part))
+            try:
+                data: dict[str, Any] = json.loads(part_out.read_text())
+            except (OSError, json.JSONDecodeError):
+                data = {"error": f"exited with {rc} before writing its results"}
+            failed |= _merge(results, part, data, progress)
+    if rules_sync:
+        results["rules_sync"] = _rules_sync(args.quick, progress)
+    results["meta"]["elapsed_s"] = progress.elapsed()
+    results["meta"]["load_average_end"] = _loadavg()
+    results["summary"] = report.summary_table(
+        {p: e for p, e in results["peers"].items() if not e.get("skipped")}
+    )
+    paths = report.write(results, out)
+    progress.say("wrote " + ", ".join(str(p) for p in paths))
+    return 1 if failed else 0
+
+
+BUSY_LOADAVG = 0.7
+
+
+def _revision() -> str:
+    """The checkout measured, ``-dirty`` when it has uncommitted changes."""
+    try:
+        done = subprocess.run(
+            ["git", "describe", "--always", "--dirty"],
+            cwd=Path(__file__).resolve().parent.parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+    return done.stdout.strip() or "?"
+
+
+def _loadavg() -> list[float]:
+    """1, 5 and 15 minute load averages: a busy machine makes every figure noisy."""
+    try:
+        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+    except (OSError, ValueError):
+        return [0.0, 0.0, 0.0]
+
+
+RULES_SYNC = Path(__file__).resolve().parent / "rules_sync.py"
+
+
+def _rules_sync(quick: bool, progress: Progress) -> dict[str, Any]:
+    """The rules backends' sync time: ``python -m bench.rules_sync``, its table kept as is."""
+    progress.say("rules sync: python -m bench.rules_sync")
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "bench.rules_sync", "--sizes", RULES_SYNC_SIZES[quick]],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": "timed out after 600 s"}
+    progress.advance(RULES_SYNC_PLANNED_S[quick])
+    if done.returncode != 0:
+        progress.say(f"rules sync: failed: {done.stderr.strip()[-300:]}")
+        return {"error": done.stderr.strip()[-300:]}
+    progress.say("rules sync: done")
+    return {"sizes": RULES_SYNC_SIZES[quick], "markdown": done.stdout.strip()}
+
+
+def _merge(results: dict[str, Any], part: str, data: dict[str, Any], progress: Progress) -> bool:
+    """Fold one part's output into the results; True when the part failed."""
+    error = data.get("error")
+    if part.startswith("peer:"):
+        name = part.removeprefix("peer:")
+        if error:
+            results["peers"][name]["skipped"] = f"failed: {error}"
+            progress.say(f"{name}: FAILED: {error}")
+            return True
+        results["peers"][name] = data["entry"]
+        return False
+    if part == "control-plane":
+        results["control_plane"] = data.get("control_plane") or {
+            "sizes": {},
+            "notes": [f"failed: {error}"],
+        }
+        return bool(error)
+    results["profile"] = data.get("profile")
+    return False
+
+
+def run_part(args: argparse.Namespace) -> int:
+    """One part of the run, in this process (inside its namespace when there is one)."""
+    signal.signal(signal.SIGTERM, _terminate)
+    plan = _plan(args)
+    proxy_core, load_core = (int(c) for c in args.cores.split(","))
+    cores = Cores(proxy=proxy_core, load=load_core)
+    # The orchestrator's own polling belongs with the load, off the proxy's core (restored
+    # afterwards: without a namespace the parts run in the outer process).
+    affinity = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {cores.load})
+    done, planned, start = (float(x) for x in args.progress.split(","))
+    progress = Progress(planned_s=planned, start_wall=start)
+    progress.advance(done)
+    workdir = Path(tempfile.mkdtemp(prefix="uproxy-bench-"))
+    procs = ProcessGroup(logdir=workdir)
+    ctx = Context(
+        procs=procs,
+        cores=cores,
+        workdir=workdir,
+        backend=BackendPorts(),
+        in_netns=args.inside is not None,
+    )
+    part: str = args.part
+    result: dict[str, Any] = {}
+    try:
+        if part == "control-plane":
+            result["control_plane"] = controlplane.run(
+                _sizes(args),
+                _cp_runs(args),
+                procs=procs,
+                cores=cores,
+                workdir=workdir,
+                progress=progress,
+                planned_per_run_s=_cp_planned_run_s(args),
+            )
+        else:
+            backends = start_backends(procs, cores, workdir, ctx.backend)
+            scripts = wl.write_scripts(workdir, plan.durations)
+            if part == "profile":
+                from bench.profiling import profile_conn_rate
+
+                out: Path = args.out or DEFAULT_OUT
+                out.mkdir(parents=True, exist_ok=True)
+                result["profile"] = profile_conn_rate(
+                    ctx, backends, scripts, out_dir=out, seconds=PROFILE_S, progress=progress
+                )
+            else:
+                name = part.removeprefix("peer:")
+                peer = _peer(name)
+                index = [p.name for p in all_peers()].index(name)
+                where = "fresh namespace" if args.inside else "host loopback"
+                progress.say(f"{name}: {where}, backends up, proxy on CPU {cores.proxy}")
+                result["entry"] = dataplane.run_peer(
+                    index, peer, ctx, backends, plan, scripts, progress
+                )
+    except KeyboardInterrupt:
+        progress.say("interrupted: stopping every process")
+        return 130
+    except (RuntimeError, OSError) as e:
+        result["error"] = str(e)
+    finally:
+        procs.stop_all()
+        os.sched_setaffinity(0, affinity)
+        if args.keep_logs or "error" in result:
+            progress.say(f"{part}: child logs kept in {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+    args.part_out.write_text(json.dumps(result))
+    return 0
+
+
+def _peer(name: str) -> Peer:
+    for p in all_peers():
+        if p.name == name:
+            return p
+    raise RuntimeError(f"unknown peer {name!r}")
+
+
+def _durations_text(d: wl.Durations) -> str:
+    return (
+        f"iperf3 {d.tcp} s, wrk {d.http:g} s ({d.conn_connections} connections with "
+        f"Connection: close; {d.ka_connections} keep-alive connections paced at "
+        f"{d.ka_delay_ms} ms between requests), UDP {d.udp:g} s (16 sockets)"
+    )

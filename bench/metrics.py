@@ -1,0 +1,38 @@
+"""What the table reports: each figure, where it comes from, its unit and which way is better."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Metric:
+    key: str
+    workload: str  # the run it is read from
+    field: str  # the key in that run's figures
+    title: str
+    unit: str
+    higher_is_better: bool
+    scale: float = 1.0
+
+
+METRICS = [
+    Metric("tcp1_gbps", "tcp1", "gbps", "TCP throughput, 1 stream", "Gb/s", True),
+    Metric("tcp4_gbps", "tcp4", "gbps", "TCP throughput, 4 streams", "Gb/s", True),
+    Metric(
+        "cpu_s_per_gb", "tcp1", "cpu_s_per_gb", "Proxy CPU per GB (1 stream)", "CPU-s/GB", False
+    ),
+    Metric("conn_rate", "conn", "rate", "New connection per request", "req/s", True),
+    Metric("conn_p50", "conn", "p50_ms", "New connection latency p50", "ms", False),
+    Metric("conn_p99", "conn", "p99_ms", "New connection latency p99", "ms", False),
+    Metric("cpu_us_per_conn", "conn", "cpu_us_per_conn", "Proxy CPU per connection", "µs", False),
+    Metric("conn_core", "conn", "proxy_core_pct", "Proxy core busy, connection run", "%", False),
+    Metric("ka_p50", "keepalive", "p50_ms", "Keep-alive latency p50 (paced)", "ms", False),
+    Metric("ka_p99", "keepalive", "p99_ms", "Keep-alive latency p99 (paced)", "ms", False),
+    Metric("ka_rate", "keepalive", "rate", "Keep-alive offered rate achieved", "req/s", True),
+    Metric("udp_rate", "udp", "rate", "UDP request/response", "req/s", True),
+    Metric("udp_p99", "udp", "p99_ms", "UDP latency p99", "ms", False),
+    Metric("peak_rss_mb", "peak", "rss_mb", "Proxy peak RSS", "MiB", False),
+]
+
+BY_KEY = {m.key: m for m in METRICS}

@@ -1,0 +1,212 @@
+"""Starting the processes of a benchmark pinned to a core, measuring them, and always stopping them.
+
+Fairness rests on every peer getting the same CPU: the proxy on one core, load generators and
+backends on the other. Each child starts in its own session, so stopping it reaches whatever it
+forked (nginx workers, socat children) by process group id, and nothing else on the machine.
+Resource figures come from /proc: CPU time summed over the process tree (reaped children count
+through the parent's ``cutime``/``cstime``) and the peak resident set (``VmHWM``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True, slots=True)
+class Cores:
+    """Which core runs the proxy and which runs everything else."""
+
+    proxy: int
+    load: int
+
+    @classmethod
+    def pick(cls) -> Cores:
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) >= 2:
+            return cls(proxy=cpus[0], load=cpus[1])
+        return cls(proxy=cpus[0], load=cpus[0])
+
+
+def _raise_nofile() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
+class ProcessGroup:
+    """Every child process of a benchmark, stopped together on exit."""
+
+    def __init__(self, *, logdir: Path) -> None:
+        self.logdir = logdir
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self._logs: dict[int, Path] = {}
+        self._count = 0
+
+    def start(
+        self, argv: Sequence[str], *, core: int | None, name: str, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
+        """Start ``argv`` on ``core`` in its own session; output goes to a log file."""
+        self._count += 1
+        log = self.logdir / f"{self._count:03d}-{name}.log"
+        cmd = list(argv)
+        if core is not None:
+            cmd = ["taskset", "-c", str(core), *cmd]
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_raise_nofile,
+                env=env,
+            )
+        self._procs.append(proc)
+        self._logs[proc.pid] = log
+        return proc
+
+    def log_tail(self, proc: subprocess.Popen[bytes], *, lines: int = 5) -> str:
+        try:
+            text = self._logs[proc.pid].read_text(errors="replace")
+        except (KeyError, OSError):
+            return ""
+        return " | ".join(text.strip().splitlines()[-lines:])
+
+    def stop(self, proc: subprocess.Popen[bytes], *, timeout_s: float = 5.0) -> None:
+        """SIGTERM the child's process group, SIGKILL it if it lingers."""
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=timeout_s)
+        # Children that outlived their leader (a forked socat) share the group id.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    def stop_all(self) -> None:
+        for proc in reversed(self._procs):
+            self.stop(proc)
+        self._procs.clear()
+
+
+def run_pinned(
+    argv: Sequence[str], *, core: int | None, timeout_s: float
+) -> subprocess.CompletedProcess[str]:
+    """Run a load generator to completion on ``core``, bounded in time."""
+    cmd = list(argv)
+    if core is not None:
+        cmd = ["taskset", "-c", str(core), *cmd]
+    return subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+        preexec_fn=_raise_nofile,
+    )
+
+
+# --- /proc accounting --------------------------------------------------------------------
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    task_dir = Path(f"/proc/{pid}/task")
+    try:
+        tasks = list(task_dir.iterdir())
+    except OSError:
+        return out
+    for task in tasks:
+        try:
+            out.extend(int(c) for c in (task / "children").read_text().split())
+        except OSError:
+            continue
+    return out
+
+
+def tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants alive now."""
+    seen, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        seen.append(p)
+        todo.extend(_children(p))
+    return seen
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of the tree, including children it has already reaped."""
+    ticks = 0
+    for p in tree(pid):
+        try:
+            stat = Path(f"/proc/{p}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        # fields[0] is field 3 (state): utime=14, stime=15, cutime=16, cstime=17.
+        ticks += sum(int(fields[i - 3]) for i in (14, 15, 16, 17))
+    return ticks / CLK_TCK
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """Sum of VmHWM over the tree alive now."""
+    total = 0
+    for p in tree(pid):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    total += int(line.split()[1]) * 1024
+    return total
+
+
+# --- waiting for sockets -------------------------------------------------------------------
+
+
+def listening_ports(proto: str) -> set[int]:
+    """Local ports with a listening TCP socket or a bound UDP socket, in this namespace."""
+    ports: set[int] = set()
+    for family in ("", "6"):
+        try:
+            lines = Path(f"/proc/net/{proto}{family}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            parts = line.split()
+            local, state = parts[1], parts[3]
+            if proto == "tcp" and state != "0A":
+                continue
+            ports.add(int(local.rsplit(":", 1)[1], 16))
+    return ports
+
+
+def wait_listening(
+    *,
+    tcp: Sequence[int] = (),
+    udp: Sequence[int] = (),
+    timeout_s: float,
+    procs: Sequence[subprocess.Popen[bytes]] = (),
+) -> bool:
+    """Poll until every port is open; False on timeout or as soon as one of ``procs`` died."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in procs):
+            return False
+        if set(tcp) <= listening_ports("tcp") and set(udp) <= listening_ports("udp"):
+            return True
+        time.sleep(0.02)
+    return False

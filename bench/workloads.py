@@ -1,0 +1,134 @@
+"""The workloads, each one bounded run of a load generator returning raw figures.
+
+- bulk TCP: iperf3, 1 and 4 streams (the receiver's byte count);
+- new connection per request: wrk with ``Connection: close`` against the nginx backend;
+- keep-alive latency at a fixed moderate rate: wrk paced by its Lua ``delay()`` hook (each of
+  a few connections waits a fixed time between requests, so the offered rate does not depend
+  on the peer, and latency is timed from the request's write);
+- UDP request/response: ``bench.udp load``.
+
+wrk's own ``done()`` hook prints the figures as JSON, so no text scraping of its report.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.procs import run_pinned
+
+Figures = dict[str, float]
+
+WRK_DONE = """
+function done(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format(
+    'BENCHJSON {"requests": %d, "duration_us": %d, "connect_errors": %d, "read_errors": %d, '
+    .. '"write_errors": %d, "status_errors": %d, "timeouts": %d, "p50_us": %d, '
+    .. '"p90_us": %d, "p99_us": %d, "p999_us": %d, "max_us": %d}\\n',
+    summary.requests, summary.duration, e.connect, e.read, e.write, e.status, e.timeout,
+    latency:percentile(50), latency:percentile(90), latency:percentile(99),
+    latency:percentile(99.9), latency.max))
+end
+"""
+
+CONNECTION_CLOSE = 'wrk.headers["Connection"] = "close"\n'
+
+
+@dataclass(frozen=True, slots=True)
+class Durations:
+    """Seconds per measured run, per workload (iperf3 takes whole seconds)."""
+
+    tcp: int
+    http: float
+    udp: float
+    conn_connections: int = 16
+    ka_connections: int = 4
+    ka_delay_ms: int = 1
+
+
+class WorkloadError(RuntimeError):
+    pass
+
+
+def write_scripts(workdir: Path, d: Durations) -> dict[str, Path]:
+    scripts = {
+        "conn": CONNECTION_CLOSE + WRK_DONE,
+        "keepalive": f"function delay() return {d.ka_delay_ms} end\n" + WRK_DONE,
+    }
+    out = {}
+    for name, text in scripts.items():
+        path = workdir / f"wrk-{name}.lua"
+        path.write_text(text)
+        out[name] = path
+    return out
+
+
+def iperf(port: int, *, streams: int, seconds: int, core: int) -> Figures:
+    argv = ["iperf3", "-c", "127.0.0.1", "-p", str(port), "-t", str(seconds), "-P", str(streams)]
+    argv += ["-J", "--connect-timeout", "3000"]
+    res = run_pinned(argv, core=core, timeout_s=seconds + 20)
+    try:
+        data: dict[str, Any] = json.loads(res.stdout)
+    except json.JSONDecodeError as e:
+        raise WorkloadError(f"iperf3 gave no JSON: {res.stderr.strip()[:200]}") from e
+    if "error" in data:
+        raise WorkloadError(f"iperf3: {data['error']}")
+    recv = data["end"]["sum_received"]
+    return {
+        "gbps": float(recv["bits_per_second"]) / 1e9,
+        "bytes": float(recv["bytes"]),
+        "seconds": float(recv["seconds"]),
+    }
+
+
+def wrk(port: int, *, script: Path, connections: int, seconds: float, core: int) -> Figures:
+    argv = ["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s", "--timeout", "2s"]
+    argv += ["-s", str(script), f"http://127.0.0.1:{port}/"]
+    res = run_pinned(argv, core=core, timeout_s=seconds + 20)
+    for line in res.stdout.splitlines():
+        if line.startswith("BENCHJSON "):
+            raw = json.loads(line.removeprefix("BENCHJSON "))
+            secs = raw["duration_us"] / 1e6
+            errors = sum(
+                raw[k]
+                for k in (
+                    "connect_errors",
+                    "read_errors",
+                    "write_errors",
+                    "status_errors",
+                    "timeouts",
+                )
+            )
+            return {
+                "requests": float(raw["requests"]),
+                "rate": raw["requests"] / secs if secs > 0 else 0.0,
+                "errors": float(errors),
+                "p50_ms": raw["p50_us"] / 1e3,
+                "p90_ms": raw["p90_us"] / 1e3,
+                "p99_ms": raw["p99_us"] / 1e3,
+                "p999_ms": raw["p999_us"] / 1e3,
+                "max_ms": raw["max_us"] / 1e3,
+            }
+    raise WorkloadError(f"wrk gave no result: {(res.stderr or res.stdout).strip()[:200]}")
+
+
+def udp(port: int, *, seconds: float, core: int) -> Figures:
+    argv = [sys.executable, "-m", "bench.udp", "load", "--port", str(port)]
+    argv += ["--seconds", str(seconds), "--sockets", "16"]
+    res = run_pinned(argv, core=core, timeout_s=seconds + 20)
+    try:
+        raw: dict[str, float] = json.loads(res.stdout)
+    except json.JSONDecodeError as e:
+        raise WorkloadError(f"udp load gave no JSON: {res.stderr.strip()[:200]}") from e
+    return {
+        "rate": raw["rate"],
+        "seconds": raw["seconds"],
+        "errors": raw["bad"],
+        "lost": raw["lost"],
+        "p50_ms": raw["p50_us"] / 1e3,
+        "p99_ms": raw["p99_us"] / 1e3,
+    }
