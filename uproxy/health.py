@@ -27,7 +27,7 @@ from collections.abc import Callable
 from aiohttp import web
 
 from uproxy import metrics
-from uproxy.log import V3
+from uproxy.httpserver import HttpServer
 
 log = logging.getLogger("uproxy.health")
 
@@ -129,43 +129,17 @@ class ProxyHealth:
 _JSON_HEADERS = {"Content-Type": "application/json", "X-Content-Type-Options": "nosniff"}
 
 
-class HealthzServer:
-    """``/healthz`` and ``/livez`` over HTTP (aiohttp, no access log)."""
+class HealthzServer(HttpServer):
+    """``/healthz`` and ``/livez`` over HTTP."""
 
     def __init__(self, *, proxy_health: ProxyHealth, address: str, port: int) -> None:
         self._health = proxy_health
-        self._address = address
-        self._port = port
-        self._runner: web.AppRunner | None = None
-
-    @property
-    def port(self) -> int:
-        """The bound port (the real one when constructed with 0); 0 before start."""
-        if self._runner is None or not self._runner.addresses:
-            return 0
-        return int(self._runner.addresses[0][1])
-
-    async def start(self) -> None:
-        """Bind and serve. A bind failure raises OSError with its errno, nothing left open."""
-        if self._runner is not None:
-            return
-        app = web.Application()
-        app.router.add_route("*", "/healthz", self._healthz)
-        app.router.add_route("*", "/livez", self._livez)
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
-        await runner.setup()
-        try:
-            await web.TCPSite(runner, self._address or None, self._port).start()
-        except BaseException:
-            await runner.cleanup()
-            raise
-        self._runner = runner
-        log.log(V3, "Starting healthz HTTP server", extra={"kv": {"address": self._address}})
-
-    async def close(self) -> None:
-        runner, self._runner = self._runner, None
-        if runner is not None:
-            await runner.cleanup()
+        super().__init__(
+            name="healthz",
+            address=address,
+            port=port,
+            routes=[("*", "/healthz", self._healthz), ("*", "/livez", self._livez)],
+        )
 
     async def _healthz(self, request: web.Request) -> web.Response:
         ok, body = self._health.report(include_node=True)

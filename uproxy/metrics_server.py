@@ -18,7 +18,7 @@ from aiohttp import web
 from prometheus_client import REGISTRY
 from prometheus_client.aiohttp import make_aiohttp_handler
 
-from uproxy.log import V3
+from uproxy.httpserver import HttpServer
 
 log = logging.getLogger("uproxy.metrics_server")
 
@@ -30,43 +30,20 @@ _TEXT_HEADERS = {
 }
 
 
-class MetricsServer:
-    """``/metrics``, ``/proxyMode`` and ``/healthz`` over HTTP (aiohttp, no access log)."""
+class MetricsServer(HttpServer):
+    """``/metrics``, ``/proxyMode`` and ``/healthz`` over HTTP."""
 
     def __init__(self, *, address: str, port: int) -> None:
-        self._address = address
-        self._port = port
-        self._runner: web.AppRunner | None = None
-
-    @property
-    def port(self) -> int:
-        """The bound port (the real one when constructed with 0); 0 before start."""
-        if self._runner is None or not self._runner.addresses:
-            return 0
-        return int(self._runner.addresses[0][1])
-
-    async def start(self) -> None:
-        """Bind and serve. A bind failure raises OSError with its errno, nothing left open."""
-        if self._runner is not None:
-            return
-        app = web.Application()
-        app.router.add_get("/metrics", make_aiohttp_handler(REGISTRY))
-        app.router.add_route("*", "/proxyMode", _proxy_mode)
-        app.router.add_route("*", "/healthz", _healthz)
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
-        await runner.setup()
-        try:
-            await web.TCPSite(runner, self._address or None, self._port).start()
-        except BaseException:
-            await runner.cleanup()
-            raise
-        self._runner = runner
-        log.log(V3, "Starting metrics HTTP server", extra={"kv": {"address": self._address}})
-
-    async def close(self) -> None:
-        runner, self._runner = self._runner, None
-        if runner is not None:
-            await runner.cleanup()
+        super().__init__(
+            name="metrics",
+            address=address,
+            port=port,
+            routes=[
+                ("GET", "/metrics", make_aiohttp_handler(REGISTRY)),
+                ("*", "/proxyMode", _proxy_mode),
+                ("*", "/healthz", _healthz),
+            ],
+        )
 
 
 async def _proxy_mode(request: web.Request) -> web.Response:

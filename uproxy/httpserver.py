@@ -1,0 +1,59 @@
+"""The aiohttp server behind /healthz, /livez and /metrics, with uproxy's conventions.
+
+No access log, a quick shutdown, and clean bind errors: a bind
+failure raises OSError with its errno intact and leaves nothing open, so the caller can turn
+it into one line naming the flag and the address.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+
+from aiohttp import web
+
+from uproxy.log import V3, kv
+
+log = logging.getLogger("uproxy.httpserver")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Route = tuple[str, str, Handler]  # (method or "*", path, handler)
+
+SHUTDOWN_TIMEOUT_S = 1.0
+
+
+class HttpServer:
+    def __init__(self, *, name: str, address: str, port: int, routes: Sequence[Route]) -> None:
+        self.name = name
+        self._address = address
+        self._port = port
+        self._routes = tuple(routes)
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def port(self) -> int:
+        """The bound port (the real one when constructed with 0); 0 before start."""
+        if self._runner is None or not self._runner.addresses:
+            return 0
+        return int(self._runner.addresses[0][1])
+
+    async def start(self) -> None:
+        if self._runner is not None:
+            return
+        app = web.Application()
+        for method, path, handler in self._routes:
+            app.router.add_route(method, path, handler)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, self._address or None, self._port).start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        log.log(V3, "Starting HTTP server", extra=kv(server=self.name, address=self._address))
+
+    async def close(self) -> None:
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
