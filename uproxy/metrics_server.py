@@ -12,7 +12,6 @@ the cause (address in use, not an address of this host, no permission).
 
 from __future__ import annotations
 
-import logging
 
 from aiohttp import web
 from prometheus_client import REGISTRY
@@ -20,7 +19,6 @@ from prometheus_client.aiohttp import make_aiohttp_handler
 
 from uproxy.httpserver import HttpServer
 
-log = logging.getLogger("uproxy.metrics_server")
 
 PROXY_MODE = "userspace"
 
