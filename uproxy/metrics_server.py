@@ -12,13 +12,11 @@ the cause (address in use, not an address of this host, no permission).
 
 from __future__ import annotations
 
-
 from aiohttp import web
 from prometheus_client import REGISTRY
 from prometheus_client.aiohttp import make_aiohttp_handler
 
 from uproxy.httpserver import HttpServer
-
 
 PROXY_MODE = "userspace"
 
