@@ -213,9 +213,12 @@ def metric_rows() -> list[tuple[str, str, tuple[str, ...], str]]:
 
     rows = []
     for value in vars(metrics).values():
-        if not isinstance(value, MetricWrapperBase):
+        # prometheus_client's own metrics, and uproxy's scrape-time collectors of the data path.
+        scrape_time = isinstance(value, (metrics.ScrapeCounter, metrics.ScrapeGauge))
+        if not (scrape_time or isinstance(value, (MetricWrapperBase, metrics.ScrapeHistogram))):
             continue
-        labels: tuple[str, ...] = tuple(getattr(value, "_labelnames", ()))
+        names = value.labelnames if scrape_time else getattr(value, "_labelnames", ())
+        labels: tuple[str, ...] = tuple(names)
         if isinstance(value, Info):
             labels = tuple(k for m in value.collect() for s in m.samples for k in s.labels)
         for family in value.describe():

@@ -103,12 +103,12 @@ async def test_64_mib_each_way_through_one_connection(
     to_endpoint = metrics.BYTES.labels(str(TCP_NAME), "to_endpoint")
     to_client = metrics.BYTES.labels(str(TCP_NAME), "to_client")
     opened = metrics.OPEN_CONNECTIONS.labels(str(TCP_NAME), "TCP")
-    before = (to_endpoint._value.get(), to_client._value.get(), opened._value.get())
+    before = (to_endpoint.value, to_client.value, opened.value)
     payload = os.urandom(64 << 20)
     got = await asyncio.wait_for(relay(listener.port, payload), 60)
     assert digest(got) == digest(payload)
     await wait_until(lambda: listener.active == 0, what="pair closed")
-    after = (to_endpoint._value.get(), to_client._value.get(), opened._value.get())
+    after = (to_endpoint.value, to_client.value, opened.value)
     assert (after[0] - before[0], after[1] - before[1], after[2]) == (64 << 20, 64 << 20, before[2])
 
 
@@ -170,19 +170,19 @@ async def test_one_refusing_endpoint_out_of_three_all_connections_succeed(
 ) -> None:
     bs = [await backends(f"b{i}", greet=True) for i in range(2)]
     eps = [bs[0].endpoint, refused_endpoint(), bs[1].endpoint]
-    failed = metrics.DIAL_ATTEMPTS.labels(result="failed")
-    failed_before = failed._value.get()
+    failed = metrics.DIAL_ATTEMPTS.labels("failed")
+    failed_before = failed.value
     listener = await tcp_listener(make_balancer(TCP_NAME, eps, settings=S))
     seen = Counter([await ident_via(listener.port) for _ in range(100)])
     assert sum(seen.values()) == 100 and set(seen) == {b"b0", b"b1"}
-    assert failed._value.get() - failed_before >= 30  # the refusing one was really tried
+    assert failed.value - failed_before >= 30  # the refusing one was really tried
 
 
 async def test_no_endpoints_resets_the_client_within_a_second(
     tcp_listener: ListenerFactory,
 ) -> None:
     counter = metrics.NO_ENDPOINTS.labels(str(TCP_NAME), Traffic.CLUSTER.value)
-    before = counter._value.get()
+    before = counter.value
     listener = await tcp_listener(make_balancer(TCP_NAME, [], settings=S))
     loop = asyncio.get_running_loop()
     started = loop.time()
@@ -199,7 +199,7 @@ async def test_no_endpoints_resets_the_client_within_a_second(
         outcome = "reset"
     assert outcome in ("reset", "closed")
     assert loop.time() - started < 1.0
-    assert counter._value.get() == before + 1
+    assert counter.value == before + 1
 
 
 async def test_all_dials_failing_resets_the_client(tcp_listener: ListenerFactory) -> None:

@@ -182,7 +182,7 @@ async def test_flow_table_is_bounded_under_10000_client_ports(
     to = ("127.0.0.1", listener.port)
     gauge = metrics.UDP_FLOWS.labels(str(UDP_NAME))
     fds = open_fds()
-    flows_before = metrics.CONNECTIONS.labels(str(UDP_NAME), "UDP", "ok")._value.get()
+    flows_before = metrics.CONNECTIONS.labels(str(UDP_NAME), "UDP", "ok").value
     largest = 0
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 60
@@ -195,9 +195,9 @@ async def test_flow_table_is_bounded_under_10000_client_ports(
         if i % 32 == 31:
             await asyncio.sleep(0.001)  # let the listener and the backend drain their sockets
             largest = max(largest, listener.active)
-            assert gauge._value.get() <= 128
+            assert gauge.value <= 128
     flows = metrics.CONNECTIONS.labels(str(UDP_NAME), "UDP", "ok")
-    await wait_until(lambda: flows._value.get() - flows_before >= 9_500, what="flows created")
+    await wait_until(lambda: flows.value - flows_before >= 9_500, what="flows created")
     await wait_until(lambda: sink.received >= 9_500, timeout=10, what="datagrams relayed")
     largest = max(largest, listener.active)
     assert len(ports) > 1_000  # many distinct client addresses really were used
@@ -207,12 +207,12 @@ async def test_flow_table_is_bounded_under_10000_client_ports(
 
 async def test_no_endpoint_drops_and_counts(udp_listener: UdpListenerFactory) -> None:
     counter = metrics.NO_ENDPOINTS.labels(str(UDP_NAME), Traffic.CLUSTER.value)
-    before = counter._value.get()
+    before = counter.value
     listener = await udp_listener(make_balancer(UDP_NAME, [], settings=DataplaneSettings()))
     with client_socket() as c:
         for _ in range(3):
             c.sendto(b"lost", ("127.0.0.1", listener.port))
-        await wait_until(lambda: counter._value.get() == before + 3, what="drops counted")
+        await wait_until(lambda: counter.value == before + 3, what="drops counted")
         with pytest.raises(BlockingIOError):
             c.recv(100)
     assert listener.active == 0

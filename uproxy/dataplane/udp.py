@@ -81,7 +81,7 @@ class UdpFlow:
                 listener.drop_flow(self)
                 return
             self.last = listener.loop.time()
-            counter.inc(n)
+            counter.value += n
             try:
                 if self.pktinfo is None:
                     lsock.sendto(view[:n], self.client)
@@ -217,14 +217,14 @@ class UdpListener:
                     continue
             flows[client] = flow  # re-insert: the dict stays in order of client activity
             flow.last = now
-            self.bytes_to_endpoint.inc(n)
+            self.bytes_to_endpoint.value += n
             try:
                 flow.sock.send(view[:n])
             except BlockingIOError:
                 pass  # dropped, as a full network queue would
             except OSError:
                 self.drop_flow(flow)  # e.g. ECONNREFUSED from an earlier datagram
-        self._flows_gauge.set(len(flows))
+        self._flows_gauge.value = len(flows)
 
     def _new_flow(
         self,
@@ -234,8 +234,8 @@ class UdpListener:
     ) -> UdpFlow | None:
         ep = self.balancer.pick(client[0], self.traffic)
         if ep is None:
-            self._refused.inc()
-            self._no_endpoints.inc()
+            self._refused.value += 1
+            self._no_endpoints.value += 1
             return None
         flows = self.flows
         while len(flows) >= self.settings.udp_max_flows:
@@ -255,7 +255,7 @@ class UdpListener:
         reply_anc = self._reply_pktinfo(ancdata) if ancdata is not None else None
         flow = UdpFlow(self, client, ep, sock, reply_anc or None, now)
         self.loop.add_reader(sock.fileno(), flow.on_reply)
-        self._new_flows.inc()
+        self._new_flows.value += 1
         if self._sweeper is None:
             self._sweeper = self.loop.call_later(self._sweep_interval(), self._sweep)
         return flow
@@ -268,7 +268,7 @@ class UdpListener:
         deadline = self.loop.time() - self.settings.udp_timeout_s
         for flow in [f for f in self.flows.values() if f.last <= deadline]:
             self.drop_flow(flow)
-        self._flows_gauge.set(len(self.flows))
+        self._flows_gauge.value = len(self.flows)
         if self.flows and self.sock is not None:
             self._sweeper = self.loop.call_later(self._sweep_interval(), self._sweep)
 
@@ -293,7 +293,7 @@ class UdpListener:
             self._sweeper = None
         for flow in list(self.flows.values()):
             self.drop_flow(flow)
-        self._flows_gauge.set(0)
+        self._flows_gauge.value = 0
 
     async def shutdown(self, timeout: float) -> None:
         """Close at once: UDP has no connections to drain (``timeout`` is for symmetry)."""

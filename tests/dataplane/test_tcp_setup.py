@@ -1,0 +1,215 @@
+"""Connection setup and teardown: dial deadlines, half-close from the endpoint, exact metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import os
+import socket
+import struct
+from collections.abc import Iterator
+
+from prometheus_client import REGISTRY
+from prometheus_client.exposition import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.dataplane.conftest import (
+    NODE,
+    TCP_NAME,
+    BackendFactory,
+    ListenerFactory,
+    digest,
+    make_balancer,
+    wait_until,
+)
+from uproxy import metrics
+from uproxy.dataplane import tcp
+from uproxy.dataplane.settings import DataplaneSettings
+from uproxy.model import Endpoint
+
+FAST = DataplaneSettings(dial_timeouts_s=(0.2, 0.4))
+
+
+@contextlib.contextmanager
+def blackhole() -> Iterator[Endpoint]:
+    """A port whose SYNs go unanswered: a listener with a full accept queue (backlog 0)."""
+    server = socket.socket()
+    fillers: list[socket.socket] = []
+    try:
+        server.bind(("127.0.0.1", 0))
+        server.listen(0)
+        addr = server.getsockname()
+        for _ in range(2):  # the queue holds backlog + 1; the next SYN is dropped
+            c = socket.socket()
+            c.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                c.connect(addr)
+            fillers.append(c)
+        yield Endpoint("127.0.0.1", addr[1], node_name=NODE)
+    finally:
+        for c in fillers:
+            c.close()
+        server.close()
+
+
+async def echo_through(port: int, payload: bytes) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(payload)
+        writer.write_eof()
+        return await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+        await writer.wait_closed()
+
+
+def scrape(service: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """This service's samples from the default registry, as /metrics would show them."""
+    text = generate_latest(REGISTRY).decode()
+    out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.labels.get("service") == service:
+                out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+async def test_a_silent_endpoint_times_out_and_the_dial_moves_on(
+    backends: BackendFactory, tcp_listener: ListenerFactory
+) -> None:
+    good = await backends("echo")
+    failed, ok = metrics.DIAL_ATTEMPTS.labels("failed"), metrics.DIAL_ATTEMPTS.labels("ok")
+    failed_before, ok_before = failed.value, ok.value
+    dial_count_before = sum(metrics.DIAL_DURATION.counts)
+    with blackhole() as silent:
+        listener = await tcp_listener(
+            make_balancer(TCP_NAME, [silent, good.endpoint], settings=FAST), settings=FAST
+        )
+        loop = asyncio.get_running_loop()
+        slow = 0
+        for _ in range(4):  # round-robin: whichever comes first, two dials meet the silent one
+            payload = os.urandom(256 << 10)
+            started = loop.time()
+            got = await asyncio.wait_for(echo_through(listener.port, payload), 5)
+            assert digest(got) == digest(payload)
+            if loop.time() - started >= 0.19:  # waited out the first attempt's 0.2 s
+                slow += 1
+        await wait_until(lambda: listener.active == 0, what="pairs closed")
+    assert slow >= 1
+    assert failed.value - failed_before == slow
+    assert ok.value - ok_before == 4
+    assert sum(metrics.DIAL_DURATION.counts) - dial_count_before == 4
+    assert good.accepted == 4
+
+
+async def test_a_client_leaving_during_a_dial_frees_everything(
+    tcp_listener: ListenerFactory,
+) -> None:
+    failed = metrics.DIAL_ATTEMPTS.labels("failed")
+    conns_failed = metrics.CONNECTIONS.labels(str(TCP_NAME), "TCP", "dial_failed")
+    settings = DataplaneSettings(dial_timeouts_s=(5.0,))
+    with blackhole() as silent:
+        listener = await tcp_listener(
+            make_balancer(TCP_NAME, [silent], settings=settings), settings=settings
+        )
+        before = (failed.value, conns_failed.value)
+        client = socket.create_connection(("127.0.0.1", listener.port), timeout=2)
+        try:
+            client.sendall(b"bytes nobody will read")
+            await wait_until(lambda: listener.active == 1, what="dial in flight")
+            # A FIN would be a half-close (the reply is still wanted): leave with a RST.
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        finally:
+            client.close()
+        await wait_until(lambda: listener.active == 0, timeout=2, what="dial abandoned")
+        assert (failed.value, conns_failed.value) == before
+        assert len(listener.dial_timers[5.0]) == 0  # its deadline was cancelled
+
+
+async def test_endpoint_closes_first_and_the_client_can_still_send(
+    tcp_listener: ListenerFactory,
+) -> None:
+    """HTTP ``Connection: close`` order: the endpoint's FIN first, then the client's."""
+    reply = os.urandom(100_000)
+    request = os.urandom(300_000)
+    received = bytearray()
+    done = asyncio.Event()
+
+    async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        w.write(reply)
+        w.write_eof()  # our FIN first; keep reading
+        received.extend(await r.read())
+        done.set()
+        w.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        ep = Endpoint("127.0.0.1", server.sockets[0].getsockname()[1], node_name=NODE)
+        listener = await tcp_listener(make_balancer(TCP_NAME, [ep], settings=FAST), settings=FAST)
+        reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
+        got = await asyncio.wait_for(reader.read(), 5)  # up to the endpoint's FIN
+        assert digest(got) == digest(reply)
+        writer.write(request)  # the other direction is still open
+        writer.write_eof()
+        await asyncio.wait_for(done.wait(), 5)
+        assert digest(bytes(received)) == digest(request)
+        await wait_until(lambda: listener.active == 0, what="pair closed")
+        assert len(listener.linger_timers) == 0
+        writer.close()
+        await writer.wait_closed()
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_metrics_page_counts_exactly_and_keeps_closed_listeners_totals(
+    backends: BackendFactory, tcp_listener: ListenerFactory
+) -> None:
+    b = await backends("echo")
+    service = str(TCP_NAME)
+    ok_key = (
+        "uproxy_connections_total",
+        (("protocol", "TCP"), ("result", "ok"), ("service", service)),
+    )
+    up_key = ("uproxy_bytes_total", (("direction", "to_endpoint"), ("service", service)))
+    down_key = ("uproxy_bytes_total", (("direction", "to_client"), ("service", service)))
+    open_key = ("uproxy_open_connections", (("protocol", "TCP"), ("service", service)))
+    before = scrape(service)
+    listener = await tcp_listener(make_balancer(TCP_NAME, [b.endpoint], settings=FAST))
+    sizes = [1, 1000, 70_000, 1 << 20, 5]
+    for n in sizes:
+        payload = os.urandom(n)
+        assert digest(await echo_through(listener.port, payload)) == digest(payload)
+    await wait_until(lambda: listener.active == 0, what="pairs closed")
+    listener.close()
+    after = scrape(service)
+    assert after[ok_key] - before.get(ok_key, 0.0) == len(sizes)
+    assert after[up_key] - before.get(up_key, 0.0) == sum(sizes)
+    assert after[down_key] - before.get(down_key, 0.0) == sum(sizes)
+    assert after[open_key] == before.get(open_key, 0.0)
+
+
+async def test_relayed_pairs_are_freed_without_the_cyclic_gc(
+    backends: BackendFactory, tcp_listener: ListenerFactory
+) -> None:
+    b = await backends("echo")
+    listener = await tcp_listener(make_balancer(TCP_NAME, [b.endpoint], settings=FAST))
+    payload = os.urandom(10_000)
+    assert digest(await echo_through(listener.port, payload)) == digest(payload)  # warm-up
+    await wait_until(lambda: listener.active == 0, what="warm-up pair closed")
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(20):
+            assert digest(await echo_through(listener.port, payload)) == digest(payload)
+        await wait_until(lambda: listener.active == 0, what="pairs closed")
+        await asyncio.sleep(0.05)  # not a sync point: only lets the last callbacks run
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        cyclic = [o for o in gc.garbage if isinstance(o, (tcp._Connection, tcp._EndpointSide))]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert cyclic == []
