@@ -234,7 +234,8 @@ DIAL_DURATION = ScrapeHistogram(
 UDP_FLOWS = ScrapeGauge("uproxy_udp_flows", "UDP flows currently tracked", ("service",))
 ACCEPT_PAUSED = Counter(
     "uproxy_accept_paused_total",
-    "Times accepting was paused, by reason (emfile, enfile, enobufs)",
+    "Times accepting was paused, by reason (emfile, enfile, enobufs, enomem; fd_reserve: "
+    "the free fds are held for dials in flight)",
     ["reason"],
 )
 NO_ENDPOINTS = ScrapeCounter(

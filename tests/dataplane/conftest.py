@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import uvloop
 
+from uproxy.dataplane import tcp
 from uproxy.dataplane.balancer import Balancer
 from uproxy.dataplane.settings import DataplaneSettings
 from uproxy.dataplane.tcp import TcpListener
@@ -191,6 +192,10 @@ async def tcp_listener() -> AsyncIterator[ListenerFactory]:
     yield make
     for listener in opened:
         await listener.shutdown(1.0)
+    # Every connection, whatever way it ended (relayed, dial failed, client gone while
+    # dialing, aborted at shutdown), gave back its place in the fd reserve: a leak here
+    # would make accepting pause for good once enough had leaked.
+    await wait_until(lambda: tcp.FD_RESERVE.undialed == 0, what="fd reserve released")
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import json
 import os
+import signal
 import socket
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -133,6 +134,40 @@ async def test_slow_reader_does_not_make_the_proxy_buffer_without_bound(
         await server.wait_closed()
 
 
+async def echo_each(
+    clients: list[socket.socket], *, want: int, deadline_s: float
+) -> dict[str, int]:
+    """Send a distinct payload on every client; count the echoes that come back whole.
+
+    Stops once ``want`` echoes are back (or at the deadline): clients still in the listen
+    backlog get nothing back. A client whose connection was reset counts as ``reset``.
+    """
+    payloads = [os.urandom(1000) for _ in clients]
+    got = [bytearray() for _ in clients]
+    for s, p in zip(clients, payloads, strict=True):
+        s.send(p)  # 1000 bytes fit in any socket buffer: never blocks
+    counts = {"ok": 0, "corrupt": 0, "reset": 0}
+    open_ = set(range(len(clients)))
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + deadline_s
+    while open_ and counts["ok"] + counts["corrupt"] < want and loop.time() < deadline:
+        for i in list(open_):
+            try:
+                data = clients[i].recv(4096)
+            except BlockingIOError:
+                continue
+            except ConnectionError:
+                counts["reset"] += 1
+                open_.discard(i)
+                continue
+            got[i] += data
+            if not data or len(got[i]) >= len(payloads[i]):
+                counts["ok" if bytes(got[i]) == payloads[i] else "corrupt"] += 1
+                open_.discard(i)
+        await asyncio.sleep(0.02)
+    return counts
+
+
 async def test_emfile_pauses_accepting_and_serves_again(
     backends: BackendFactory, proxy_child: ChildFactory
 ) -> None:
@@ -140,11 +175,15 @@ async def test_emfile_pauses_accepting_and_serves_again(
     child = await proxy_child(b.port, nofile=48)
     assert child.nofile == 48
     clients: list[socket.socket] = []
+    # The whole burst arrives while the proxy is stopped, so it finds all 60 in its listen
+    # backlog at once: the worst case for the fds (the kernel completes the handshakes).
+    os.kill(child.proc.pid, signal.SIGSTOP)
     try:
         for _ in range(60):  # each relayed pair needs 2 fds: far more than 48 allows
             s = socket.create_connection(("127.0.0.1", child.port), timeout=5)
             s.setblocking(False)
             clients.append(s)
+        os.kill(child.proc.pid, signal.SIGCONT)
         stats: dict[str, Any] = {}
 
         async def paused() -> bool:
@@ -159,7 +198,13 @@ async def test_emfile_pauses_accepting_and_serves_again(
             await asyncio.sleep(0.05)
         assert 0 < stats["active"] <= 48  # fds, not clients, bound what is accepted
         assert child.proc.returncode is None
+        # What was accepted at the limit is relayed, not reset: accepting stopped while
+        # there were still fds for the dials (a burst that takes every fd gets nothing).
+        echoed = await echo_each(clients, want=stats["active"], deadline_s=5)
+        assert echoed["corrupt"] == 0, echoed
+        assert echoed["ok"] >= 1, (echoed, stats)
     finally:
+        os.kill(child.proc.pid, signal.SIGCONT)
         for s in clients:
             s.close()
     await wait_until(lambda: b.open == 0, timeout=10, what="backend connections closed")

@@ -17,6 +17,9 @@ function above ~8 %), so further gains need fewer syscalls, not tighter Python.
 * The endpoint is picked in the accept callback (a synchronous index step). With no
   endpoint the accepted socket is closed with SO_LINGER 0 at once: the client sees a RST,
   and no transport, protocol or task is ever created for it.
+* Near the fd limit, accepting pauses while the free fds are still enough for the dials in
+  flight (``_FdReserve``): a burst accepted into the last fds would otherwise make every
+  dial fail with EMFILE, and be reset whole.
 * Everything else that needs the loop runs in one task per connection (wrap the accepted
   socket in a transport, then dial): the accept callback never waits for a dial. Dials use
   numeric addresses only (uvloop resolves them without the resolver thread pool).
@@ -50,6 +53,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import resource
 import socket
 import struct
 from typing import Self, cast
@@ -70,6 +74,32 @@ RESOURCE_ERRNOS = {
     errno.ENOMEM: "enomem",
 }
 _LINGER_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends a RST
+
+
+class _FdReserve:
+    """Keeps accepting from taking the fds that accepted connections need for their dials.
+
+    Every accepted connection needs a second fd for its endpoint. Without a reserve, a burst
+    accepted near the fd limit takes every free fd, every dial then fails with EMFILE, and
+    the whole burst is reset: nothing is served while the limit lasts. fds are allocated
+    lowest-first, so when accept() returns fd N, every fd below N is in use and at most
+    ``limit - 1 - N`` are free; once the connections still waiting to dial need all of those,
+    accepting pauses (reason ``fd_reserve``) until connections close. One per process: all
+    listeners share the fd table.
+    """
+
+    __slots__ = ("limit", "undialed")
+
+    def __init__(self) -> None:
+        self.limit = 1 << 62
+        self.undialed = 0  # connections accepted whose first dial has not finished
+
+    def refresh_limit(self) -> None:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        self.limit = soft if soft != resource.RLIM_INFINITY and soft > 0 else 1 << 62
+
+
+FD_RESERVE = _FdReserve()
 
 _DIAL_OK = metrics.DIAL_ATTEMPTS.labels("ok")
 _DIAL_FAILED = metrics.DIAL_ATTEMPTS.labels("failed")
@@ -231,6 +261,7 @@ class _Connection(_Side):
         "listener",
         "task",
         "timed_out",
+        "undialed",
     )
 
     def __init__(self, listener: TcpListener, client_ip: str, endpoint: Endpoint) -> None:
@@ -245,6 +276,8 @@ class _Connection(_Side):
         self.task: asyncio.Task[None] | None = None
         self.deadline: Deadline | None = None
         self.timed_out = False
+        self.undialed = True
+        FD_RESERVE.undialed += 1
 
     def _pair(self) -> _Connection:
         return self
@@ -264,7 +297,19 @@ class _Connection(_Side):
         if self.held_bytes > self.listener.settings.high_water and self.transport is not None:
             self.transport.pause_reading()
 
+    def dialed(self) -> None:
+        """The first dial is over (or will never happen): this pair no longer waits for an fd."""
+        if self.undialed:
+            self.undialed = False
+            FD_RESERVE.undialed -= 1
+
     async def run(self, sock: socket.socket) -> None:
+        try:
+            await self._run(sock)
+        finally:
+            self.dialed()
+
+    async def _run(self, sock: socket.socket) -> None:
         listener = self.listener
         loop = listener.loop
         try:
@@ -309,7 +354,10 @@ class _Connection(_Side):
             _DIAL_FAILED.value += 1
             balancer.dial_failed(self.client_ip, ep)
             if exc is not None and exc.errno in RESOURCE_ERRNOS:
-                break  # out of fds: another endpoint will not help
+                # Out of fds: another endpoint will not help, and accepting more would
+                # only take the fds that other dials are waiting for.
+                listener.pause(RESOURCE_ERRNOS[exc.errno])
+                break
             tried.append(ep)
             ep = balancer.pick(self.client_ip, listener.traffic, exclude=tried)
             if ep is None:
@@ -410,6 +458,7 @@ class _Connection(_Side):
         if self.closed:
             return
         self.closed = True
+        self.dialed()
         self.held = None
         if self.linger is not None:
             self.linger.cancel()
@@ -475,6 +524,7 @@ class TcpListener:
         except OSError:
             sock.close()
             raise
+        FD_RESERVE.refresh_limit()
         self = cls(
             loop=loop,
             sock=sock,
@@ -499,6 +549,7 @@ class TcpListener:
         traffic = self.traffic
         family = lsock.family
         wrap = _Accepted6 if family == socket.AF_INET6 else _Accepted4
+        fds = FD_RESERVE
         for _ in range(self.settings.accept_batch):
             try:
                 # _accept() skips socket.accept()'s enum conversions (measurable per conn).
@@ -508,7 +559,7 @@ class TcpListener:
             except OSError as exc:
                 reason = RESOURCE_ERRNOS.get(exc.errno or 0)
                 if reason is not None:
-                    self._pause(reason)
+                    self.pause(reason)
                     return
                 continue  # ECONNABORTED and the like: that client is gone already
             sock = wrap(family, socket.SOCK_STREAM, socket.IPPROTO_TCP, fd)
@@ -525,8 +576,12 @@ class TcpListener:
             self._conns.add(conn)
             self._idle.clear()
             conn.task = self.loop.create_task(conn.run(sock))
+            if fds.undialed >= fds.limit - 1 - fd:  # see _FdReserve
+                self.pause("fd_reserve")
+                return
 
-    def _pause(self, reason: str) -> None:
+    def pause(self, reason: str) -> None:
+        """Stop accepting for ``accept_backoff_s`` (out of fds or other resources)."""
         if self._paused is not None or self._sock is None:
             return
         self.loop.remove_reader(self._sock.fileno())
