@@ -8,6 +8,7 @@ import gc
 import os
 import socket
 import struct
+import time
 from collections.abc import Iterator
 
 from prometheus_client import REGISTRY
@@ -101,6 +102,44 @@ async def test_a_silent_endpoint_times_out_and_the_dial_moves_on(
     assert ok.value - ok_before == 4
     assert sum(metrics.DIAL_DURATION.counts) - dial_count_before == 4
     assert good.accepted == 4
+
+
+async def test_a_dial_that_completes_as_its_deadline_fires_loses_nothing(
+    backends: BackendFactory, tcp_listener: ListenerFactory
+) -> None:
+    """A busy loop runs its timers before it looks at I/O again.
+
+    Every loop iteration here takes 5 ms, so a 1 ms dial deadline always fires at the start
+    of the iteration after the connect completed, just before uvloop would call
+    connection_made. The late connection must be given up (create_connection closes it),
+    and the next attempt carry the client's bytes: no reset, nothing lost.
+    """
+    b = await backends("echo")
+    settings = DataplaneSettings(dial_timeouts_s=(0.001, 5.0))
+    listener = await tcp_listener(
+        make_balancer(TCP_NAME, [b.endpoint], settings=settings), settings=settings
+    )
+    failed = metrics.DIAL_ATTEMPTS.labels("failed")
+    failed_before = failed.value
+    loop = asyncio.get_running_loop()
+    busy = True
+
+    def hog() -> None:
+        if busy:
+            time.sleep(0.005)
+            loop.call_soon(hog)
+
+    loop.call_soon(hog)
+    try:
+        for _ in range(5):
+            payload = os.urandom(64 << 10)
+            got = await asyncio.wait_for(echo_through(listener.port, payload), 10)
+            assert digest(got) == digest(payload)
+    finally:
+        busy = False
+    await wait_until(lambda: listener.active == 0, what="pairs closed")
+    assert failed.value - failed_before >= 1  # first attempts did time out
+    assert b.accepted >= 5
 
 
 async def test_a_client_leaving_during_a_dial_frees_everything(

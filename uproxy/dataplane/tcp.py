@@ -387,7 +387,13 @@ class _Connection(_Side):
         # down an established connection (a busy loop can take that long to resume us).
         self._cancel_deadline()
         transport = side.transport
-        if self.closed or transport is None or self.transport is None:
+        # timed_out: the deadline fired after the connect completed but before uvloop got to
+        # connection_made (a loop busy for longer than the dial timeout polls I/O only after
+        # running its timers). The task's cancellation is already on its way, and
+        # create_connection closes this transport when it arrives: link it now and the
+        # client's bytes go into a closed socket. Give the connection up instead; the next
+        # attempt still has everything the client sent.
+        if self.closed or self.timed_out or transport is None or self.transport is None:
             if transport is not None:
                 transport.close()
             return
