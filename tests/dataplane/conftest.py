@@ -26,10 +26,15 @@ NODE = "node-a"
 
 
 def pytest_asyncio_loop_factories(config: Any, item: Any) -> Mapping[str, Callable[[], Any]]:
-    # uvloop is what uproxy runs on; UPROXY_TEST_LOOP=asyncio checks the fallback loop.
-    if os.environ.get("UPROXY_TEST_LOOP") == "asyncio":
-        return {"asyncio": asyncio.new_event_loop}
-    return {"uvloop": uvloop.new_event_loop}
+    # Every data-plane test runs on uvloop (what uproxy runs on) and on asyncio's own loop
+    # (its fallback): they order timers, I/O and callbacks differently, and the relay must
+    # be right on both. UPROXY_TEST_LOOP=uvloop or =asyncio picks one.
+    loops: dict[str, Callable[[], Any]] = {
+        "uvloop": uvloop.new_event_loop,
+        "asyncio": asyncio.new_event_loop,
+    }
+    only = os.environ.get("UPROXY_TEST_LOOP")
+    return {only: loops[only]} if only in loops else loops
 
 
 @pytest.fixture(autouse=True)

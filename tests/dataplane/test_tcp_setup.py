@@ -11,6 +11,7 @@ import struct
 import time
 from collections.abc import Iterator
 
+import uvloop
 from prometheus_client import REGISTRY
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -111,10 +112,10 @@ async def test_a_dial_that_completes_as_its_deadline_fires_loses_nothing(
 
     uvloop handles I/O events (here: a connect completing) during its poll and calls
     connection_made from the ready queue of the next iteration, which first runs the
-    timers. A reader that is always ready and takes 5 ms makes every poll long, so a 1 ms
-    dial deadline always fires in between. The late connection must be given up
-    (create_connection closes it when the cancellation arrives) and the next attempt carry
-    the client's bytes: no reset, nothing lost.
+    timers. A reader that is always ready and takes 5 ms makes every poll long, so each
+    1 ms dial deadline fires in between. The connect did complete in time: it must be kept
+    (the expiry is decided behind the queued connection_made), and whatever the outcome of
+    an attempt, the client's bytes arrive whole: no reset, nothing lost.
     """
     b = await backends("echo")
     settings = DataplaneSettings(dial_timeouts_s=(0.001, 5.0))
@@ -137,7 +138,11 @@ async def test_a_dial_that_completes_as_its_deadline_fires_loses_nothing(
         busy_r.close()
         busy_w.close()
     await wait_until(lambda: listener.active == 0, what="pairs closed")
-    assert failed.value - failed_before >= 5  # every first attempt was late
+    if isinstance(loop, uvloop.Loop):
+        # Without the deferred expiry every first attempt is thrown away (5 failures); with
+        # it they stand, bar a connect the kernel had not finished when the poll ran. (On
+        # asyncio's loop a dial takes several iterations: its first attempts all expire.)
+        assert failed.value - failed_before < 5
     assert b.accepted >= 5
 
 

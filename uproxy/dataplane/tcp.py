@@ -371,6 +371,15 @@ class _Connection(_Side):
                 _reset_transport(self.transport)
 
     def _dial_timed_out(self) -> None:
+        # uvloop runs due timers before the callbacks queued by its last poll: a connect
+        # that completed during that poll has its connection_made still waiting in the
+        # ready queue. Decide behind it, so that a loop busier than the dial timeout does
+        # not throw away connections that did complete in time.
+        self.listener.loop.call_soon(self._dial_expired, self.deadline)
+
+    def _dial_expired(self, deadline: Deadline | None) -> None:
+        if deadline is not self.deadline:
+            return  # linked or failed meanwhile (deadline cleared), or already a new attempt
         self.deadline = None
         if self.task is not None and not self.task.done():
             self.timed_out = True
@@ -387,12 +396,11 @@ class _Connection(_Side):
         # down an established connection (a busy loop can take that long to resume us).
         self._cancel_deadline()
         transport = side.transport
-        # timed_out: the deadline fired after the connect completed but before uvloop got to
-        # connection_made (a loop busy for longer than the dial timeout polls I/O only after
-        # running its timers). The task's cancellation is already on its way, and
-        # create_connection closes this transport when it arrives: link it now and the
-        # client's bytes go into a closed socket. Give the connection up instead; the next
-        # attempt still has everything the client sent.
+        # timed_out: the deadline expired and the task's cancellation is on its way, yet the
+        # connect completed (_dial_timed_out makes this rare, a loop may still order it so).
+        # create_connection closes this transport when the cancellation arrives: link it now
+        # and the client's bytes go into a closed socket. Give the connection up instead;
+        # the next attempt still has everything the client sent.
         if self.closed or self.timed_out or transport is None or self.transport is None:
             if transport is not None:
                 transport.close()
