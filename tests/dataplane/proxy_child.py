@@ -1,9 +1,11 @@
 """A TCP listener in its own process, so tests can measure its RSS and starve its fds.
 
-Usage: python -m tests.dataplane.proxy_child --backend HOST:PORT [--nofile N]
-Prints ``PORT <n> NOFILE <n>`` once listening. Each ``stats`` line on stdin is answered
-with one JSON line (active connections, accept pauses, VmRSS in KiB); EOF on stdin shuts
-the listener down and exits.
+Usage: python -m tests.dataplane.proxy_child --backend HOST:PORT [--nofile N] [--extra-fds N]
+Prints ``PORT <n> NOFILE <n>`` once listening. Each line on stdin is answered with one JSON
+line: ``stats`` (active connections, accept pauses, VmRSS in KiB), ``hog`` (open files until
+the fd table is full; how many), ``unhog N`` (close N of those). EOF on stdin shuts the
+listener down and exits. ``--extra-fds`` opens that many files first, to move where the fd
+limit falls.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import resource
 import sys
 
@@ -44,10 +47,19 @@ def accept_pauses() -> float:
     return total
 
 
-async def main(backend: str, nofile: int | None) -> None:
+def hog(held: list[int]) -> None:
+    try:
+        while True:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError:
+        pass
+
+
+async def main(backend: str, nofile: int | None, extra_fds: int) -> None:
     if nofile is not None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
     limit = raise_nofile_limit()
+    extra = [os.open(os.devnull, os.O_RDONLY) for _ in range(extra_fds)]
     host, port = backend.rsplit(":", 1)
     name = ServicePortName("default", "child", "", Protocol.TCP)
     settings = DataplaneSettings()
@@ -67,22 +79,34 @@ async def main(backend: str, nofile: int | None) -> None:
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    hogged: list[int] = []
     while line := await reader.readline():
-        if line.strip() == b"stats":
+        cmd, *args = line.split()
+        if cmd == b"stats":
             stats = {"active": listener.active, "paused": accept_pauses(), "rss_kib": rss_kib()}
             print(json.dumps(stats), flush=True)
+        elif cmd == b"hog":
+            hog(hogged)
+            print(json.dumps({"hogged": len(hogged)}), flush=True)
+        elif cmd == b"unhog":
+            for _ in range(min(int(args[0]), len(hogged))):
+                os.close(hogged.pop())
+            print(json.dumps({"hogged": len(hogged)}), flush=True)
     await listener.shutdown(1.0)
+    for fd in extra + hogged:
+        os.close(fd)
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--backend", required=True)
     parser.add_argument("--nofile", type=int)
+    parser.add_argument("--extra-fds", type=int, default=0)
     parser.add_argument("--profile", help="write a cProfile of the run to this file")
     args = parser.parse_args()
     if args.profile:
         import cProfile
 
-        cProfile.run("uvloop.run(main(args.backend, args.nofile))", args.profile)
+        cProfile.run("uvloop.run(main(args.backend, args.nofile, args.extra_fds))", args.profile)
     else:
-        uvloop.run(main(args.backend, args.nofile))
+        uvloop.run(main(args.backend, args.nofile, args.extra_fds))

@@ -27,8 +27,11 @@ class Child:
         self.nofile = nofile
 
     async def stats(self) -> dict[str, Any]:
+        return await self.ask("stats")
+
+    async def ask(self, command: str) -> dict[str, Any]:
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(b"stats\n")
+        self.proc.stdin.write(command.encode() + b"\n")
         await self.proc.stdin.drain()
         line = await asyncio.wait_for(self.proc.stdout.readline(), 5)
         assert line, "the proxy process died"
@@ -43,9 +46,9 @@ ChildFactory = Callable[..., Awaitable[Child]]
 async def proxy_child() -> AsyncIterator[ChildFactory]:
     procs: list[asyncio.subprocess.Process] = []
 
-    async def start(backend_port: int, *, nofile: int | None = None) -> Child:
+    async def start(backend_port: int, *, nofile: int | None = None, extra_fds: int = 0) -> Child:
         args = [sys.executable, "-m", "tests.dataplane.proxy_child"]
-        args += ["--backend", f"127.0.0.1:{backend_port}"]
+        args += ["--backend", f"127.0.0.1:{backend_port}", "--extra-fds", str(extra_fds)]
         if nofile is not None:
             args += ["--nofile", str(nofile)]
         proc = await asyncio.create_subprocess_exec(
@@ -144,10 +147,14 @@ async def echo_each(
     """
     payloads = [os.urandom(1000) for _ in clients]
     got = [bytearray() for _ in clients]
-    for s, p in zip(clients, payloads, strict=True):
-        s.send(p)  # 1000 bytes fit in any socket buffer: never blocks
     counts = {"ok": 0, "corrupt": 0, "reset": 0}
     open_ = set(range(len(clients)))
+    for i, (s, p) in enumerate(zip(clients, payloads, strict=True)):
+        try:
+            s.send(p)  # 1000 bytes fit in any socket buffer: never blocks
+        except ConnectionError:
+            counts["reset"] += 1
+            open_.discard(i)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + deadline_s
     while open_ and counts["ok"] + counts["corrupt"] < want and loop.time() < deadline:
@@ -168,11 +175,13 @@ async def echo_each(
     return counts
 
 
+# Where the limit falls against the fds a pair takes (two) matters: both parities.
+@pytest.mark.parametrize("extra_fds", [0, 1])
 async def test_emfile_pauses_accepting_and_serves_again(
-    backends: BackendFactory, proxy_child: ChildFactory
+    backends: BackendFactory, proxy_child: ChildFactory, extra_fds: int
 ) -> None:
     b = await backends("echo")
-    child = await proxy_child(b.port, nofile=48)
+    child = await proxy_child(b.port, nofile=48, extra_fds=extra_fds)
     assert child.nofile == 48
     clients: list[socket.socket] = []
     # The whole burst arrives while the proxy is stopped, so it finds all 60 in its listen
@@ -202,6 +211,7 @@ async def test_emfile_pauses_accepting_and_serves_again(
         # there were still fds for the dials (a burst that takes every fd gets nothing).
         echoed = await echo_each(clients, want=stats["active"], deadline_s=5)
         assert echoed["corrupt"] == 0, echoed
+        assert echoed["reset"] == 0, (echoed, stats)
         assert echoed["ok"] >= 1, (echoed, stats)
     finally:
         os.kill(child.proc.pid, signal.SIGCONT)
@@ -235,3 +245,103 @@ async def test_emfile_pauses_accepting_and_serves_again(
         await asyncio.sleep(0.1)
     assert outcomes[-1] == "ok", outcomes
     assert child.proc.returncode is None
+
+
+async def receive(sock: socket.socket, n: int, deadline_s: float) -> bytes:
+    """Up to ``n`` bytes from a non-blocking client, by the deadline or its EOF.
+
+    Raises ConnectionError if the proxy reset the connection.
+    """
+    got = bytearray()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + deadline_s
+    while len(got) < n and loop.time() < deadline:
+        try:
+            data = sock.recv(65536)
+        except BlockingIOError:
+            await asyncio.sleep(0.02)
+            continue
+        if not data:
+            break
+        got += data
+    return bytes(got)
+
+
+def digest(data: bytes) -> tuple[int, str]:
+    return len(data), hashlib.sha256(data).hexdigest()
+
+
+async def starve(child: Child, holder: socket.socket | None) -> socket.socket:
+    """Fill the proxy's fd table, connect a client, free exactly one fd for its accept.
+
+    The proxy accepts the client into that last fd and has none left to dial with: the
+    case the accept-side reserve cannot foresee (the fds went to something else).
+    """
+    assert (await child.ask("hog"))["hogged"] > 0
+    client = socket.create_connection(("127.0.0.1", child.port), timeout=5)
+    client.setblocking(False)
+    want_active = 2 if holder is not None else 1
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 5
+    await child.ask("unhog 1")
+    while (await child.stats())["active"] != want_active:
+        assert loop.time() < deadline, "the client was never accepted"
+        await asyncio.sleep(0.02)
+    return client
+
+
+async def test_a_dial_out_of_fds_waits_for_a_pair_to_close(
+    backends: BackendFactory, proxy_child: ChildFactory
+) -> None:
+    b = await backends("echo")
+    child = await proxy_child(b.port, nofile=48)
+    holder = socket.create_connection(("127.0.0.1", child.port), timeout=5)
+    holder.setblocking(False)
+    first = os.urandom(1000)
+    holder.send(first)
+    assert await receive(holder, len(first), 5) == first
+    client = await starve(child, holder)
+    try:
+        payload = os.urandom(50_000)
+        client.sendall(payload)  # fits the socket buffers: the proxy holds it while dialing
+        # Accepted, and its dial met EMFILE: held and waiting, neither relayed nor reset.
+        assert await receive(client, len(payload), 0.5) == b""
+        assert (await child.stats())["active"] == 2
+        holder.close()  # its pair closes and frees two fds: the waiting dial goes ahead
+        got = await receive(client, len(payload), 5)
+        assert digest(got) == digest(payload)
+    finally:
+        client.close()
+        holder.close()
+        await child.ask("unhog 1000")
+
+
+async def test_a_dial_that_never_gets_an_fd_is_reset_within_the_dial_budget(
+    backends: BackendFactory, proxy_child: ChildFactory
+) -> None:
+    b = await backends("echo")
+    child = await proxy_child(b.port, nofile=48)
+    client = await starve(child, None)
+    try:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        outcome = ""
+        while not outcome:
+            assert loop.time() - started < 15, "the waiting dial never gave up"
+            try:
+                data = client.recv(1)
+            except BlockingIOError:
+                await asyncio.sleep(0.05)
+                continue
+            except ConnectionResetError:
+                outcome = "reset"
+                continue
+            outcome = f"data:{data!r}"
+        # Given up after the dial budget (0.25 + 0.5 + 1 + 2 s), with a reset: the client
+        # learns at once that nothing will come, instead of hanging on a silent connection.
+        assert outcome == "reset"
+        assert loop.time() - started >= 3.0
+        assert (await child.stats())["active"] == 0
+    finally:
+        client.close()
+        await child.ask("unhog 1000")

@@ -19,7 +19,9 @@ function above ~8 %), so further gains need fewer syscalls, not tighter Python.
   and no transport, protocol or task is ever created for it.
 * Near the fd limit, accepting pauses while the free fds are still enough for the dials in
   flight (``_FdReserve``): a burst accepted into the last fds would otherwise make every
-  dial fail with EMFILE, and be reset whole.
+  dial fail with EMFILE, and be reset whole. A dial that still meets EMFILE (fds taken
+  elsewhere in the process) is not the endpoint's fault: it waits for a pair to close and
+  tries again, within the dial budget, instead of resetting its client.
 * Everything else that needs the loop runs in one task per connection (wrap the accepted
   socket in a transport, then dial): the accept callback never waits for a dial. Dials use
   numeric addresses only (uvloop resolves them without the resolver thread pool).
@@ -83,20 +85,62 @@ class _FdReserve:
     accepted near the fd limit takes every free fd, every dial then fails with EMFILE, and
     the whole burst is reset: nothing is served while the limit lasts. fds are allocated
     lowest-first, so when accept() returns fd N, every fd below N is in use and at most
-    ``limit - 1 - N`` are free; once the connections still waiting to dial need all of those,
-    accepting pauses (reason ``fd_reserve``) until connections close. One per process: all
-    listeners share the fd table.
+    ``limit - 1 - N`` are free. Accepting goes on only while one more accept would still
+    leave a free fd for every connection waiting to dial; otherwise it pauses (reason
+    ``fd_reserve``) until connections close. One per process: all listeners share the fd
+    table.
+
+    The bound is an upper one (a pair that closed frees low fds, other parts of the process
+    open files), so a dial can still meet EMFILE. It then waits in ``freed()`` for a pair to
+    close and tries again, rather than resetting a client it has already accepted.
     """
 
-    __slots__ = ("limit", "undialed")
+    __slots__ = ("limit", "undialed", "waiters")
 
     def __init__(self) -> None:
         self.limit = 1 << 62
         self.undialed = 0  # connections accepted whose first dial has not finished
+        self.waiters: list[asyncio.Future[None]] = []  # dials waiting for a free fd
 
     def refresh_limit(self) -> None:
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         self.limit = soft if soft != resource.RLIM_INFINITY and soft > 0 else 1 << 62
+
+    def full_after(self, fd: int) -> bool:
+        """True once accepting past ``fd`` could leave a waiting dial without an fd."""
+        return self.undialed >= self.limit - 2 - fd
+
+    async def freed(self, loop: asyncio.AbstractEventLoop, deadline: float, poll: float) -> bool:
+        """Wait until a pair closes, or ``poll`` seconds (fds freed elsewhere wake nobody).
+
+        False, at once, when ``deadline`` (loop time) has passed.
+        """
+        now = loop.time()
+        if now >= deadline:
+            return False
+        waiter: asyncio.Future[None] = loop.create_future()
+        self.waiters.append(waiter)
+        timer = loop.call_later(min(poll, deadline - now), _wake, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            if not waiter.done():
+                self.waiters.remove(waiter)
+        return True
+
+    def released(self, loop: asyncio.AbstractEventLoop) -> None:
+        """A pair closed: wake the dials waiting for fds (on the next pass, once it closed)."""
+        waiters = self.waiters
+        if waiters:
+            self.waiters = []
+            for waiter in waiters:
+                loop.call_soon(_wake, waiter)
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 FD_RESERVE = _FdReserve()
@@ -322,9 +366,13 @@ class _Connection(_Side):
         balancer = listener.balancer
         tried: list[Endpoint] = []
         ep: Endpoint | None = self.endpoint
-        for timeout in settings.dial_timeouts_s:
+        timeouts = settings.dial_timeouts_s
+        fd_deadline: float | None = None  # until when a dial may wait for a free fd
+        attempt = 0
+        while attempt < len(timeouts):
             if ep is None or self.closed:
                 break
+            timeout = timeouts[attempt]
             self.endpoint = ep
             side = _EndpointSide(self, listener.stats.bytes_to_client)
             started = loop.time()
@@ -352,12 +400,18 @@ class _Connection(_Side):
             if self.peer is not None:  # connected just as the timeout fired
                 return
             _DIAL_FAILED.value += 1
-            balancer.dial_failed(self.client_ip, ep)
             if exc is not None and exc.errno in RESOURCE_ERRNOS:
-                # Out of fds: another endpoint will not help, and accepting more would
-                # only take the fds that other dials are waiting for.
+                # Out of fds: not the endpoint's fault, and another endpoint will not help.
+                # Stop accepting (it would take the fds the dials wait for) and try the same
+                # endpoint again once a pair has closed, for as long as the dials could take.
                 listener.pause(RESOURCE_ERRNOS[exc.errno])
+                if fd_deadline is None:
+                    fd_deadline = loop.time() + sum(timeouts)
+                if await FD_RESERVE.freed(loop, fd_deadline, settings.accept_backoff_s):
+                    continue
                 break
+            attempt += 1
+            balancer.dial_failed(self.client_ip, ep)
             tried.append(ep)
             ep = balancer.pick(self.client_ip, listener.traffic, exclude=tried)
             if ep is None:
@@ -481,6 +535,7 @@ class _Connection(_Side):
         if self.peer is not None:
             self.listener.stats.open.value -= 1
         self.listener.released(self)
+        FD_RESERVE.released(self.listener.loop)
 
 
 class TcpListener:
@@ -590,7 +645,7 @@ class TcpListener:
             self._conns.add(conn)
             self._idle.clear()
             conn.task = self.loop.create_task(conn.run(sock))
-            if fds.undialed >= fds.limit - 1 - fd:  # see _FdReserve
+            if fds.full_after(fd):
                 self.pause("fd_reserve")
                 return
 
