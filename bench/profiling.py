@@ -11,10 +11,12 @@ the frames most often on top of the stack (self) and uproxy's functions anywhere
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import signal
 import subprocess
+import sys
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -97,6 +99,15 @@ def _record(pyspy: str, pid: int, raw: Path, seconds: int, *, native: bool) -> s
     return None
 
 
+def find_pyspy() -> str | None:
+    """py-spy on PATH, or beside this interpreter (a venv's bin/ is often not on PATH)."""
+    found = shutil.which("py-spy")
+    if found is None:
+        beside = Path(sys.executable).parent / "py-spy"
+        found = str(beside) if os.access(beside, os.X_OK) else None
+    return found
+
+
 def profile_conn_rate(
     ctx: Context,
     backends: Backends,
@@ -105,11 +116,11 @@ def profile_conn_rate(
     out_dir: Path,
     seconds: int,
     progress: Progress,
-) -> dict[str, Any] | None:
-    pyspy = shutil.which("py-spy")
+) -> dict[str, Any]:
+    pyspy = find_pyspy()
     if pyspy is None:
         progress.say("profile: py-spy is not installed (pip install py-spy); skipped")
-        return None
+        return {"skipped": "py-spy is not installed (pip install py-spy)"}
     peer = Uproxy("uvloop")
     running = peer.start(ctx, ports_for(PROFILE_PORTS_INDEX))
     raw = out_dir / "profile-connrate.collapsed.txt"
@@ -146,7 +157,7 @@ def profile_conn_rate(
                 load.wait()
         if problem:
             progress.say(f"profile: py-spy failed: {problem}")
-            return None
+            return {"skipped": f"py-spy failed: {problem}"}
     finally:
         peer.stop(ctx, running)
     summary = summarise(raw)

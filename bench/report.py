@@ -220,7 +220,10 @@ def markdown(results: dict[str, Any]) -> str:
         lines += ["## Rules sync (`python -m bench.rules_sync`, per rules backend)", ""]
         lines += [rs["markdown"] if "markdown" in rs else f"Failed: {rs.get('error')}", ""]
     prof = results.get("profile")
-    if prof:
+    if prof and "skipped" in prof:
+        lines += ["## Profile: uproxy (uvloop) on the connection-rate run", ""]
+        lines += [f"Skipped: {prof['skipped']}.", ""]
+    elif prof:
         kind = "native and Python frames" if prof.get("native") else "Python frames only"
         lines += [
             "## Profile: uproxy (uvloop) on the connection-rate run",
