@@ -20,7 +20,7 @@ from typing import Any
 from bench import workloads as wl
 from bench.backends import Backends
 from bench.peers import Context, Peer, PeerPorts, Running, ports_for
-from bench.procs import cpu_seconds, peak_rss_bytes
+from bench.procs import cpu_split, peak_rss_bytes
 from bench.progress import Progress
 
 
@@ -112,14 +112,19 @@ def preflight(running: Running, backends: Backends) -> str | None:
     return "no UDP reply through the peer"
 
 
-def _derive(key: str, figures: wl.Figures, cpu: float | None) -> None:
+def _derive(key: str, figures: wl.Figures, cpu: tuple[float, float] | None) -> None:
+    """Figures from the proxy's (user, system) CPU seconds over the run."""
     if cpu is None:
         return
-    figures["cpu_s"] = cpu
+    user, system = cpu
+    total = user + system
+    figures["cpu_s"] = total
+    figures["cpu_kernel_s"] = system
     if key == "tcp1" and figures.get("bytes"):
-        figures["cpu_s_per_gb"] = cpu / (figures["bytes"] / 1e9)
+        figures["cpu_s_per_gb"] = total / (figures["bytes"] / 1e9)
     if key == "conn" and figures.get("requests"):
-        figures["cpu_us_per_conn"] = cpu * 1e6 / figures["requests"]
+        figures["cpu_us_per_conn"] = total * 1e6 / figures["requests"]
+        figures["kernel_us_per_conn"] = system * 1e6 / figures["requests"]
     derive_core_busy(figures)
 
 
@@ -167,15 +172,22 @@ def run_peer(
             total = plan.runs + (1 if plan.warmup else 0)
             for i in range(total):
                 warm = plan.warmup and i == 0
-                before = [cpu_seconds(pid) for pid in running.pids]
+                before = [cpu_split(pid) for pid in running.pids]
                 try:
                     figures = w.run(running.ports, plan, scripts, ctx.cores.load)
                 except (wl.WorkloadError, OSError) as e:
                     entry["notes"].append(f"{w.key}: {e}")
                     progress.say(f"{peer.name}: {w.key} failed: {e}")
                     break
-                after = [cpu_seconds(pid) for pid in running.pids]
-                cpu = sum(after) - sum(before) if running.pids else None
+                after = [cpu_split(pid) for pid in running.pids]
+                cpu = (
+                    (
+                        sum(a[0] for a in after) - sum(b[0] for b in before),
+                        sum(a[1] for a in after) - sum(b[1] for b in before),
+                    )
+                    if running.pids
+                    else None
+                )
                 _derive(w.key, figures, cpu)
                 progress.advance(planned / total)
                 label = "warm-up" if warm else f"run {i + (0 if plan.warmup else 1)}/{plan.runs}"

@@ -149,9 +149,13 @@ def tree(pid: int) -> list[int]:
     return seen
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of the tree, including children it has already reaped."""
-    ticks = 0
+def cpu_split(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of the tree, including children it has already reaped.
+
+    System time is the kernel working for the proxy: its system calls, and on loopback the
+    TCP delivery each write() does inline.
+    """
+    user = system = 0
     for p in tree(pid):
         try:
             stat = Path(f"/proc/{p}/stat").read_text()
@@ -159,8 +163,9 @@ def cpu_seconds(pid: int) -> float:
             continue
         fields = stat[stat.rindex(")") + 2 :].split()
         # fields[0] is field 3 (state): utime=14, stime=15, cutime=16, cstime=17.
-        ticks += sum(int(fields[i - 3]) for i in (14, 15, 16, 17))
-    return ticks / CLK_TCK
+        user += int(fields[14 - 3]) + int(fields[16 - 3])
+        system += int(fields[15 - 3]) + int(fields[17 - 3])
+    return user / CLK_TCK, system / CLK_TCK
 
 
 def peak_rss_bytes(pid: int) -> int:
