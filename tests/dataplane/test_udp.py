@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import resource
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import pytest
 
@@ -216,6 +218,52 @@ async def test_no_endpoint_drops_and_counts(udp_listener: UdpListenerFactory) ->
         with pytest.raises(BlockingIOError):
             c.recv(100)
     assert listener.active == 0
+
+
+@contextlib.contextmanager
+def fd_table_full() -> Iterator[None]:
+    """No new fd in this process until the block ends: soft limit lowered, free fds taken."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    held: list[int] = []
+    try:
+        top = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (top + 1, hard))
+        with contextlib.suppress(OSError):
+            while True:
+                held.append(os.open(os.devnull, os.O_RDONLY))
+        yield
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+async def test_a_flow_out_of_fds_drops_counts_logs_once_and_recovers(
+    udp_backends: UdpBackendFactory,
+    udp_listener: UdpListenerFactory,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    ep, echo = await udp_backends("e")
+    listener = await udp_listener(make_balancer(UDP_NAME, [ep], settings=DataplaneSettings()))
+    failed = metrics.CONNECTIONS.labels(str(UDP_NAME), "UDP", "dial_failed")
+    before = failed.value
+    to = ("127.0.0.1", listener.port)
+    clients = [client_socket() for _ in range(3)]
+    try:
+        with fd_table_full():
+            for c in clients:  # three new clients: no socket for any of their flows
+                c.sendto(b"lost", to)
+            await wait_until(lambda: failed.value == before + 3, what="failed flows counted")
+        assert listener.active == 0 and echo.received == 0
+        lines = [r for r in caplog.records if "UDP flow not opened" in r.getMessage()]
+        assert len(lines) == 1, [r.getMessage() for r in lines]  # one line per episode
+        # fds are back: the same clients get flows and replies, nothing else was disturbed.
+        for i, c in enumerate(clients):
+            assert await exchange(c, b"back%d" % i, to) == b"eback%d" % i
+        assert listener.active == 3
+    finally:
+        for c in clients:
+            c.close()
 
 
 async def test_flows_persist_across_endpoint_updates(

@@ -127,7 +127,9 @@ class UdpListener:
         self._flows_gauge = metrics.UDP_FLOWS.labels(service)
         self._new_flows = metrics.CONNECTIONS.labels(service, name.protocol.value, "ok")
         self._refused = metrics.CONNECTIONS.labels(service, name.protocol.value, "no_endpoints")
+        self._failed = metrics.CONNECTIONS.labels(service, name.protocol.value, "dial_failed")
         self._no_endpoints = metrics.NO_ENDPOINTS.labels(service, traffic.value)
+        self._starved = False  # a flow could not get a socket, and none has since
 
     @classmethod
     async def open(
@@ -243,13 +245,33 @@ class UdpListener:
         family = socket.AF_INET6 if ":" in ep.ip else socket.AF_INET
         try:
             sock = socket.socket(family, socket.SOCK_DGRAM)
-        except OSError:
-            return None  # out of fds: drop this datagram, the client will retry
+        except OSError as exc:
+            # Out of fds (or memory): drop this datagram, the client will retry. One line
+            # per episode; the count goes on in uproxy_connections_total.
+            self._failed.value += 1
+            if not self._starved:
+                self._starved = True
+                log.warning(
+                    "UDP flow not opened: out of resources",
+                    extra={
+                        "kv": {
+                            "service": str(self.name),
+                            "port": self.port,
+                            "error": exc.strerror,
+                            "flows": len(flows),
+                        }
+                    },
+                )
+            return None
+        if self._starved:
+            self._starved = False
+            log.info("UDP flows open again", extra={"kv": {"service": str(self.name)}})
         try:
             sock.setblocking(False)
             sock.connect(ep.address)
         except OSError:
             sock.close()
+            self._failed.value += 1
             self.balancer.dial_failed(client[0], ep)
             return None
         reply_anc = self._reply_pktinfo(ancdata) if ancdata is not None else None
