@@ -145,6 +145,7 @@ class Syncer:
         self._failed: dict[tuple[ServicePortName, Traffic], str] = {}
         self._table: list[TableRow] = []
         self._nodeport_errors: set[str] = set()
+        self._skipped_ipv6: set[tuple[ServicePortName, str]] = set()
         self.syncs = 0
 
     def force_rules_sync(self) -> None:
@@ -277,22 +278,46 @@ class Syncer:
     # ----- rules -----
 
     def portals(self) -> frozenset[Portal]:
+        """The portals the rules must hold: every IPv4 service address of every proxied port.
+
+        The rules backends program IPv4 iptables. The IPv6 addresses of a dual-stack service
+        would need ip6tables (and the proxy ports listen on IPv4): they are left out, with one
+        line per address, and never reach a backend, where one of them would fail the whole
+        commit for every service.
+        """
         out: set[Portal] = set()
+        skipped: set[tuple[ServicePortName, str]] = set()
         for spn, pp in self.ports.items():
             sp = pp.port
             if pp.cluster is not None:
                 for ip in sp.cluster_ips:
+                    if ":" in ip:
+                        skipped.add((spn, ip))
+                        continue
                     out.add(Portal(spn, PortalKind.CLUSTER_IP, ip, sp.port, pp.cluster.port))
             ext = pp.external_port
             if ext is None:
                 continue
-            for ip in sp.external_ips:
-                out.add(Portal(spn, PortalKind.EXTERNAL_IP, ip, sp.port, ext))
-            for ip in sp.lb_ingress_ips:
-                out.add(Portal(spn, PortalKind.LB_INGRESS, ip, sp.port, ext))
+            for kind, ips in (
+                (PortalKind.EXTERNAL_IP, sp.external_ips),
+                (PortalKind.LB_INGRESS, sp.lb_ingress_ips),
+            ):
+                for ip in ips:
+                    if ":" in ip:
+                        skipped.add((spn, ip))
+                        continue
+                    out.add(Portal(spn, kind, ip, sp.port, ext))
             reserved = self.options.nodeports
             if sp.node_port and (reserved is None or (spn.protocol, sp.node_port) in reserved):
                 out.add(Portal(spn, PortalKind.NODE_PORT, None, sp.node_port, ext))
+        for spn, ip in sorted(skipped - self._skipped_ipv6, key=str):
+            if self.options.laptop:
+                break  # no rules on a laptop: service addresses are not used at all
+            log.warning(
+                "IPv6 service address not proxied: uproxy programs IPv4 iptables only",
+                extra=kv(service=str(spn), ip=ip),
+            )
+        self._skipped_ipv6 = skipped
         return frozenset(out)
 
     def _sync_nodeports(self) -> None:

@@ -39,6 +39,8 @@ RULES = [
     pytest.param("iptables", "legacy", id="python-iptables"),
 ]
 PORT_RANGE = "40000-40019"
+WEB_IP6 = "fd00:10:96::10"
+EXTERNAL_IP6 = "2001:db8::10"
 
 PORTALS_JUMP = (
     '-m comment --comment "handle ClusterIPs; NOTE: this must be before the NodePort rules" '
@@ -138,7 +140,15 @@ def test_rules_are_exact_and_go_with_their_service(
     topo = net.topo
     start_proc(topo.backend, backend_argv(net), ready_line=True)
     start_proc(topo.backend, dnsmasq_argv(topo.backend_ip))
-    services.put(*lb_web(net), *dns(net))
+    web_objs = lb_web(net)
+    # Dual-stack: the IPv6 addresses get no rules (IPv4 iptables), and must not break the
+    # commit for every other rule either.
+    web_spec = web_objs[0]["spec"]
+    web_spec["clusterIPs"] = [WEB_IP, WEB_IP6]
+    web_spec["ipFamilies"] = ["IPv4", "IPv6"]
+    web_spec["ipFamilyPolicy"] = "PreferDualStack"
+    web_spec["externalIPs"].append(EXTERNAL_IP6)
+    services.put(*web_objs, *dns(net))
     services.write()
     proxy = start_uproxy(rules, extra=["--proxy-port-range", PORT_RANGE])
     proxy.wait_synced()
@@ -149,6 +159,10 @@ def test_rules_are_exact_and_go_with_their_service(
     assert len(ports) == 2, ports  # one listener each: both policies are Cluster
     want = expected_tables(topo.node_ip, web=web, dns_port=dns_port)
     assert comparable(save(topo, topo.node, mode)) == comparable(want)
+    skipped = [line for line in proxy.proc.stderr_lines if "IPv6 service address" in line]
+    assert len(skipped) == 2 and {WEB_IP6, EXTERNAL_IP6} == {
+        ip for ip in (WEB_IP6, EXTERNAL_IP6) if any(ip in line for line in skipped)
+    }, skipped
 
     # Traffic for both, so the UDP service leaves conntrack entries behind.
     curl(topo, topo.pod, f"http://{WEB_IP}/", body=b"x" * 1000, tmp=tmp_path)
