@@ -37,6 +37,29 @@ def test_union_of_three_slices_and_delete_one() -> None:
     assert len(calls) == 3
 
 
+def test_dual_stack_slices_give_the_ipv4_endpoints_once() -> None:
+    t = Tracker()
+    t.replace(Kind.SERVICE, [service(), service("v6only", cluster_ip="fd00::20")])
+    pods = [("10.0.0.1", "fd00:1::1"), ("10.0.0.2", "fd00:1::2")]
+    t.replace(
+        Kind.ENDPOINT_SLICE,
+        [
+            endpoint_slice("web-v4", endpoints=[endpoint(v4) for v4, _ in pods]),
+            endpoint_slice(
+                "web-v6", endpoints=[endpoint(v6) for _, v6 in pods], address_type="IPv6"
+            ),
+            endpoint_slice(
+                "v6only-1", "v6only", endpoints=[endpoint("fd00:1::3")], address_type="IPv6"
+            ),
+        ],
+    )
+    assert ips(t) == ["10.0.0.1", "10.0.0.2"]  # each pod once
+    assert ips(t, ServicePortName("default", "v6only", "http", Protocol.TCP)) == ["fd00:1::3"]
+    # The IPv4 slice goes (the family is being removed): the IPv6 endpoints serve.
+    t.delete(Kind.ENDPOINT_SLICE, endpoint_slice("web-v4", endpoints=[]))
+    assert ips(t) == ["fd00:1::1", "fd00:1::2"]
+
+
 def test_noop_updates_do_not_notify() -> None:
     calls: list[int] = []
     t = Tracker(on_change=lambda: calls.append(1))
