@@ -289,34 +289,29 @@ class Syncer:
         skipped: set[tuple[ServicePortName, str]] = set()
         for spn, pp in self.ports.items():
             sp = pp.port
-            if pp.cluster is not None:
-                for ip in sp.cluster_ips:
-                    if ":" in ip:
-                        skipped.add((spn, ip))
-                        continue
-                    out.add(Portal(spn, PortalKind.CLUSTER_IP, ip, sp.port, pp.cluster.port))
             ext = pp.external_port
-            if ext is None:
-                continue
-            for kind, ips in (
-                (PortalKind.EXTERNAL_IP, sp.external_ips),
-                (PortalKind.LB_INGRESS, sp.lb_ingress_ips),
-            ):
+            addresses: list[tuple[PortalKind, tuple[str, ...], int]] = []
+            if pp.cluster is not None:
+                addresses.append((PortalKind.CLUSTER_IP, sp.cluster_ips, pp.cluster.port))
+            if ext is not None:
+                addresses.append((PortalKind.EXTERNAL_IP, sp.external_ips, ext))
+                addresses.append((PortalKind.LB_INGRESS, sp.lb_ingress_ips, ext))
+            for kind, ips, proxy_port in addresses:
                 for ip in ips:
                     if ":" in ip:
                         skipped.add((spn, ip))
-                        continue
-                    out.add(Portal(spn, kind, ip, sp.port, ext))
+                    else:
+                        out.add(Portal(spn, kind, ip, sp.port, proxy_port))
             reserved = self.options.nodeports
-            if sp.node_port and (reserved is None or (spn.protocol, sp.node_port) in reserved):
+            held = reserved is None or (spn.protocol, sp.node_port) in reserved
+            if ext is not None and sp.node_port and held:
                 out.add(Portal(spn, PortalKind.NODE_PORT, None, sp.node_port, ext))
-        for spn, ip in sorted(skipped - self._skipped_ipv6, key=str):
-            if self.options.laptop:
-                break  # no rules on a laptop: service addresses are not used at all
-            log.warning(
-                "IPv6 service address not proxied: uproxy programs IPv4 iptables only",
-                extra=kv(service=str(spn), ip=ip),
-            )
+        if not self.options.laptop:  # no rules on a laptop: service addresses are not used
+            for spn, ip in sorted(skipped - self._skipped_ipv6, key=str):
+                log.warning(
+                    "IPv6 service address not proxied: uproxy programs IPv4 iptables only",
+                    extra=kv(service=str(spn), ip=ip),
+                )
         self._skipped_ipv6 = skipped
         return frozenset(out)
 

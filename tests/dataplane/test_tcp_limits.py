@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.dataplane.conftest import BackendFactory, wait_until
+from tests.dataplane.conftest import BackendFactory, digest, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -265,10 +265,6 @@ async def receive(sock: socket.socket, n: int, deadline_s: float) -> bytes:
             break
         got += data
     return bytes(got)
-
-
-def digest(data: bytes) -> tuple[int, str]:
-    return len(data), hashlib.sha256(data).hexdigest()
 
 
 async def starve(child: Child, holder: socket.socket | None) -> socket.socket:

@@ -131,11 +131,9 @@ class _FdReserve:
 
     def released(self, loop: asyncio.AbstractEventLoop) -> None:
         """A pair closed: wake the dials waiting for fds (on the next pass, once it closed)."""
-        waiters = self.waiters
-        if waiters:
-            self.waiters = []
-            for waiter in waiters:
-                loop.call_soon(_wake, waiter)
+        waiters, self.waiters = self.waiters, []
+        for waiter in waiters:
+            loop.call_soon(_wake, waiter)
 
 
 def _wake(waiter: asyncio.Future[None]) -> None:
@@ -535,7 +533,8 @@ class _Connection(_Side):
         if self.peer is not None:
             self.listener.stats.open.value -= 1
         self.listener.released(self)
-        FD_RESERVE.released(self.listener.loop)
+        if FD_RESERVE.waiters:  # one attribute test per connection while nothing waits
+            FD_RESERVE.released(self.listener.loop)
 
 
 class TcpListener:

@@ -31,6 +31,7 @@ from typing import Self
 from uproxy import metrics
 from uproxy.dataplane.balancer import Balancer
 from uproxy.dataplane.settings import DataplaneSettings
+from uproxy.log import kv
 from uproxy.model import Endpoint, ServicePortName, Traffic
 
 log = logging.getLogger("uproxy.dataplane.udp")
@@ -253,19 +254,14 @@ class UdpListener:
                 self._starved = True
                 log.warning(
                     "UDP flow not opened: out of resources",
-                    extra={
-                        "kv": {
-                            "service": str(self.name),
-                            "port": self.port,
-                            "error": exc.strerror,
-                            "flows": len(flows),
-                        }
-                    },
+                    extra=kv(
+                        service=str(self.name), port=self.port, error=exc.strerror, flows=len(flows)
+                    ),
                 )
             return None
         if self._starved:
             self._starved = False
-            log.info("UDP flows open again", extra={"kv": {"service": str(self.name)}})
+            log.info("UDP flows open again", extra=kv(service=str(self.name)))
         try:
             sock.setblocking(False)
             sock.connect(ep.address)
