@@ -80,6 +80,7 @@ def _metavar(kind: str) -> str:
         "ip": "IP",
         "hostport": "HOST:PORT",
         "cidrs": "CIDR,...",
+        "mark": "MARK",
     }.get(kind, "VALUE")
 
 

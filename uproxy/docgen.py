@@ -43,6 +43,7 @@ _KINDS = {
     "ip": "IP address",
     "hostport": "`HOST:PORT`, empty disables",
     "cidrs": "list of CIDRs (a comma-separated string on the command line)",
+    "mark": "32-bit mark (`0x1000`, or decimal)",
     "str": "string",
 }
 
@@ -63,6 +64,8 @@ def _default_text(f: Any) -> str:
         return f"`{str(value).lower()}`"
     if kind == "cidrs":
         return "`[]`" if not value else f"`{','.join(value)}`"
+    if kind == "mark":
+        return f"`{value:#x}`"
     if value == "":
         return '`""`'
     return f"`{value}`"
@@ -83,6 +86,8 @@ def _example_value(f: Any) -> Any:
         return format_duration(f.default)
     if kind == "cidrs":
         return list(f.default)
+    if kind == "mark":
+        return f"{f.default:#x}"
     return f.default
 
 

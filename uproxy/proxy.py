@@ -16,6 +16,7 @@ import ipaddress
 import logging
 import os
 import signal
+import socket
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -96,7 +97,9 @@ class Proxy:
                 port_range=parse_port_range(s.proxy_port_range),
                 default_algorithm=s.algorithm,
                 dataplane=DataplaneSettings(
-                    udp_timeout_s=s.udp_timeout, udp_max_flows=s.udp_max_flows
+                    udp_timeout_s=s.udp_timeout,
+                    udp_max_flows=s.udp_max_flows,
+                    dial_mark=self._dial_mark(),
                 ),
                 full_sync_period_s=s.iptables_sync_period,
                 nodeports=None if s.laptop else NodePortReservations(),
@@ -170,6 +173,23 @@ class Proxy:
             )
         except RulesError as e:
             raise StartupError(str(e)) from None
+
+    def _dial_mark(self) -> int:
+        """The mark for dials (0 without rules); checked once here, not per connection."""
+        mark = self.settings.dial_mark
+        if self.settings.laptop or not mark:
+            return 0
+        probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, mark)
+        except OSError as e:
+            raise StartupError(
+                f"cannot set --dial-mark {mark:#x} on sockets: {e.strerror or e}; "
+                "run with CAP_NET_ADMIN, or pass --dial-mark 0"
+            ) from None
+        finally:
+            probe.close()
+        return mark
 
     def _nodeport_addresses(self) -> list[str]:
         if self.settings.laptop:

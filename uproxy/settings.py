@@ -37,7 +37,7 @@ def opt(
     )
 
 
-RULES_BACKENDS = ("auto", "iptables-restore", "iptables", "none")
+RULES_BACKENDS = ("auto", "iptables-restore", "nftables", "iptables", "none")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -126,7 +126,8 @@ class Settings:
         config="uproxy.rules",
         choices=RULES_BACKENDS,
         help="How service traffic is steered into uproxy: auto (iptables-restore), "
-        "iptables (python-iptables, legacy tables), none (laptop mode); "
+        "nftables (uproxy's own nft tables, maps: constant cost per packet at any number of "
+        "services), iptables (python-iptables, legacy tables), none (laptop mode); "
         "default: auto as root, else none",
     )
     iptables_mode: str = opt(
@@ -149,6 +150,14 @@ class Settings:
         config="iptables.minSyncPeriod",
         kind="duration",
         help="The shortest time between syncs when changes arrive",
+    )
+    dial_mark: int = opt(
+        0x1000,
+        flag="--dial-mark",
+        config="uproxy.dialMark",
+        kind="mark",
+        help="Packet mark (SO_MARK) on uproxy's own connections to endpoints, so the portal "
+        "rules let them pass at once; pick a bit no other component uses; 0 disables",
     )
     nodeport_addresses: tuple[str, ...] = opt(
         (),
@@ -277,6 +286,24 @@ def parse_hostport(text: str) -> tuple[str, int] | None:
     return host, p
 
 
+def _parse_mark(value: Any) -> int:
+    """A packet mark: an integer, or a string in decimal or 0x hex (iptables' spelling)."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a mark like 0x1000, got {value!r}")
+    if isinstance(value, int):
+        mark = value
+    elif isinstance(value, str):
+        try:
+            mark = int(value.strip(), 0)
+        except ValueError:
+            raise ValueError(f"expected a mark like 0x1000, got {value!r}") from None
+    else:
+        raise ValueError(f"expected a mark like 0x1000, got {value!r}")
+    if not 0 <= mark <= 0xFFFFFFFF:
+        raise ValueError(f"a mark is a 32-bit value, got {value!r}")
+    return mark
+
+
 def convert(f: Any, value: Any) -> Any:
     """Parse one raw value (a flag's string, or a config file's YAML value) for field ``f``."""
     kind = f.metadata["kind"]
@@ -297,6 +324,8 @@ def convert(f: Any, value: Any) -> Any:
             if not isinstance(value, bool):
                 raise ValueError(f"expected true or false, got {value!r}")
             out = value
+        elif kind == "mark":
+            out = _parse_mark(value)
         elif kind == "cidrs":
             items = value.split(",") if isinstance(value, str) else value
             if not isinstance(items, list):

@@ -55,9 +55,11 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import os
 import resource
 import socket
 import struct
+from collections.abc import Callable
 from typing import Self, cast
 
 from uproxy import metrics
@@ -200,6 +202,43 @@ def reset_socket(sock: socket.socket) -> None:
     except OSError:
         pass
     sock.close()
+
+
+async def dial_marked(
+    loop: asyncio.AbstractEventLoop,
+    protocol_factory: Callable[[], asyncio.Protocol],
+    ip: str,
+    port: int,
+    mark: int,
+) -> None:
+    """Connect to ``ip:port`` from a socket carrying ``mark`` (SO_MARK), then wrap it.
+
+    The mark has to be on the socket before the SYN leaves (the NAT decision is taken on the
+    first packet), and ``create_connection`` makes its own socket: so the socket and the
+    non-blocking connect are ours, and the connected socket is handed to the loop. Raises
+    OSError like ``create_connection`` (EMFILE included); a cancelled dial closes its socket.
+    """
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, mark)
+        sock.setblocking(False)
+        err = sock.connect_ex((ip, port))
+        if err == errno.EINPROGRESS:
+            fd = sock.fileno()
+            writable: asyncio.Future[None] = loop.create_future()
+            loop.add_writer(fd, _wake, writable)
+            try:
+                await writable
+            finally:
+                loop.remove_writer(fd)
+            err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if err:
+            raise OSError(err, os.strerror(err))
+        await loop.create_connection(protocol_factory, sock=sock)
+    except BaseException:
+        sock.close()
+        raise
 
 
 def _reset_transport(transport: asyncio.Transport) -> None:
@@ -365,6 +404,7 @@ class _Connection(_Side):
         tried: list[Endpoint] = []
         ep: Endpoint | None = self.endpoint
         timeouts = settings.dial_timeouts_s
+        mark = settings.dial_mark
         fd_deadline: float | None = None  # until when a dial may wait for a free fd
         attempt = 0
         while attempt < len(timeouts):
@@ -379,7 +419,10 @@ class _Connection(_Side):
             # get_running_loop() calls, each a getpid(), its reschedule/exit bookkeeping).
             self.deadline = listener.dial_timers[timeout].start(self._dial_timed_out)
             try:
-                await loop.create_connection(side._self, ep.ip, ep.port)
+                if mark:
+                    await dial_marked(loop, side._self, ep.ip, ep.port, mark)
+                else:
+                    await loop.create_connection(side._self, ep.ip, ep.port)
             except asyncio.CancelledError:
                 if not self.timed_out:  # cancelled from outside (client gone, shutdown)
                     self._cancel_deadline()

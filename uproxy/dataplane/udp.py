@@ -263,6 +263,8 @@ class UdpListener:
             self._starved = False
             log.info("UDP flows open again", extra=kv(service=str(self.name)))
         try:
+            if self.settings.dial_mark:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, self.settings.dial_mark)
             sock.setblocking(False)
             sock.connect(ep.address)
         except OSError:
