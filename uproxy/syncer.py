@@ -1,11 +1,13 @@
 """The syncer: the one place that turns desired state into sockets, balancers and rules.
 
-``sync()`` is idempotent and cheap when nothing changed. It opens a listener for each new
-service port (a second one for external traffic when the traffic policies make the cluster
-and external endpoint sets differ), updates balancers in place when only endpoints changed
-(no listener churn, established connections untouched), closes listeners of service ports
-that went away, and then hands the full portal set to the rules backend. Nothing is
-programmed until every source has listed once: a partial view must never close a listener.
+``sync()`` is idempotent and does work in proportion to what changed. For each service port
+the tracker names it opens a listener when the port is new (a second one for external
+traffic when the traffic policies make the cluster and external endpoint sets differ),
+updates its balancer in place (no listener churn, established connections untouched), or
+closes its listeners when it went away; then it hands the portal set to the rules backend
+if that changed. Nothing is programmed until every source has listed once: a partial view
+must never close a listener. Long syncs (10,000 new ports at start) give the event loop back
+every few milliseconds, so relays never wait behind them for long.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import errno
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol as TypingProtocol
 
@@ -26,7 +28,8 @@ from uproxy.log import V2, kv
 from uproxy.model import LbAlgorithm, Protocol, ServicePort, ServicePortName, ServiceState, Traffic
 from uproxy.portrange import PortAllocator
 from uproxy.rules.base import Portal, PortalKind, RulesBackend, RulesError
-from uproxy.rules.nodeports import NodePortReservations
+from uproxy.rules.nodeports import NodePortError, NodePortReservations
+from uproxy.timeslice import TimeSlice
 from uproxy.tracker import Tracker
 
 log = logging.getLogger("uproxy.syncer")
@@ -100,6 +103,13 @@ class TableRow:
     endpoints: str
 
 
+REMOVED = "(removed)"  # the listen column of a table row whose service port went away
+
+Hook = Callable[
+    [Mapping[ServicePortName, "ProxiedPort"], Collection[ServicePortName]], Awaitable[None]
+]
+
+
 @dataclass(slots=True, kw_only=True)
 class SyncerOptions:
     listen_host: str
@@ -112,14 +122,22 @@ class SyncerOptions:
     drain_timeout_s: float = 5.0
     # Real sockets holding every node port (node mode); None in laptop mode.
     nodeports: NodePortReservations | None = None
+    # Laptop mode: the rows of the service table that changed (all of them at first).
     on_table: Callable[[list[TableRow]], None] | None = None
     on_synced: Callable[[], None] | None = None
-    extra_hooks: list[Callable[[dict[ServicePortName, ProxiedPort]], Awaitable[None]]] = field(
-        default_factory=list
-    )
+    extra_hooks: list[Hook] = field(default_factory=list)
 
 
 class Syncer:
+    """Applies the tracker's changes: listeners and balancers, node ports, rules, hooks.
+
+    Work per sync is proportional to what changed: the tracker names the service ports to
+    look at again, each one's portals are kept with it, and the rules backend gets the full
+    portal set (kept up to date incrementally) only when it changed, or periodically.
+    Endpoint-only changes take a faster road (``apply_endpoints``) outside the rules' rate
+    limit: they touch balancers only.
+    """
+
     def __init__(
         self,
         *,
@@ -139,14 +157,18 @@ class Syncer:
             Protocol.TCP: PortAllocator(options.port_range),
             Protocol.UDP: PortAllocator(options.port_range),
         }
-        self._portals: frozenset[Portal] | None = None
+        self._portals: dict[ServicePortName, frozenset[Portal]] = {}
+        self._all_portals: set[Portal] = set()
+        self._rules_dirty = True
         self._last_rules_sync = float("-inf")
         self._force_rules = False
         self._failed: dict[tuple[ServicePortName, Traffic], str] = {}
-        self._table: list[TableRow] = []
-        self._nodeport_errors: set[str] = set()
+        self._retry: set[ServicePortName] = set()  # a listener or node port to try again
+        self._rows: dict[ServicePortName, TableRow] = {}
+        self._nodeport_errors: dict[ServicePortName, str] = {}
         self._skipped_ipv6: set[tuple[ServicePortName, str]] = set()
         self.syncs = 0
+        self.last_changed = 0  # service ports the last sync looked at
 
     def force_rules_sync(self) -> None:
         """The next sync rewrites the rules even if the portal set did not change."""
@@ -158,43 +180,72 @@ class Syncer:
             return
         started = time.perf_counter()
         changes = self.tracker.take_changes()
-        desired = self.tracker.snapshot()
-        for spn in [s for s in self.ports if s not in desired]:
-            await self._remove(spn)
-        for spn, state in desired.items():
-            await self._ensure(spn, state)
-        self._sync_nodeports()
+        todo = changes.ports | self._retry
+        self._retry = set()
+        opened = closed = 0
+        ts = TimeSlice()
+        for spn in sorted(todo):
+            state = self.tracker.state(spn)
+            if state is None:
+                if spn in self.ports:
+                    closed += await self._remove(spn)
+            else:
+                opened += await self._ensure(spn, state)
+            await ts.tick()
+        if opened or closed:
+            log.info("Proxy ports changed", extra=kv(opened=opened, closed=closed))
         await self._sync_rules()
         for hook in self.options.extra_hooks:
-            await hook(self.ports)
-        self._emit_table()
+            await hook(self.ports, todo)
+        self._emit_table(todo)
         self.syncs += 1
+        self.last_changed = len(todo)
         done = time.time()
         metrics.SYNC_DURATION.observe(time.perf_counter() - started)
         metrics.SYNC_LAST_TIMESTAMP.set(done)
-        for t in changes.trigger_times:
-            metrics.NETWORK_PROGRAMMING_DURATION.observe(max(0.0, done - t))
+        _observe_programming(changes.trigger_times, done)
         if self.options.on_synced is not None:
             self.options.on_synced()
 
+    def apply_endpoints(self) -> frozenset[ServicePortName]:
+        """Hand endpoint-only changes to the balancers now; returns the ports touched.
+
+        Nothing here waits: a balancer update is a few tuple operations, so an endpoint
+        change reaches new connections within one pass of the loop, whatever the rules'
+        rate limit. Before the first sync nothing is taken: that sync takes everything.
+        """
+        if self.syncs == 0:
+            return frozenset()
+        changes = self.tracker.take_endpoint_changes()
+        touched = set()
+        for spn in changes.ports:
+            pp = self.ports.get(spn)
+            state = self.tracker.state(spn)
+            if pp is not None and state is not None:
+                pp.port = state.port
+                pp.balancer.update(state.port, state.endpoints)
+                touched.add(spn)
+        self._emit_table(touched)
+        _observe_programming(changes.trigger_times, time.time())
+        return frozenset(touched)
+
     async def close(self, *, drain: bool = True) -> None:
         """Close every listener; with ``drain``, give connections time to finish."""
-        for pp in list(self.ports.values()):
-            for lst in (pp.cluster, pp.external):
-                if lst is not None:
-                    lst.close()
+        listeners = [lst for pp in self.ports.values() for lst in (pp.cluster, pp.external) if lst]
+        for lst in listeners:
+            lst.close()
         if drain:
-            for pp in list(self.ports.values()):
-                for lst in (pp.cluster, pp.external):
-                    if lst is not None:
-                        await lst.shutdown(self.options.drain_timeout_s)
+            for lst in listeners:
+                await lst.shutdown(self.options.drain_timeout_s)
         self.ports.clear()
         if self.options.nodeports is not None:
             self.options.nodeports.close()
 
     # ----- per service port -----
 
-    async def _ensure(self, spn: ServicePortName, state: ServiceState) -> None:
+    async def _ensure(self, spn: ServicePortName, state: ServiceState) -> int:
+        """Make one service port's listeners, balancer and node port match ``state``."""
+        opened = 0
         pp = self.ports.get(spn)
         if pp is None:
             balancer = Balancer(
@@ -205,33 +256,48 @@ class Syncer:
             )
             pp = self.ports[spn] = ProxiedPort(state.port, balancer)
             log.log(V2, "Adding service port", extra=kv(service=str(spn)))
-        elif pp.port.port != state.port.port and self.options.laptop and pp.cluster is not None:
-            # Laptop mode listens on the service's own port: follow it.
-            self._close_listener(spn, pp.cluster)
-            pp.cluster = None
+        else:
+            if pp.port.port != state.port.port and self.options.laptop and pp.cluster:
+                # Laptop mode listens on the service's own port: follow it.
+                self._close_listener(spn, pp.cluster)
+                pp.cluster = None
+            if pp.port.node_port != state.port.node_port:
+                self._release_nodeport(spn, pp.port)
         pp.port = state.port
         pp.balancer.update(state.port, state.endpoints)
         if pp.cluster is None:
             pp.cluster = await self._open_listener(spn, pp, Traffic.CLUSTER)
+            opened += pp.cluster is not None
         if state.port.needs_external_listener:
             if pp.external is None:
                 pp.external = await self._open_listener(spn, pp, Traffic.EXTERNAL)
+                opened += pp.external is not None
         elif pp.external is not None:
             self._close_listener(spn, pp.external)
             pp.external = None
+        self._reserve_nodeport(spn, pp.port)
+        self._set_portals(spn, self._portals_of(spn, pp))
+        if pp.cluster is None or (state.port.needs_external_listener and pp.external is None):
+            self._retry.add(spn)
+        return opened
 
-    async def _remove(self, spn: ServicePortName) -> None:
+    async def _remove(self, spn: ServicePortName) -> int:
         pp = self.ports.pop(spn)
+        closed = 0
         for lst in (pp.cluster, pp.external):
             if lst is not None:
                 self._close_listener(spn, lst)
+                closed += 1
         self._failed = {k: v for k, v in self._failed.items() if k[0] != spn}
+        self._release_nodeport(spn, pp.port)
+        self._set_portals(spn, frozenset())
         if spn.protocol is Protocol.UDP and not self.options.laptop:
             await _clear_conntrack(pp.port)
         log.log(V2, "Removed service port", extra=kv(service=str(spn)))
+        return closed
 
     def _close_listener(self, spn: ServicePortName, lst: Listener) -> None:
-        log.info("Closing proxy port", extra=kv(service=str(spn), port=lst.port))
+        log.log(V2, "Closing proxy port", extra=kv(service=str(spn), port=lst.port))
         lst.close()
         self._allocators[spn.protocol].release(lst.port)
 
@@ -240,9 +306,9 @@ class Syncer:
     ) -> Listener | None:
         alloc = self._allocators[spn.protocol]
         if self.options.laptop and traffic is Traffic.CLUSTER:
-            candidates = [pp.port.port, 0]
+            candidates: Iterable[int] = (pp.port.port, 0)
         else:
-            candidates = alloc.candidates()[:_MAX_BIND_TRIES]
+            candidates = alloc.candidates(_MAX_BIND_TRIES)
         last: OSError | None = None
         for port in candidates:
             try:
@@ -261,7 +327,8 @@ class Syncer:
                 break
             alloc.taken(lst.port)
             self._failed.pop((spn, traffic), None)
-            log.info(
+            log.log(
+                V2,
                 "Opening proxy port",
                 extra=kv(service=str(spn), traffic=traffic.value, address=_hostport(lst)),
             )
@@ -275,100 +342,138 @@ class Syncer:
         self._failed[(spn, traffic)] = reason
         return None
 
+    # ----- node ports -----
+
+    def _reserve_nodeport(self, spn: ServicePortName, sp: ServicePort) -> None:
+        """Hold the node port with a real socket; a taken port is one error line, once."""
+        reserved = self.options.nodeports
+        if reserved is None or not sp.node_port:
+            return
+        try:
+            reserved.reserve(spn, spn.protocol, sp.node_port)
+        except NodePortError as e:
+            if self._nodeport_errors.get(spn) != str(e):
+                log.error("Cannot reserve node port, will retry", extra=kv(error=str(e)))
+            self._nodeport_errors[spn] = str(e)
+            self._retry.add(spn)
+            return
+        self._nodeport_errors.pop(spn, None)
+
+    def _release_nodeport(self, spn: ServicePortName, sp: ServicePort) -> None:
+        reserved = self.options.nodeports
+        self._nodeport_errors.pop(spn, None)
+        if reserved is not None and reserved.owner(spn.protocol, sp.node_port) == spn:
+            reserved.release(spn.protocol, sp.node_port)
+
     # ----- rules -----
 
     def portals(self) -> frozenset[Portal]:
-        """The portals the rules must hold: every IPv4 service address of every proxied port.
+        """The portals the rules must hold: every IPv4 service address of every proxied port."""
+        return frozenset(self._all_portals)
 
-        The rules backends program IPv4 iptables. The IPv6 addresses of a dual-stack service
-        would need ip6tables (and the proxy ports listen on IPv4): they are left out, with one
-        line per address, and never reach a backend, where one of them would fail the whole
-        commit for every service.
+    def _set_portals(self, spn: ServicePortName, portals: frozenset[Portal]) -> None:
+        old = self._portals.get(spn, frozenset())
+        if old == portals:
+            return
+        self._all_portals.difference_update(old)
+        self._all_portals.update(portals)
+        if portals:
+            self._portals[spn] = portals
+        else:
+            self._portals.pop(spn, None)
+        self._rules_dirty = True
+
+    def _portals_of(self, spn: ServicePortName, pp: ProxiedPort) -> frozenset[Portal]:
+        """One service port's portals (IPv4 only: the rules backends program IPv4).
+
+        The IPv6 addresses of a dual-stack service would need ip6tables (and the proxy ports
+        listen on IPv4): they are left out, with one line per address, and never reach a
+        backend, where one of them would fail the whole commit for every service.
         """
+        if self.options.laptop:
+            return frozenset()  # no rules on a laptop: service addresses are not used
+        sp = pp.port
+        ext = pp.external_port
         out: set[Portal] = set()
-        skipped: set[tuple[ServicePortName, str]] = set()
-        for spn, pp in self.ports.items():
-            sp = pp.port
-            ext = pp.external_port
-            addresses: list[tuple[PortalKind, tuple[str, ...], int]] = []
-            if pp.cluster is not None:
-                addresses.append((PortalKind.CLUSTER_IP, sp.cluster_ips, pp.cluster.port))
-            if ext is not None:
-                addresses.append((PortalKind.EXTERNAL_IP, sp.external_ips, ext))
-                addresses.append((PortalKind.LB_INGRESS, sp.lb_ingress_ips, ext))
-            for kind, ips, proxy_port in addresses:
-                for ip in ips:
-                    if ":" in ip:
-                        skipped.add((spn, ip))
-                    else:
-                        out.add(Portal(spn, kind, ip, sp.port, proxy_port))
-            reserved = self.options.nodeports
-            held = reserved is None or (spn.protocol, sp.node_port) in reserved
-            if ext is not None and sp.node_port and held:
-                out.add(Portal(spn, PortalKind.NODE_PORT, None, sp.node_port, ext))
-        if not self.options.laptop:  # no rules on a laptop: service addresses are not used
-            for spn, ip in sorted(skipped - self._skipped_ipv6, key=str):
-                log.warning(
-                    "IPv6 service address not proxied: uproxy programs IPv4 iptables only",
-                    extra=kv(service=str(spn), ip=ip),
-                )
-        self._skipped_ipv6 = skipped
+        addresses: list[tuple[PortalKind, tuple[str, ...], int]] = []
+        if pp.cluster is not None:
+            addresses.append((PortalKind.CLUSTER_IP, sp.cluster_ips, pp.cluster.port))
+        if ext is not None:
+            addresses.append((PortalKind.EXTERNAL_IP, sp.external_ips, ext))
+            addresses.append((PortalKind.LB_INGRESS, sp.lb_ingress_ips, ext))
+        for kind, ips, proxy_port in addresses:
+            for ip in ips:
+                if ":" not in ip:
+                    out.add(Portal(spn, kind, ip, sp.port, proxy_port))
+                elif (spn, ip) not in self._skipped_ipv6:
+                    self._skipped_ipv6.add((spn, ip))
+                    log.warning(
+                        "IPv6 service address not proxied: uproxy programs IPv4 iptables only",
+                        extra=kv(service=str(spn), ip=ip),
+                    )
+        reserved = self.options.nodeports
+        held = reserved is None or reserved.owner(spn.protocol, sp.node_port) == spn
+        if ext is not None and sp.node_port and held:
+            out.add(Portal(spn, PortalKind.NODE_PORT, None, sp.node_port, ext))
         return frozenset(out)
 
-    def _sync_nodeports(self) -> None:
-        """Hold every node port with a real socket; a taken port is one error line, once."""
-        if self.options.nodeports is None:
-            return
-        desired = {
-            (spn.protocol, pp.port.node_port): spn
-            for spn, pp in self.ports.items()
-            if pp.port.node_port
-        }
-        errors = {str(e) for e in self.options.nodeports.sync(desired)}
-        for msg in sorted(errors - self._nodeport_errors):
-            log.error("Cannot reserve node port, will retry", extra=kv(error=msg))
-        self._nodeport_errors = errors
-
     async def _sync_rules(self) -> None:
-        portals = self.portals()
+        """Hand the portal set to the backend when it changed, or every full-sync period.
+
+        The periodic call lets a backend repair what its cheap check cannot see; a backend
+        makes it cheap when nothing changed.
+        """
         now = self._clock()
         stale = now - self._last_rules_sync >= self.options.full_sync_period_s
-        if portals == self._portals and not self._force_rules and not stale:
+        if not (self._rules_dirty or self._force_rules or stale):
             return
+        portals = frozenset(self._all_portals)
         try:
             await self.rules.sync(portals)
         except RulesError as e:
-            self._portals = None
+            self._rules_dirty = True
             raise RulesError(f"programming rules with {self.rules.name} failed: {e}") from e
-        self._portals = portals
-        self._force_rules = False
+        self._rules_dirty = self._force_rules = False
         self._last_rules_sync = now
 
     # ----- the laptop table -----
 
     def table(self) -> list[TableRow]:
-        rows = []
-        for spn in sorted(self.ports):
-            pp = self.ports[spn]
-            listens = [_hostport(lst) for lst in (pp.cluster, pp.external) if lst is not None]
-            eps = sorted(pp.balancer.endpoints(Traffic.CLUSTER))
-            rows.append(
-                TableRow(
-                    service=str(spn),
-                    protocol=spn.protocol.value,
-                    listen=", ".join(listens) or "(not listening)",
-                    endpoints=", ".join(str(e) for e in eps) or "(none)",
-                )
-            )
-        return rows
+        """Every service port's row, sorted."""
+        return [self._row(spn, self.ports[spn]) for spn in sorted(self.ports)]
 
-    def _emit_table(self) -> None:
+    def _row(self, spn: ServicePortName, pp: ProxiedPort) -> TableRow:
+        listens = [_hostport(lst) for lst in (pp.cluster, pp.external) if lst is not None]
+        eps = sorted(pp.balancer.endpoints(Traffic.CLUSTER))
+        return TableRow(
+            service=str(spn),
+            protocol=spn.protocol.value,
+            listen=", ".join(listens) or "(not listening)",
+            endpoints=", ".join(str(e) for e in eps) or "(none)",
+        )
+
+    def _emit_table(self, changed: Collection[ServicePortName]) -> None:
+        """Laptop mode: print the rows that changed (every row at first)."""
         if self.options.on_table is None:
             return
-        rows = self.table()
-        if rows != self._table:
-            self._table = rows
+        rows: list[TableRow] = []
+        for spn in sorted(changed):
+            pp = self.ports.get(spn)
+            if pp is None:
+                if self._rows.pop(spn, None) is not None:
+                    rows.append(TableRow(str(spn), spn.protocol.value, REMOVED, ""))
+                continue
+            row = self._row(spn, pp)
+            if self._rows.get(spn) != row:
+                self._rows[spn] = row
+                rows.append(row)
+        if rows or self.syncs == 0:
             self.options.on_table(rows)
+
+
+def _observe_programming(trigger_times: Iterable[float], done: float) -> None:
+    for t in trigger_times:
+        metrics.NETWORK_PROGRAMMING_DURATION.observe(max(0.0, done - t))
 
 
 def _hostport(lst: Listener) -> str:

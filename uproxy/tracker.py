@@ -2,15 +2,17 @@
 
 Sources push whole objects (upserts, deletes, or a full listing to replace by difference);
 the tracker converts them once, drops no-op updates, merges the EndpointSlices of each
-service, and tells the syncer that something changed. The syncer pulls ``snapshot()``,
-which is rebuilt only for the services that changed since the last pull, so a watch event
-costs work proportional to the object, not to the cluster.
+service, and says which service ports changed. Consumers take those ports (``take_changes``,
+``take_endpoint_changes``) and read their state (``state``); a service's state is rebuilt
+only when it changed, so a watch event costs work proportional to the object, not to the
+cluster, and so does the sync that follows it.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import time
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -34,6 +36,7 @@ from uproxy.objects import (
     object_key,
     service_ports,
 )
+from uproxy.timeslice import TimeSlice
 
 log = logging.getLogger("uproxy.tracker")
 
@@ -48,35 +51,55 @@ class Kind(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Changes:
-    """What changed since the last ``take_changes()``: for metrics and logs."""
+    """What changed since the last take: the service ports to look at again, and why."""
 
-    services: int
-    endpoints: int
-    # Wall-clock times (epoch seconds) of the slice changes that triggered this sync.
+    # Service ports whose state may differ: added, changed or gone (``state()`` is None).
+    ports: frozenset[ServicePortName]
+    services: int  # Service changes applied (for metrics and logs)
+    endpoints: int  # EndpointSlice changes applied
+    # Wall-clock times (epoch seconds) of the slice changes behind these ports, from the
+    # EndpointSlice controller's trigger-time annotation; times before the tracker existed
+    # are dropped (a first listing would otherwise report hours of "programming latency").
     trigger_times: tuple[float, ...]
 
 
 class Tracker:
+    """The desired state, and which service ports changed since each consumer last looked.
+
+    Two consumers take changes. The syncer takes everything (``take_changes``) at the rules'
+    rate limit. Endpoint-only changes, which kube-proxy's userspace mode handed to its load
+    balancer at once, are also offered on their own (``take_endpoint_changes``) so the data
+    plane can follow them within milliseconds; a service whose Service object also changed
+    waits for the syncer, which handles both together.
+    """
+
     def __init__(
         self,
         *,
         service_proxy_name: str | None = None,
         on_change: Callable[[], None] | None = None,
+        on_endpoints: Callable[[], None] | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.service_proxy_name = service_proxy_name
-        self.on_change = on_change
+        self.on_change = on_change  # a Service (or the Node) changed, or a first listing
+        self.on_endpoints = on_endpoints  # an EndpointSlice changed
         self.node: NodeInfo | None = None
+        self._started = clock()
         self._services: dict[ServiceKey, dict[ServicePortName, ServicePort]] = {}
         self._slices: dict[ServiceKey, EndpointSliceInfo] = {}  # keyed by (ns, slice name)
         self._slices_of: dict[ServiceKey, set[ServiceKey]] = {}  # service -> its slice keys
         self._listed: set[Kind] = set()
         self._invalid: dict[tuple[Kind, str], str] = {}
-        self._dirty: set[ServiceKey] = set()
         self._state: DesiredState = {}
-        self._by_service: dict[ServiceKey, list[ServicePortName]] = {}
+        self._by_service: dict[ServiceKey, tuple[ServicePortName, ...]] = {}
+        self._stale: set[ServiceKey] = set()  # state to rebuild before it is read
+        self._pending_services: set[ServiceKey] = set()  # not yet taken by the syncer
+        self._pending_endpoints: set[ServiceKey] = set()  # not yet taken by anyone
+        self._dropped: set[ServicePortName] = set()  # ports gone since the syncer last took
+        self._triggers: dict[ServiceKey, list[float]] = {}
         self._service_changes = 0
         self._endpoint_changes = 0
-        self._trigger_times: list[float] = []
 
     # ----- what sources call -----
 
@@ -87,64 +110,126 @@ class Tracker:
 
     def upsert(self, kind: Kind, obj: Obj) -> None:
         if self._apply(kind, _key(obj), obj):
-            self._notify()
+            self._notify(kind)
 
     def delete(self, kind: Kind, obj: Obj) -> None:
         if self._apply(kind, _key(obj), None):
-            self._notify()
+            self._notify(kind)
 
     def replace(self, kind: Kind, objs: Iterable[Obj]) -> None:
         """A full listing of ``kind``: apply the difference and mark the kind listed."""
-        incoming = {_key(o): o for o in objs}
-        known = self._services if kind is Kind.SERVICE else self._slices
         changed = False
-        for key in list(known):
-            if key not in incoming:
-                changed |= self._apply(kind, key, None)
-        for key, obj in incoming.items():
+        for key, obj in self._listing_diff(kind, objs):
             changed |= self._apply(kind, key, obj)
-        first = kind not in self._listed
-        self._listed.add(kind)
-        if changed or first:
-            self._notify()
+        self._listed_now(kind, changed)
+
+    async def replace_async(self, kind: Kind, objs: Iterable[Obj]) -> None:
+        """``replace`` that gives the loop back every few milliseconds (10,000s of objects).
+
+        Until the kind's first listing is complete the tracker is not synced, so nothing is
+        programmed from a half-applied first listing; a relist applied in slices is seen as
+        a burst of single changes, each of them true.
+        """
+        changed = False
+        ts = TimeSlice()
+        for key, obj in self._listing_diff(kind, objs):
+            changed |= self._apply(kind, key, obj)
+            await ts.tick()
+        self._listed_now(kind, changed)
 
     def set_node(self, node: NodeInfo | None) -> None:
         if node != self.node:
             self.node = node
-            self._notify()
+            if self.on_change is not None:
+                self.on_change()
 
-    # ----- what the syncer calls -----
+    # ----- what consumers call -----
 
     def snapshot(self) -> DesiredState:
-        """The desired state; rebuilt only for services changed since the last call."""
-        for skey in self._dirty:
-            for old in self._by_service.pop(skey, ()):
-                self._state.pop(old, None)
-            ports = self._services.get(skey)
-            if not ports:
-                continue
-            slices = [self._slices[k] for k in sorted(self._slices_of.get(skey, ()))]
-            names = []
-            for spn, sp in ports.items():
-                self._state[spn] = ServiceState(sp, _merge(slices, spn))
-                names.append(spn)
-            self._by_service[skey] = names
-        self._dirty.clear()
+        """The whole desired state (rebuilt where stale); taking changes is separate."""
+        self._rebuild(self._stale)
         return self._state
 
+    def state(self, spn: ServicePortName) -> ServiceState | None:
+        """The current desired state of one service port; None when it does not exist."""
+        key = spn.service
+        if key in self._stale:
+            self._rebuild((key,))
+        return self._state.get(spn)
+
     def take_changes(self) -> Changes:
-        out = Changes(self._service_changes, self._endpoint_changes, tuple(self._trigger_times))
+        """Every service port changed since the last call (Service or endpoint changes)."""
+        keys = self._pending_services | self._pending_endpoints
+        self._pending_services.clear()
+        self._pending_endpoints.clear()
+        ports = self._ports_of(keys) | self._dropped
+        self._dropped = set()
+        out = Changes(
+            frozenset(ports), self._service_changes, self._endpoint_changes, self._take(keys)
+        )
         self._service_changes = self._endpoint_changes = 0
-        self._trigger_times.clear()
-        metrics.SERVICE_CHANGES_PENDING.set(0)
-        metrics.ENDPOINT_CHANGES_PENDING.set(0)
+        self._pending_gauges()
         return out
+
+    def take_endpoint_changes(self) -> Changes:
+        """Service ports whose endpoints changed and whose Service did not (since taken)."""
+        keys = self._pending_endpoints - self._pending_services
+        self._pending_endpoints -= keys
+        self._pending_gauges()
+        return Changes(frozenset(self._ports_of(keys)), 0, len(keys), self._take(keys))
 
     # ----- internals -----
 
-    def _notify(self) -> None:
-        if self.on_change is not None:
-            self.on_change()
+    def _listing_diff(self, kind: Kind, objs: Iterable[Obj]) -> list[tuple[ServiceKey, Obj | None]]:
+        incoming = {_key(o): o for o in objs}
+        known = self._services if kind is Kind.SERVICE else self._slices
+        gone: list[tuple[ServiceKey, Obj | None]] = [(k, None) for k in known if k not in incoming]
+        return gone + list(incoming.items())
+
+    def _listed_now(self, kind: Kind, changed: bool) -> None:
+        first = kind not in self._listed
+        self._listed.add(kind)
+        if first and self.on_change is not None:
+            self.on_change()  # the syncer may be waiting for this listing
+        elif changed:
+            self._notify(kind)
+
+    def _notify(self, kind: Kind) -> None:
+        callback = self.on_change if kind is Kind.SERVICE else self.on_endpoints
+        if callback is not None:
+            callback()
+
+    def _mark(self, key: ServiceKey, *, service: bool) -> None:
+        self._stale.add(key)
+        (self._pending_services if service else self._pending_endpoints).add(key)
+
+    def _ports_of(self, keys: Iterable[ServiceKey]) -> set[ServicePortName]:
+        self._rebuild(keys)
+        return {spn for key in keys for spn in self._by_service.get(key, ())}
+
+    def _rebuild(self, keys: Iterable[ServiceKey]) -> None:
+        for key in [k for k in keys if k in self._stale]:
+            self._stale.discard(key)
+            old = self._by_service.pop(key, ())
+            for spn in old:
+                self._state.pop(spn, None)
+            ports = self._services.get(key)
+            if ports:
+                slices = [self._slices[k] for k in sorted(self._slices_of.get(key, ()))]
+                for spn, sp in ports.items():
+                    self._state[spn] = ServiceState(sp, _merge(slices, spn))
+                self._by_service[key] = tuple(ports)
+            self._dropped.update(spn for spn in old if spn not in self._state)
+
+    def _take(self, keys: Iterable[ServiceKey]) -> tuple[float, ...]:
+        out: list[float] = []
+        for key in keys:
+            out.extend(self._triggers.pop(key, ()))
+        return tuple(out)
+
+    def _pending_gauges(self) -> None:
+        metrics.SERVICE_CHANGES_PENDING.set(len(self._pending_services))
+        metrics.ENDPOINT_CHANGES_PENDING.set(len(self._pending_endpoints))
 
     def _apply(self, kind: Kind, key: ServiceKey, obj: Obj | None) -> bool:
         if kind is Kind.SERVICE:
@@ -165,10 +250,10 @@ class Tracker:
             self._services[key] = ports
         else:
             self._services.pop(key, None)
-        self._dirty.add(key)
+        self._mark(key, service=True)
         self._service_changes += 1
         metrics.SERVICE_CHANGES_TOTAL.inc()
-        metrics.SERVICE_CHANGES_PENDING.set(self._service_changes)
+        metrics.SERVICE_CHANGES_PENDING.set(len(self._pending_services))
         return True
 
     def _apply_slice(self, key: ServiceKey, obj: Obj | None) -> bool:
@@ -185,20 +270,19 @@ class Tracker:
         if old is not None:
             owner = (old.namespace, old.service)
             self._slices_of.get(owner, set()).discard(key)
-            self._dirty.add(owner)
+            self._mark(owner, service=False)
             del self._slices[key]
         if info is not None:
             owner = (info.namespace, info.service)
             self._slices[key] = info
             self._slices_of.setdefault(owner, set()).add(key)
-            self._dirty.add(owner)
-            if info.trigger_time:
-                t = _parse_time(info.trigger_time)
-                if t is not None:
-                    self._trigger_times.append(t)
+            self._mark(owner, service=False)
+            t = _parse_time(info.trigger_time) if info.trigger_time else None
+            if t is not None and t >= self._started:
+                self._triggers.setdefault(owner, []).append(t)
         self._endpoint_changes += 1
         metrics.ENDPOINT_CHANGES_TOTAL.inc()
-        metrics.ENDPOINT_CHANGES_PENDING.set(self._endpoint_changes)
+        metrics.ENDPOINT_CHANGES_PENDING.set(len(self._pending_endpoints))
         return True
 
     def _wanted(self, obj: Obj) -> bool:

@@ -182,6 +182,8 @@ class Uproxy:
             "127.0.0.1:10249",
             "--iptables-min-sync-period",
             "100ms",
+            "-v",
+            "2",  # the per-port "Opening proxy port" lines say which proxy port each got
             *extra,
         ]
         self.proc = Proc(topo, ns, argv)

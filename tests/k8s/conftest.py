@@ -91,15 +91,15 @@ async def start_proxy(kubeconfig: Path) -> AsyncIterator[ProxyFactory]:
     proxies: list[Proxy] = []
 
     async def start(**overrides: Any) -> Proxy:
-        settings = Settings(
-            kubeconfig=str(kubeconfig),
-            hostname_override=NODE,
-            rules="none",
-            healthz_bind_address="",
-            metrics_bind_address="",
-            iptables_min_sync_period=0.05,
-            **overrides,
-        )
+        defaults: dict[str, Any] = {
+            "kubeconfig": str(kubeconfig),
+            "hostname_override": NODE,
+            "rules": "none",
+            "healthz_bind_address": "",
+            "metrics_bind_address": "",
+            "iptables_min_sync_period": 0.05,
+        }
+        settings = Settings(**{**defaults, **overrides})
         proxy = Proxy(settings)
         proxies.append(proxy)
         await proxy.start()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -59,6 +60,10 @@ def endpoints(proxy: Any, name: str) -> list[tuple[str, int]]:
     if pp is None:
         return []
     return sorted((e.ip, e.port) for e in pp.balancer.endpoints(Traffic.CLUSTER))
+
+
+def has_endpoints(proxy: Any, name: str, want: list[tuple[str, int]]) -> bool:
+    return endpoints(proxy, name) == want
 
 
 @pytest.fixture
@@ -135,6 +140,25 @@ async def test_changes_reach_listeners_and_balancers_within_1s(
     await wait_for(lambda: spn("web") not in ports(proxy), timeout=1)
     with pytest.raises(OSError):
         await Client.connect(new_port, timeout=1)
+
+
+async def test_endpoint_changes_do_not_wait_for_the_rules_rate_limit(
+    apiserver: ApiServerDouble, start_proxy: ProxyFactory, backends: Backends
+) -> None:
+    p = backends.port
+    apiserver.create(SVC, service("web", port=free_port()))
+    apiserver.create(EPS, endpoint_slice("web-1", service_name="web", ips=[IPS[0]], port=p))
+    # A minute between rule syncs: only the fast road can move endpoints within the wait.
+    proxy = await start_proxy(iptables_min_sync_period=60.0, iptables_sync_period=120.0)
+    await wait_for(lambda: endpoints(proxy, "web") == [(IPS[0], p)], timeout=5)
+    lst = listener(proxy, "web")
+    assert proxy.syncer is not None
+    syncs = proxy.syncer.syncs
+    for ip in (IPS[1], IPS[2], IPS[0]):
+        apiserver.update(EPS, endpoint_slice("web-1", service_name="web", ips=[ip], port=p))
+        await wait_for(functools.partial(has_endpoints, proxy, "web", [(ip, p)]), timeout=5)
+        assert await served_by(lst.port, 3) == {ip}
+    assert proxy.syncer.syncs == syncs  # no rate-limited sync was needed for any of it
 
 
 async def _assert_steady(proxy: Any, lst: Any, conn: Client) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from uproxy.cli import parse_settings
-from uproxy.portrange import PortAllocator, parse_port_range
+from uproxy.portrange import PortAllocator, ephemeral_ports, parse_port_range
 from uproxy.settings import SettingsError, parse_duration
 
 
@@ -35,12 +35,37 @@ def test_port_ranges() -> None:
     for bad in ("5-1", "0-10", "70000-70001", "abc"):
         with pytest.raises(ValueError):
             parse_port_range(bad)
+
+
+def test_port_allocator_skips_ports_in_use_and_takes_released_ones_back() -> None:
     alloc = PortAllocator(range(100, 103))
-    first = alloc.candidates()[0]
+    first = next(alloc.candidates(1))
     alloc.taken(first)
-    assert first not in alloc.candidates() and len(alloc.candidates()) == 2
+    assert sorted(alloc.candidates(10)) == sorted({100, 101, 102} - {first})
     alloc.release(first)
-    assert len(alloc.candidates()) == 3
+    assert sorted(alloc.candidates(10)) == [100, 101, 102]
+    assert len(list(alloc.candidates(2))) == 2
+
+
+def test_port_allocator_walks_a_permutation_in_linear_time() -> None:
+    # 10,000 listeners from a 28,000-port range: every port handed out once, no rescans.
+    alloc = PortAllocator(range(30000, 58000))
+    given = []
+    for _ in range(10_000):
+        port = next(alloc.candidates(1))
+        alloc.taken(port)
+        given.append(port)
+    assert len(set(given)) == 10_000 and all(30000 <= p < 58000 for p in given)
+    assert given != sorted(given)  # random order: a restart does not reuse the same ports
+
+
+def test_without_a_range_the_ephemeral_ports_minus_reserved_ones(tmp_path: Path) -> None:
+    rng = tmp_path / "range"
+    rng.write_text("40000\t40009\n")
+    reserved = tmp_path / "reserved"
+    reserved.write_text("40001,40003-40005\n")
+    assert ephemeral_ports(str(rng), str(reserved)) == [40000, 40002, 40006, 40007, 40008, 40009]
+    assert len(ephemeral_ports(str(tmp_path / "missing"), str(reserved))) > 20000
 
 
 def test_flags_parse() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import pytest
@@ -26,15 +27,16 @@ def test_not_synced_until_both_kinds_listed() -> None:
 
 
 def test_union_of_three_slices_and_delete_one() -> None:
-    calls: list[int] = []
-    t = Tracker(on_change=lambda: calls.append(1))
+    calls: list[str] = []
+    t = Tracker(on_change=lambda: calls.append("sync"), on_endpoints=lambda: calls.append("eps"))
     t.replace(Kind.SERVICE, [service()])
     slices = [endpoint_slice(f"web-{i}", endpoints=[endpoint(f"10.0.0.{i}")]) for i in (1, 2, 3)]
     t.replace(Kind.ENDPOINT_SLICE, slices)
     assert ips(t) == ["10.0.0.1", "10.0.0.2", "10.0.0.3"]
     t.delete(Kind.ENDPOINT_SLICE, slices[1])
     assert ips(t) == ["10.0.0.1", "10.0.0.3"]
-    assert len(calls) == 3
+    # Each first listing asks for a sync; a slice change afterwards takes the fast road.
+    assert calls == ["sync", "sync", "eps"]
 
 
 def test_dual_stack_slices_give_the_ipv4_endpoints_once() -> None:
@@ -62,7 +64,7 @@ def test_dual_stack_slices_give_the_ipv4_endpoints_once() -> None:
 
 def test_noop_updates_do_not_notify() -> None:
     calls: list[int] = []
-    t = Tracker(on_change=lambda: calls.append(1))
+    t = Tracker(on_change=lambda: calls.append(1), on_endpoints=lambda: calls.append(2))
     t.replace(Kind.SERVICE, [service()])
     t.replace(Kind.ENDPOINT_SLICE, [endpoint_slice("a", endpoints=[endpoint("10.0.0.1")])])
     before = len(calls)
@@ -175,3 +177,76 @@ def test_categorize_follows_kube_proxy() -> None:
     assert categorize((ready_remote, term_local), local_only=True, node_name="me") == (term_local,)
     assert categorize((ready_remote,), local_only=True, node_name="me") == ()
     assert categorize((term_local, not_serving), local_only=False, node_name="x") == (term_local,)
+
+
+def _listed(t: Tracker, services: list[str]) -> None:
+    t.replace(Kind.SERVICE, [service(n) for n in services])
+    t.replace(
+        Kind.ENDPOINT_SLICE,
+        [endpoint_slice(f"{n}-1", n, endpoints=[endpoint("10.0.0.1")]) for n in services],
+    )
+
+
+def _spn(name: str) -> ServicePortName:
+    return ServicePortName("default", name, "http", Protocol.TCP)
+
+
+def test_take_changes_names_only_the_ports_that_changed() -> None:
+    t = Tracker()
+    _listed(t, [f"s{i}" for i in range(100)])
+    assert len(t.take_changes().ports) == 100  # the first take: everything
+    assert t.take_changes().ports == frozenset()
+    t.upsert(Kind.ENDPOINT_SLICE, endpoint_slice("s7-1", "s7", endpoints=[endpoint("10.0.0.2")]))
+    t.delete(Kind.SERVICE, service("s9"))
+    changes = t.take_changes()
+    assert changes.ports == {_spn("s7"), _spn("s9")}
+    assert t.state(_spn("s9")) is None  # gone: the consumer closes it
+    state = t.state(_spn("s7"))
+    assert state is not None and [e.ip for e in state.endpoints] == ["10.0.0.2"]
+
+
+def test_endpoint_changes_go_alone_unless_the_service_also_changed() -> None:
+    t = Tracker()
+    _listed(t, ["a", "b"])
+    t.take_changes()
+    t.upsert(Kind.ENDPOINT_SLICE, endpoint_slice("a-1", "a", endpoints=[endpoint("10.0.0.2")]))
+    t.upsert(Kind.ENDPOINT_SLICE, endpoint_slice("b-1", "b", endpoints=[endpoint("10.0.0.3")]))
+    t.upsert(Kind.SERVICE, service("b", sessionAffinity="ClientIP"))
+    fast = t.take_endpoint_changes()
+    assert fast.ports == {_spn("a")}  # b waits: its Service changed too, the syncer takes both
+    assert t.take_endpoint_changes().ports == frozenset()
+    assert t.take_changes().ports == {_spn("b")}
+
+
+def test_trigger_times_from_before_start_are_not_reported() -> None:
+    t = Tracker(clock=lambda: 1_000_000_000.0)  # started at 2001-09-09T01:46:40Z
+    _listed(t, ["a"])
+    t.take_changes()
+    old = endpoint_slice("a-1", "a", endpoints=[endpoint("10.0.0.2")])
+    old["metadata"]["annotations"] = {
+        "endpoints.kubernetes.io/last-change-trigger-time": "2001-09-09T01:00:00Z"
+    }
+    t.upsert(Kind.ENDPOINT_SLICE, old)
+    assert t.take_endpoint_changes().trigger_times == ()
+    new = endpoint_slice("a-1", "a", endpoints=[endpoint("10.0.0.3")])
+    new["metadata"]["annotations"] = {
+        "endpoints.kubernetes.io/last-change-trigger-time": "2001-09-09T02:00:00Z"
+    }
+    t.upsert(Kind.ENDPOINT_SLICE, new)
+    assert t.take_endpoint_changes().trigger_times == (1_000_000_800.0,)
+
+
+async def test_replace_async_gives_the_loop_turns_and_marks_listed_at_the_end() -> None:
+    t = Tracker()
+    seen: list[bool] = []
+
+    def probe() -> None:
+        seen.append(t.synced)
+        if len(seen) < 1000:
+            asyncio.get_running_loop().call_soon(probe)
+
+    t.replace(Kind.ENDPOINT_SLICE, [])
+    asyncio.get_running_loop().call_soon(probe)
+    await t.replace_async(Kind.SERVICE, [service(f"s{i}") for i in range(20_000)])
+    assert t.synced and len(t.snapshot()) == 20_000
+    assert seen and not seen[0]  # the loop ran while the listing was applied, unsynced

@@ -65,7 +65,7 @@ from typing import Self, cast
 from uproxy import metrics
 from uproxy.dataplane.balancer import Balancer
 from uproxy.dataplane.settings import DataplaneSettings
-from uproxy.dataplane.timers import Deadline, FixedDelayTimers
+from uproxy.dataplane.timers import Deadline, shared_timers
 from uproxy.model import Endpoint, ServicePortName, Traffic
 
 log = logging.getLogger("uproxy.dataplane.tcp")
@@ -602,13 +602,13 @@ class TcpListener:
         self.host: str = sock.getsockname()[0]
         self.port: int = sock.getsockname()[1]
         self._conns: set[_Connection] = set()
-        self.dial_timers = {t: FixedDelayTimers(loop, t) for t in settings.dial_timeouts_s}
-        self.linger_timers = FixedDelayTimers(loop, settings.half_close_linger_s)
+        self.dial_timers = {t: shared_timers(loop, t) for t in settings.dial_timeouts_s}
+        self.linger_timers = shared_timers(loop, settings.half_close_linger_s)
         self._sock: socket.socket | None = sock
         self._paused: asyncio.TimerHandle | None = None
         self._starved = False  # paused for lack of fds and not accepted since
-        self._idle = asyncio.Event()
-        self._idle.set()
+        # Created by shutdown() only: an Event per listener was 6 MB at 10,000 ports.
+        self._drained: asyncio.Future[None] | None = None
 
     @classmethod
     async def open(
@@ -685,7 +685,6 @@ class TcpListener:
                 continue
             conn = _Connection(self, addr[0], ep)
             self._conns.add(conn)
-            self._idle.clear()
             conn.task = self.loop.create_task(conn.run(sock))
             if fds.full_after(fd):
                 self.pause("fd_reserve")
@@ -724,8 +723,9 @@ class TcpListener:
 
     def released(self, conn: _Connection) -> None:
         self._conns.discard(conn)
-        if not self._conns:
-            self._idle.set()
+        drained = self._drained
+        if not self._conns and drained is not None and not drained.done():
+            drained.set_result(None)
 
     def close(self) -> None:
         """Stop accepting; established connections carry on."""
@@ -743,11 +743,13 @@ class TcpListener:
     async def shutdown(self, timeout: float) -> None:
         """Close, let connections finish for up to ``timeout`` seconds, then abort the rest."""
         self.close()
-        try:
-            async with asyncio.timeout(timeout):
-                await self._idle.wait()
-        except TimeoutError:
-            pass
+        if self._conns:
+            self._drained = self.loop.create_future()
+            try:
+                async with asyncio.timeout(timeout):
+                    await self._drained
+            except TimeoutError:
+                pass
         tasks = []
         for conn in list(self._conns):
             for side in (conn, conn.peer):

@@ -3,7 +3,7 @@
 A DaemonSet lives for months against an API server that relists, compacts, restarts and drops
 streams, so each resource is followed by one loop shaped like client-go's reflector:
 
-    list (paged, one consistent snapshot) -> tracker.replace()   # a relist replaces by difference
+    list (paged, one consistent snapshot) -> tracker.replace_async()  # replaces by difference
     watch from the list's resourceVersion, with bookmarks
       - every event and bookmark advances the remembered resourceVersion;
       - a clean end of stream (server timeout) -> watch again from it;
@@ -155,7 +155,7 @@ class _Feed:
     name: str
     list_fn: Callable[..., Awaitable[Any]]
     selector: dict[str, str]
-    on_list: Callable[[list[Obj]], None]
+    on_list: Callable[[list[Obj]], Awaitable[None]]
     on_event: Callable[[str, Obj], None]
     rv: str | None = None
     listed_once: bool = False
@@ -205,14 +205,14 @@ class KubeSource:
                 Kind.SERVICE.value,
                 core.list_service_for_all_namespaces,
                 selector,
-                lambda objs: tracker.replace(Kind.SERVICE, objs),
+                lambda objs: tracker.replace_async(Kind.SERVICE, objs),
                 self._object_handler(Kind.SERVICE),
             ),
             _Feed(
                 Kind.ENDPOINT_SLICE.value,
                 discovery.list_endpoint_slice_for_all_namespaces,
                 selector,
-                lambda objs: tracker.replace(Kind.ENDPOINT_SLICE, objs),
+                lambda objs: tracker.replace_async(Kind.ENDPOINT_SLICE, objs),
                 self._object_handler(Kind.ENDPOINT_SLICE),
             ),
             _Feed(
@@ -316,7 +316,7 @@ class KubeSource:
                 if not isinstance(rv, str) or not rv:
                     raise ValueError(f"malformed {feed.name} list: no resourceVersion")
                 break
-        feed.on_list(items)
+        await feed.on_list(items)  # applied in slices: 10,000 objects must not stall relays
         level = V2 if feed.listed_once else logging.INFO
         log.log(level, "Listed objects", extra=kv(resource=feed.name, count=len(items), rv=rv))
         feed.listed_once = True
@@ -416,7 +416,7 @@ class KubeSource:
 
         return handle
 
-    def _node_listed(self, objs: list[Obj]) -> None:
+    async def _node_listed(self, objs: list[Obj]) -> None:
         mine = [o for o in objs if _name(o) == self.node_name]
         if not mine:
             if self.tracker.node is not None or not self._node_missing_reported:
