@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import ipaddress
 import logging
 import os
@@ -45,8 +44,6 @@ log = logging.getLogger("uproxy.proxy")
 # The cheap "are our rules still there" check (reads three built-in chains, ~20 ms): often
 # enough that traffic is back within a few seconds of someone flushing the nat table.
 RULES_CHECK_INTERVAL_S = 1.0
-# A sync that looked at this many service ports freezes what it made (see ``_synced``).
-GC_FREEZE_AFTER = 1000
 
 
 class StartupError(Exception):
@@ -326,15 +323,7 @@ class Proxy:
 
     def _synced(self) -> None:
         self.health.updated()
-        first = not self.synced.is_set()
         self.synced.set()
-        if first or (self.syncer is not None and self.syncer.last_changed >= GC_FREEZE_AFTER):
-            # The objects a big sync made (listeners, balancers, state) live as long as their
-            # services: move them out of the collector's sight so a full collection does not
-            # scan them (258-343 ms per pass at 10,000 services). Freezing is O(1); cyclic
-            # garbage alive at this moment is never collected, and there is little: the
-            # control plane's objects are acyclic by design.
-            gc.freeze()
 
     async def _sync_healthchecks(
         self, ports: Mapping[ServicePortName, ProxiedPort], changed: Collection[ServicePortName]

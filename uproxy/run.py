@@ -39,10 +39,13 @@ async def run_proxy(settings: Settings) -> int:
         await proxy.stop()
         return 1
     install_signal_handlers(proxy.request_stop)
-    # Start-up objects (modules, settings, the first state) live for the whole process:
-    # move them out of the collector's sight so per-connection collections stay cheap.
+    # Start-up objects (modules, settings, clients) live for the whole process: move them
+    # out of the collector's sight so per-connection collections stay cheap. The collector
+    # was off while they were made (see main()); bulk work later freezes its own
+    # (uproxy.heap). Nothing is relayed yet, so this one full pass stalls nobody.
     gc.collect()
     gc.freeze()
+    gc.enable()
     await proxy.wait()
     await proxy.stop()
     if proxy.failure:

@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol as TypingProtocol
 
-from uproxy import metrics
+from uproxy import heap, metrics
 from uproxy.dataplane.balancer import Balancer
 from uproxy.dataplane.settings import DataplaneSettings
 from uproxy.dataplane.tcp import TcpListener
@@ -184,14 +184,15 @@ class Syncer:
         self._retry = set()
         opened = closed = 0
         ts = TimeSlice()
-        for spn in sorted(todo):
-            state = self.tracker.state(spn)
-            if state is None:
-                if spn in self.ports:
-                    closed += await self._remove(spn)
-            else:
-                opened += await self._ensure(spn, state)
-            await ts.tick()
+        with heap.bulk(len(todo)):
+            for spn in sorted(todo):
+                state = self.tracker.state(spn)
+                if state is None:
+                    if spn in self.ports:
+                        closed += await self._remove(spn)
+                else:
+                    opened += await self._ensure(spn, state)
+                await ts.tick()
         if opened or closed:
             log.info("Proxy ports changed", extra=kv(opened=opened, closed=closed))
         await self._sync_rules()

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from uproxy import metrics
+from uproxy import heap, metrics
 from uproxy.log import V2, kv
 from uproxy.model import (
     DesiredState,
@@ -132,9 +132,11 @@ class Tracker:
         """
         changed = False
         ts = TimeSlice()
-        for key, obj in self._listing_diff(kind, objs):
-            changed |= self._apply(kind, key, obj)
-            await ts.tick()
+        todo = self._listing_diff(kind, objs)
+        with heap.bulk(len(todo)):
+            for key, obj in todo:
+                changed |= self._apply(kind, key, obj)
+                await ts.tick()
         self._listed_now(kind, changed)
 
     def set_node(self, node: NodeInfo | None) -> None:
@@ -204,8 +206,12 @@ class Tracker:
         (self._pending_services if service else self._pending_endpoints).add(key)
 
     def _ports_of(self, keys: Iterable[ServiceKey]) -> set[ServicePortName]:
-        self._rebuild(keys)
-        return {spn for key in keys for spn in self._by_service.get(key, ())}
+        """The ports these services have, and had: their state is rebuilt when read."""
+        out: set[ServicePortName] = set()
+        for key in keys:
+            out.update(self._services.get(key, ()))
+            out.update(self._by_service.get(key, ()))
+        return out
 
     def _rebuild(self, keys: Iterable[ServiceKey]) -> None:
         for key in [k for k in keys if k in self._stale]:
