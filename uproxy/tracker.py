@@ -96,7 +96,7 @@ class Tracker:
         self._stale: set[ServiceKey] = set()  # state to rebuild before it is read
         self._pending_services: set[ServiceKey] = set()  # not yet taken by the syncer
         self._pending_endpoints: set[ServiceKey] = set()  # not yet taken by anyone
-        self._dropped: set[ServicePortName] = set()  # ports gone since the syncer last took
+        self._dropped: set[ServicePortName] = set()  # ports gone since the syncer took
         self._triggers: dict[ServiceKey, list[float]] = {}
         self._service_changes = 0
         self._endpoint_changes = 0
@@ -206,11 +206,10 @@ class Tracker:
         (self._pending_services if service else self._pending_endpoints).add(key)
 
     def _ports_of(self, keys: Iterable[ServiceKey]) -> set[ServicePortName]:
-        """The ports these services have, and had: their state is rebuilt when read."""
+        """The ports these services have (those they lost are in ``_dropped``)."""
         out: set[ServicePortName] = set()
         for key in keys:
             out.update(self._services.get(key, ()))
-            out.update(self._by_service.get(key, ()))
         return out
 
     def _rebuild(self, keys: Iterable[ServiceKey]) -> None:
@@ -225,7 +224,6 @@ class Tracker:
                 for spn, sp in ports.items():
                     self._state[spn] = ServiceState(sp, _merge(slices, spn))
                 self._by_service[key] = tuple(ports)
-            self._dropped.update(spn for spn in old if spn not in self._state)
 
     def _take(self, keys: Iterable[ServiceKey]) -> tuple[float, ...]:
         out: list[float] = []
@@ -250,8 +248,10 @@ class Tracker:
                 self._invalid.pop((Kind.SERVICE, _fmt(key)), None)
             except InvalidObject as e:
                 self._report_invalid(Kind.SERVICE, e)
-        if ports == self._services.get(key, {}):
+        old = self._services.get(key, {})
+        if ports == old:
             return False
+        self._dropped.update(spn for spn in old if spn not in ports)
         if ports:
             self._services[key] = ports
         else:
