@@ -158,6 +158,32 @@ async def test_watch_from_compacted_version_is_410_event(
     assert await resp.content.readline() == b""
 
 
+async def test_watch_from_a_version_the_server_has_not_reached_is_504_too_large(
+    apiserver: ApiServerDouble, watch_services: Any
+) -> None:
+    apiserver.create(SVC, service("a"))
+    rv = apiserver.resource_version
+    apiserver.create(SVC, service("b"))
+    apiserver.rewind(rv)  # a restored etcd: the client has seen newer versions
+    resp = await watch_services(resource_version=str(rv + 1))
+    body = json.loads(await resp.read())
+    assert resp.status == 504 and body["reason"] == "Timeout"
+    assert body["details"]["causes"][0]["reason"] == "ResourceVersionTooLarge"
+    assert body["message"].startswith("Too large resource version")
+
+
+async def test_a_bookmark_never_claims_a_version_whose_event_is_not_sent_yet(
+    apiserver: ApiServerDouble, watch_services: Any
+) -> None:
+    resp = await watch_services(resource_version="0", allow_watch_bookmarks=True)
+    apiserver.send_bookmarks()
+    apiserver.create(SVC, service("a"))  # queued behind the bookmark
+    bookmark, added = await events(resp, 2)
+    assert bookmark["type"] == "BOOKMARK" and added["type"] == "ADDED"
+    version = int(bookmark["object"]["metadata"]["resourceVersion"])
+    assert version < int(added["object"]["metadata"]["resourceVersion"])
+
+
 async def test_dropped_watch_raises_payload_error(
     apiserver: ApiServerDouble, watch_services: Any
 ) -> None:

@@ -133,6 +133,28 @@ async def test_relists_after_410_and_converges(
     assert apiserver.list_count(SVC) == lists_before + 1
 
 
+async def test_server_back_at_an_older_version_is_relisted_not_retried(
+    apiserver: ApiServerDouble, start_source: SourceFactory
+) -> None:
+    apiserver.create(SVC, service("a"))
+    apiserver.create(EPS, endpoint_slice("a-1", service_name="a", ips=["10.1.0.1"], port=80))
+    tracker, source = await start_source()
+    await wait_for(lambda: tracker.synced and apiserver.open_watches(EPS) == 1)
+    old_rv = apiserver.resource_version
+    for i in range(20):  # the client's version moves well ahead of the backup's
+        apiserver.create("Node", node(f"other-{i}"))
+    apiserver.send_bookmarks()
+    now = str(apiserver.resource_version)
+    await wait_for(lambda: all(feed.rv == now for feed in source.feeds))
+    lists_before = apiserver.list_count(EPS)
+    # A restored etcd: back at an older version, and the endpoint moved meanwhile.
+    apiserver.drop_watches()
+    apiserver.rewind(old_rv)
+    apiserver.update(EPS, endpoint_slice("a-1", service_name="a", ips=["10.1.0.2"], port=80))
+    await wait_for(lambda: ips(tracker, "a") == ["10.1.0.2"], timeout=5)
+    assert apiserver.list_count(EPS) == lists_before + 1  # relisted once, not retried forever
+
+
 async def test_dropped_stream_rewatches_without_relist(
     apiserver: ApiServerDouble, start_source: SourceFactory
 ) -> None:

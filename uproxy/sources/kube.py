@@ -10,7 +10,8 @@ streams, so each resource is followed by one loop shaped like client-go's reflec
       - a dropped stream or refused connection -> capped backoff, watch again from it;
       - a stream silent past the inactivity timeout -> watch again from it (a dead TCP peer
         would otherwise hang the read forever: the client sets no read timeout);
-      - 410 Gone (history compacted) -> relist; every ``config_sync_period_s`` -> relist.
+      - 410 Gone (history compacted) or 504 "Too large resource version" (the server is behind
+        us: a restored etcd) -> relist; every ``config_sync_period_s`` -> relist.
 
 State is never cleared on an error: while the API server is unreachable uproxy keeps serving
 what it last knew, and a partial list (a paging continuation that expired) is thrown away and
@@ -129,7 +130,31 @@ def service_label_selector(service_proxy_name: str | None) -> str:
 
 
 class _Gone(Exception):
-    """410: the resourceVersion we hold was compacted away; only a relist helps."""
+    """The resourceVersion we hold cannot be served; only a relist helps.
+
+    410 Gone (compacted away, "Expired"), or 504 "Too large resource version": the API server
+    is behind the version we hold (a restored etcd, a lagging new instance). Retrying the same
+    version would fail forever; client-go's reflector relists on both.
+    """
+
+    def __init__(self, why: str = "expired") -> None:
+        super().__init__(why)
+        self.why = why
+
+
+def _relist_reason(status: int, body: Mapping[str, Any]) -> str | None:
+    """Why an error means "relist" (see ``_Gone``), or None for any other error."""
+    if status == 410 or body.get("reason") == "Expired":
+        return "expired"
+    details = body.get("details")
+    causes = details.get("causes") if isinstance(details, Mapping) else None
+    for cause in causes if isinstance(causes, list) else ():
+        if isinstance(cause, Mapping) and cause.get("reason") == "ResourceVersionTooLarge":
+            return "too large resource version"
+    message = body.get("message")
+    if isinstance(message, str) and "too large resource version" in message.lower():
+        return "too large resource version"
+    return None
 
 
 class _Silent(Exception):
@@ -263,8 +288,10 @@ class KubeSource:
                 relist_at = loop.time() + self.config_sync_period_s
             try:
                 progressed = await self._watch(feed, relist_at - loop.time())
-            except _Gone:
-                log.info("Watch history expired; relisting", extra=kv(resource=feed.name))
+            except _Gone as gone:
+                log.info(
+                    "Watch cannot resume; relisting", extra=kv(resource=feed.name, why=gone.why)
+                )
                 feed.rv = None
                 gone_in_a_row += 1
                 if gone_in_a_row > 1:
@@ -355,8 +382,9 @@ class KubeSource:
         try:
             if not 200 <= resp.status <= 299:
                 raw = await resp.read()
-                if resp.status == 410:
-                    raise _Gone()
+                why = _relist_reason(resp.status, _status_body(raw))
+                if why is not None:
+                    raise _Gone(why)
                 raise _ApiError(resp.status, _status_message(raw))
             handled = 0
             while True:
@@ -386,9 +414,11 @@ class KubeSource:
             raise ValueError(f"watch event {kind!r} has no object")
         if kind == "ERROR":
             status = obj.get("code")
-            if status == 410:
-                raise _Gone()
-            raise _ApiError(status if isinstance(status, int) else 0, str(obj.get("message")))
+            code = status if isinstance(status, int) else 0
+            why = _relist_reason(code, obj)
+            if why is not None:
+                raise _Gone(why)
+            raise _ApiError(code, str(obj.get("message")))
         meta = obj.get("metadata")
         rv = meta.get("resourceVersion") if isinstance(meta, Mapping) else None
         if kind in ("ADDED", "MODIFIED", "DELETED"):
@@ -451,6 +481,14 @@ def _name(obj: Obj) -> str | None:
     meta = obj.get("metadata")
     name = meta.get("name") if isinstance(meta, Mapping) else None
     return name if isinstance(name, str) else None
+
+
+def _status_body(raw: bytes) -> Mapping[str, Any]:
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return {}
+    return body if isinstance(body, Mapping) else {}
 
 
 def _status_message(raw: bytes) -> str:

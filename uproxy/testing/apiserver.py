@@ -23,6 +23,7 @@ Tests drive it with ``create``/``update``/``delete`` and observe it with request
         kubeconfig = api.write_kubeconfig(tmp / "kubeconfig")  # server, CA file and token
         ...                      # run uproxy --kubeconfig kubeconfig
         api.compact(); api.drop_watches()               # force a 410 and a relist
+        api.rewind(5); api.drop_watches()               # a restored etcd: 504 Too large
         await api.restart(down_for_s=10)                # an API server outage
         assert api.list_count("Service") == 2
 """
@@ -97,9 +98,20 @@ class _Watcher:
         self.filter = flt
         self.bookmarks = bookmarks
         self.transport = transport
-        # Items: an _Event, "bookmark", "drop" (abort the stream), "end" (close it cleanly)
+        # Items: an _Event, a _Bookmark, "drop" (abort the stream), "end" (close it cleanly)
         # or "gone" (an ERROR 410 event, then the end).
-        self.queue: asyncio.Queue[_Event | str] = asyncio.Queue()
+        self.queue: asyncio.Queue[_Event | _Bookmark | str] = asyncio.Queue()
+
+
+@dataclass(frozen=True, slots=True)
+class _Bookmark:
+    """A bookmark at the version when it was queued: every event before it is sent first.
+
+    (Stamped at write time, a bookmark queued before an event could claim that event's
+    version and a client resuming from it would never see the event.)
+    """
+
+    rv: int
 
 
 def _status(code: int, reason: str, message: str) -> Obj:
@@ -112,6 +124,16 @@ def _status(code: int, reason: str, message: str) -> Obj:
         "reason": reason,
         "code": code,
     }
+
+
+def _too_large(asked: int, current: int) -> Obj:
+    """kube-apiserver's answer to a version newer than it has (storage.TooLargeResourceVersion)."""
+    body = _status(504, "Timeout", f"Too large resource version: {asked}, current: {current}")
+    body["details"] = {
+        "causes": [{"reason": "ResourceVersionTooLarge", "message": "Too large resource version"}],
+        "retryAfterSeconds": 1,
+    }
+    return body
 
 
 def _json_response(body: Obj, status: int = 200) -> web.Response:
@@ -319,6 +341,21 @@ class ApiServerDouble:
         gone["metadata"]["resourceVersion"] = str(self._rv)
         self._commit(kind, "DELETED", gone, old)
 
+    def rewind(self, resource_version: int) -> None:
+        """Come back at an older version, as an API server on a restored etcd does.
+
+        The objects stay as they are, the history goes, and the global version moves back to
+        ``resource_version``: a watch from any newer version now fails with kube-apiserver's
+        504 "Too large resource version" (a client must relist), and the next changes reuse
+        version numbers a client may have seen already.
+        """
+        if not 0 < resource_version <= self._rv:
+            raise ValueError(f"rewind to {resource_version}: must be in 1..{self._rv}")
+        self._rv = resource_version
+        self._compacted_rv = min(self._compacted_rv, resource_version)
+        self._log.clear()
+        self._continuations.clear()
+
     def compact(self) -> None:
         """Forget history: every version older than now answers 410 Gone."""
         self._compacted_rv = self._rv
@@ -348,7 +385,7 @@ class ApiServerDouble:
         n = 0
         for w in self._watchers:
             if w.bookmarks:
-                w.queue.put_nowait("bookmark")
+                w.queue.put_nowait(_Bookmark(self._rv))
                 n += 1
         return n
 
@@ -490,6 +527,9 @@ class ApiServerDouble:
                 since = int(rv_text)
             except ValueError:
                 return _json_response(_status(400, "BadRequest", "invalid resourceVersion"), 400)
+            if since > self._rv:
+                # kube-apiserver waits ~3 s for its cache to reach a newer version, then says:
+                return _json_response(_too_large(since, self._rv), 504)
             gone = since < self._compacted_rv
             backlog = [e for e in self._log if e.kind == kind and e.rv > since]
         # Register before any await so no event can slip between backlog and queue.
@@ -527,9 +567,13 @@ class ApiServerDouble:
                 return  # a clean end of stream, as at timeoutSeconds
             if w.transport is None or w.transport.is_closing():
                 return  # the client went away: do not count it as an open watch
-            item: _Event | str
+            item: _Event | _Bookmark | str
             if interval and next_bookmark is not None and now >= next_bookmark:
-                item, next_bookmark = "bookmark", now + interval
+                # Only with nothing queued: then every event up to now has been sent.
+                next_bookmark = now + interval
+                if not w.queue.empty():
+                    continue
+                item = _Bookmark(self._rv)
             else:
                 wait = _LIVENESS_CHECK_S
                 for t in (deadline, next_bookmark):
@@ -548,9 +592,9 @@ class ApiServerDouble:
             if item == "drop":
                 w.transport.abort()
                 raise ConnectionResetError("watch dropped by the test")
-            if item == "bookmark":
+            if isinstance(item, _Bookmark):
                 if w.bookmarks:
-                    meta = {"resourceVersion": str(self._rv)}
+                    meta = {"resourceVersion": str(item.rv)}
                     obj = {"kind": res.kind, "apiVersion": res.api_version, "metadata": meta}
                     await _write(response, {"type": "BOOKMARK", "object": obj})
                 continue
