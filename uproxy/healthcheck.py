@@ -55,6 +55,20 @@ class _Instance:
         self.runner = runner
 
 
+def health_check_body(namespace: str, name: str, count: int, healthy: bool) -> bytes:
+    """kube-proxy's answer, byte for byte: an indented document, tabs, no final newline."""
+    return (
+        "{\n"
+        '\t"service": {\n'
+        f'\t\t"namespace": {json.dumps(namespace)},\n'
+        f'\t\t"name": {json.dumps(name)}\n'
+        "\t},\n"
+        f'\t"localEndpoints": {count},\n'
+        f'\t"serviceProxyHealthy": {"true" if healthy else "false"}\n'
+        "}"
+    ).encode()
+
+
 class HealthCheckServers:
     """The set of health-check node port servers, kept equal to the desired set."""
 
@@ -193,14 +207,10 @@ class HealthCheckServers:
 
         async def handle(request: web.BaseRequest) -> web.StreamResponse:
             count = self._counts.get(key, 0)
-            proxy_healthy = self._health.healthy()
-            body = json.dumps(
-                {
-                    "service": {"namespace": namespace, "name": name},
-                    "localEndpoints": count,
-                    "serviceProxyHealthy": proxy_healthy,
-                }
-            ).encode()
+            # The proxy's own health: a node being drained still answers for its endpoints
+            # here (kube-proxy's IsHealthy ignores the Node); /healthz reports the node.
+            proxy_healthy = self._health.live()
+            body = health_check_body(namespace, name, count, proxy_healthy)
             return web.Response(
                 status=200 if count > 0 and proxy_healthy else 503,
                 body=body,

@@ -102,6 +102,10 @@ class Endpoint:
         return (self.ip, self.port)
 
 
+# The cluster autoscaler taints a node with this key before deleting it (KEP-3836).
+TO_BE_DELETED_TAINT = "ToBeDeletedByClusterAutoscaler"
+
+
 @dataclass(frozen=True, slots=True)
 class NodeInfo:
     """What uproxy needs to know about the node it runs on."""
@@ -110,7 +114,14 @@ class NodeInfo:
     addresses: tuple[str, ...] = ()
     zone: str | None = None
     deleting: bool = False
-    taints: tuple[str, ...] = field(default=())
+    taints: tuple[str, ...] = field(default=())  # "key:effect"
+
+    @property
+    def eligible(self) -> bool:
+        """Should load balancers send traffic here: not being deleted, nor about to be."""
+        if self.deleting:
+            return False
+        return not any(t.partition(":")[0] == TO_BE_DELETED_TAINT for t in self.taints)
 
 
 @dataclass(frozen=True, slots=True)

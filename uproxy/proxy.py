@@ -76,7 +76,9 @@ class Proxy:
         self.file_source: FileSource | None = None
         self._endpoints_queued = False
         # Health-check node ports: per service, the ports that ask for one and their counts.
-        self._hc_ports: dict[tuple[str, str], dict[ServicePortName, tuple[int, int]]] = {}
+        self._hc_ports: dict[
+            tuple[str, str], dict[ServicePortName, tuple[int, frozenset[str]]]
+        ] = {}
         self._hc_specs: dict[tuple[str, str], HealthCheckSpec] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._stopped = asyncio.Event()
@@ -293,7 +295,7 @@ class Proxy:
 
     def _queue_sync(self) -> None:
         node = self.tracker.node
-        self.health.set_node_eligible(node is None or not node.deleting)
+        self.health.set_node_eligible(node is None or node.eligible)
         # Before every source has listed, a sync does nothing: requesting one would only
         # spend the rate limiter's burst and delay the first real sync by a min period.
         if self.runner is None or not self.tracker.synced:
@@ -348,7 +350,7 @@ class Proxy:
             pp = ports.get(spn)
             hc = pp.port.health_check_node_port if pp is not None else 0
             if pp is not None and hc:
-                entries[spn] = (hc, pp.balancer.local_endpoint_count)
+                entries[spn] = (hc, pp.balancer.local_ready_ips)
                 self._hc_ports[key] = entries
                 keys.add(key)
             elif entries.pop(spn, None) is not None:
@@ -369,8 +371,13 @@ class Proxy:
                 else:
                     self._hc_specs[key] = spec
         if keys:
+            # kube-proxy's count: the service's ready local endpoints by address, over all
+            # its ports (a pod serving :80 and :443 is one endpoint).
             self.healthchecks.set_local_endpoints(
-                {k: max(c for _, c in v.values()) for k, v in self._hc_ports.items()}
+                {
+                    k: len(frozenset().union(*(ips for _, ips in v.values())))
+                    for k, v in self._hc_ports.items()
+                }
             )
         return specs_changed
 

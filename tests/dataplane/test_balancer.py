@@ -75,10 +75,10 @@ def test_local_policies_pick_per_traffic_class() -> None:
     b.update(ServicePort(name=NAME, port=80, node_port=30000, external_policy_local=True), EPS)
     assert set(b.endpoints(Traffic.EXTERNAL)) == set(EPS[:2])
     assert set(b.endpoints(Traffic.CLUSTER)) == set(EPS)
-    assert b.local_endpoint_count == 2
+    assert b.local_ready_ips == {EPS[0].ip, EPS[1].ip}
     b.update(ServicePort(name=NAME, port=80, internal_policy_local=True), EPS[2:])
     assert b.pick("c", Traffic.CLUSTER) is None
-    assert b.local_endpoint_count == 0
+    assert b.local_ready_ips == frozenset()
 
 
 def test_terminating_fallback_and_no_endpoints() -> None:

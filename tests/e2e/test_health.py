@@ -123,17 +123,29 @@ async def _is(port: int, path: str, code: int) -> bool:
     return await status(port, path) == code
 
 
-def node(name: str, *, deleting: bool) -> dict[str, Any]:
+def node(name: str, *, deleting: bool = False, taint: str | None = None) -> dict[str, Any]:
     meta: dict[str, Any] = {"name": name}
+    spec: dict[str, Any] = {}
     if deleting:
         meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
         meta["finalizers"] = ["example.com/hold"]
-    return {"apiVersion": "v1", "kind": "Node", "metadata": meta, "spec": {}, "status": {}}
+    if taint is not None:
+        spec["taints"] = [{"key": taint, "value": "1700000000", "effect": "NoSchedule"}]
+    return {"apiVersion": "v1", "kind": "Node", "metadata": meta, "spec": spec, "status": {}}
 
 
-async def test_healthz_is_503_and_livez_200_while_the_node_is_deleted(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "going",
+    [
+        pytest.param({"deleting": True}, id="deleted"),
+        pytest.param({"taint": "ToBeDeletedByClusterAutoscaler"}, id="autoscaler-taint"),
+    ],
+)
+async def test_healthz_is_503_and_livez_200_while_the_node_is_going(
+    tmp_path: Path, going: dict[str, Any]
+) -> None:
     async with ApiServerDouble() as api:
-        api.create("Node", node("node-a", deleting=False))
+        api.create("Node", node("node-a", taint="example.com/other"))  # other taints: eligible
         api.create("Service", service("web"))
         kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
         proxy = Proxy(settings(kubeconfig=str(kubeconfig)), rules=BlockingRules())
@@ -144,7 +156,7 @@ async def test_healthz_is_503_and_livez_200_while_the_node_is_deleted(tmp_path: 
             port = proxy.healthz.port
             assert await status(port, "/healthz") == 200
 
-            api.update("Node", node("node-a", deleting=True))
+            api.update("Node", node("node-a", **going))
             await wait_for(lambda: _is(port, "/healthz", 503), timeout=5, message="/healthz 503")
             _code, body = await get(port, "/healthz")
             assert body["nodeEligible"] is False

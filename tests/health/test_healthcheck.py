@@ -21,12 +21,19 @@ KEY = ("shop", "web")
 
 
 def expected_body(namespace: str, name: str, count: int, healthy: bool) -> bytes:
-    # The exact bytes a load balancer sees: kube-proxy's keys, one line.
-    text = (
-        f'{{"service": {{"namespace": "{namespace}", "name": "{name}"}}, '
-        f'"localEndpoints": {count}, "serviceProxyHealthy": {"true" if healthy else "false"}}}'
-    )
-    return text.encode()
+    # The exact bytes a load balancer sees: kube-proxy's document, tab-indented, no newline
+    # at the end (service_health.go prints a dedented, trimmed template).
+    lines = [
+        "{",
+        '\t"service": {',
+        f'\t\t"namespace": "{namespace}",',
+        f'\t\t"name": "{name}"',
+        "\t},",
+        f'\t"localEndpoints": {count},',
+        f'\t"serviceProxyHealthy": {"true" if healthy else "false"}',
+        "}",
+    ]
+    return "\n".join(lines).encode()
 
 
 @pytest.fixture
@@ -114,6 +121,22 @@ async def test_unhealthy_proxy_fails_despite_endpoints(
     assert_same_bytes(body, expected_body("shop", "web", 3, False))
     health.updated()
     assert (await check(http, unused_port))[0] == 200
+
+
+async def test_a_node_being_drained_still_reports_its_endpoints(
+    http: aiohttp.ClientSession,
+    servers: HealthCheckServers,
+    health: ProxyHealth,
+    unused_port: int,
+) -> None:
+    # kube-proxy's serviceProxyHealthy is the proxy's own health: the Node's state is for
+    # /healthz, and a load balancer that asks per service keeps its answer about endpoints.
+    await servers.sync({KEY: HealthCheckSpec("shop", "web", unused_port)})
+    servers.set_local_endpoints({KEY: 1})
+    health.set_node_eligible(False)
+    status, body, _ = await check(http, unused_port)
+    assert status == 200
+    assert_same_bytes(body, expected_body("shop", "web", 1, True))
 
 
 async def test_port_closes_when_service_goes(

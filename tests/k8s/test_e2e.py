@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -159,6 +160,52 @@ async def test_endpoint_changes_do_not_wait_for_the_rules_rate_limit(
         await wait_for(functools.partial(has_endpoints, proxy, "web", [(ip, p)]), timeout=5)
         assert await served_by(lst.port, 3) == {ip}
     assert proxy.syncer.syncs == syncs  # no rate-limited sync was needed for any of it
+
+
+async def test_health_check_counts_each_local_ready_pod_once(
+    apiserver: ApiServerDouble, start_proxy: ProxyFactory
+) -> None:
+    hc_port = free_port()
+    ports = [
+        {"name": "http", "port": free_port(), "protocol": "TCP", "nodePort": 31080},
+        {"name": "https", "port": free_port(), "protocol": "TCP", "nodePort": 31443},
+    ]
+    spec = {
+        "type": "LoadBalancer",
+        "externalTrafficPolicy": "Local",
+        "healthCheckNodePort": hc_port,
+    }
+    apiserver.create(SVC, service("web", ports=ports, spec=spec))
+    # http on pods A and B, https on pods B and C (all on this node); one more pod on this
+    # node is not ready and one ready pod is on another node: neither counts.
+    http = endpoint_slice("web-http", service_name="web", ips=["10.1.0.1", "10.1.0.2"], port=8080)
+    https = endpoint_slice(
+        "web-https", service_name="web", ips=["10.1.0.2", "10.1.0.3"], port=8443, port_name="https"
+    )
+    https["endpoints"] += [
+        {"addresses": ["10.1.0.4"], "conditions": {"ready": False}, "nodeName": "node-a"},
+        {"addresses": ["10.1.0.5"], "conditions": {"ready": True}, "nodeName": "node-b"},
+    ]
+    apiserver.create(EPS, http)
+    apiserver.create(EPS, https)
+    await start_proxy()
+    body: dict[str, Any] = {}
+
+    async def answered() -> bool:
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", hc_port)
+        except OSError:
+            return False
+        writer.write(b"GET / HTTP/1.0\r\n\r\n")
+        raw = await reader.read()
+        writer.close()
+        body.update(json.loads(raw.partition(b"\r\n\r\n")[2]))
+        return raw.split(b" ", 2)[1] == b"200"
+
+    await wait_for(answered, timeout=5)
+    # By address over all the service's ports, as kube-proxy counts: A, B, C. (The most
+    # endpoints of any one port would be 2.)
+    assert body["localEndpoints"] == 3
 
 
 async def _assert_steady(proxy: Any, lst: Any, conn: Client) -> None:

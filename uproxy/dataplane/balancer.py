@@ -63,7 +63,7 @@ class Balancer:
         self._affinity_s: float | None = None
         empty = _Pool(())
         self._pools: dict[Traffic, _Pool] = {Traffic.CLUSTER: empty, Traffic.EXTERNAL: empty}
-        self._local_count = 0
+        self._local_ips: frozenset[str] = frozenset()
         # client IP -> (endpoint, last use); ordered by last use, oldest first.
         self._affinity: OrderedDict[str, tuple[Endpoint, float]] = OrderedDict()
         self._last: tuple[ServicePort, tuple[Endpoint, ...]] | None = None
@@ -89,8 +89,9 @@ class Balancer:
                 order = list(dict.fromkeys(selected))
                 self._rng.shuffle(order)
                 self._pools[traffic] = _Pool(tuple(order))
-        # kube-proxy's health check counts ready endpoints on this node (LocalReadyEndpoints).
-        self._local_count = sum(1 for e in eps if e.ready and e.node_name == self._node_name)
+        # kube-proxy's health check counts the ready endpoints on this node by address
+        # (LocalReadyEndpoints): one pod serving two ports is one endpoint.
+        self._local_ips = frozenset(e.ip for e in eps if e.ready and e.node_name == self._node_name)
         if self._affinity_s is None:
             self._affinity.clear()
         else:
@@ -156,9 +157,9 @@ class Balancer:
         return self._pools[traffic].order
 
     @property
-    def local_endpoint_count(self) -> int:
-        """Ready endpoints on this node (what a health-check node port reports)."""
-        return self._local_count
+    def local_ready_ips(self) -> frozenset[str]:
+        """Addresses of the ready endpoints on this node (health-check node ports count them)."""
+        return self._local_ips
 
     @property
     def affinity_entries(self) -> int:
