@@ -107,6 +107,7 @@ class Proxy:
                 dataplane=DataplaneSettings(
                     udp_timeout_s=s.udp_timeout,
                     udp_max_flows=s.udp_max_flows,
+                    udp_receive_buffer=s.udp_receive_buffer,
                     dial_mark=self._dial_mark(),
                 ),
                 full_sync_period_s=s.iptables_sync_period,

@@ -111,6 +111,14 @@ class Settings:
         kind="int",
         help="Most UDP flows per service port; the oldest is evicted first",
     )
+    udp_receive_buffer: int = opt(
+        4 << 20,
+        flag="--udp-receive-buffer",
+        config="uproxy.udpReceiveBuffer",
+        kind="int",
+        help="Bytes of kernel receive buffer per UDP proxy port, so bursts wait instead of "
+        "being dropped (beyond net.core.rmem_max with CAP_NET_ADMIN); 0 keeps the default",
+    )
     lb_algorithm: str = opt(
         LbAlgorithm.ROUND_ROBIN.value,
         flag="--lb-algorithm",
@@ -355,6 +363,8 @@ def validate(s: Settings) -> None:
         parse_port_range(s.proxy_port_range)
     except ValueError as e:
         raise SettingsError(f"invalid --proxy-port-range: {e}") from None
+    if s.udp_receive_buffer < 0:
+        raise SettingsError("invalid --udp-receive-buffer: must be 0 or more bytes")
     if s.udp_max_flows < 1:
         raise SettingsError("invalid --udp-max-flows: must be at least 1")
     if s.udp_timeout <= 0:

@@ -292,3 +292,57 @@ async def test_half_closed_pair_lingers_only_for_its_bound(tcp_listener: Listene
             w.close()
         server.close()
         await server.wait_closed()
+
+
+async def test_a_reset_on_a_paused_side_frees_the_pair(tcp_listener: ListenerFactory) -> None:
+    # The endpoint accepts and never reads: the pair fills up and the client side is paused
+    # (not read). A reset from the client would go unseen; the periodic peek must find it.
+    held: list[socket.socket] = []
+    sink = socket.socket()
+    sink.bind(("127.0.0.1", 0))
+    sink.listen(1)
+    sink.setblocking(False)
+    loop = asyncio.get_running_loop()
+    loop.add_reader(sink.fileno(), lambda: held.append(sink.accept()[0]))
+    settings = DataplaneSettings(paused_check_s=0.1, high_water=64 * 1024, low_water=16 * 1024)
+    endpoint = Endpoint("127.0.0.1", sink.getsockname()[1], NODE)
+    listener = await tcp_listener(make_balancer(TCP_NAME, [endpoint], settings=settings))
+    client = socket.socket()
+    client.setblocking(False)
+    try:
+        await loop.sock_connect(client, ("127.0.0.1", listener.port))
+        await wait_until(lambda: len(held) == 1 and listener.active == 1, what="pair linked")
+        block = os.urandom(1 << 16)
+        stalled_since, deadline = loop.time(), loop.time() + 20
+        while loop.time() - stalled_since < 0.3:  # until the client cannot send any more
+            assert loop.time() < deadline, "the pair never filled up"
+            try:
+                client.send(block)
+                stalled_since = loop.time()
+            except BlockingIOError:
+                await asyncio.sleep(0.02)
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        client.close()  # a reset
+        await wait_until(lambda: listener.active == 0, what="the pair let go after the reset")
+        # The endpoint's side was reset too: its socket reports the reset (or EOF) at once.
+        held[0].setblocking(False)
+        await wait_until(lambda: _gone(held[0]), what="the endpoint told")
+    finally:
+        loop.remove_reader(sink.fileno())
+        sink.close()
+        for s in held:
+            s.close()
+        if client.fileno() >= 0:
+            client.close()
+
+
+def _gone(sock: socket.socket) -> bool:
+    """Whether the peer has reset or closed ``sock`` (reading through what was queued)."""
+    try:
+        while sock.recv(1 << 20):
+            pass
+        return True
+    except BlockingIOError:
+        return False
+    except ConnectionResetError:
+        return True

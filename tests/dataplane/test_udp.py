@@ -302,3 +302,36 @@ async def test_wildcard_listener_replies_from_the_address_the_client_used(
                     assert loop.time() < deadline, f"no reply from {target}"
                     await asyncio.sleep(0.005)
             assert data == b"whi" and source == (target, listener.port)
+
+
+@pytest.mark.root
+@pytest.mark.parametrize(("receive_buffer", "all_arrive"), [(4 << 20, True), (0, False)])
+async def test_a_burst_while_the_loop_is_busy_waits_in_the_receive_buffer(
+    udp_backends: UdpBackendFactory,
+    udp_listener: UdpListenerFactory,
+    receive_buffer: int,
+    all_arrive: bool,
+) -> None:
+    # 1,500 datagrams arrive while the loop does something else (here: this test, which does
+    # not yield): the listening socket must hold them all. With the kernel's default buffer
+    # (receive_buffer=0) most are dropped, which is what the setting is for. SO_RCVBUFFORCE
+    # needs CAP_NET_ADMIN, hence root.
+    ep, _echo = await udp_backends("x")
+    settings = DataplaneSettings(udp_receive_buffer=receive_buffer, udp_timeout_s=10)
+    balancer = make_balancer(UDP_NAME, [ep], settings=settings)
+    listener = await udp_listener(balancer, settings=settings)
+    counted = metrics.BYTES.labels(str(UDP_NAME), "to_endpoint")
+    before = counted.value
+    n, size = 1500, 1000
+    with client_socket() as c:
+        c.setblocking(True)
+        for i in range(n):
+            c.sendto(i.to_bytes(4, "big") * (size // 4), ("127.0.0.1", listener.port))
+        last = -1.0
+        for _ in range(100):  # until all are in, or nothing more comes for 0.2 s (max 5 s)
+            now = counted.value - before
+            if now == n * size or now == last:
+                break
+            last = now
+            await asyncio.sleep(0.2)
+    assert ((counted.value - before) == n * size) is all_arrive, counted.value - before

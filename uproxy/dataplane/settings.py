@@ -28,6 +28,10 @@ class DataplaneSettings:
     # bounding memory per connection to about 2 x high_water.
     high_water: int = 256 * 1024
     low_water: int = 64 * 1024
+    # Seconds between checks of a pair whose one side is not being read (the other side's
+    # write buffer is full): a reset on the unread side is noticed within this, and the
+    # pair with its queued bytes let go. Cheap (one getsockopt per paused pair per check).
+    paused_check_s: float = 2.0
     # ClientIP affinity entries per balancer (one per client IP); oldest evicted first.
     max_affinity_entries: int = 65536
     # listen() backlog of TCP proxy ports (the kernel caps it at net.core.somaxconn).
@@ -44,6 +48,12 @@ class DataplaneSettings:
     udp_buffer: int = 65536
     # Datagrams read per readiness callback (same trade-off as accept_batch).
     udp_batch: int = 64
+    # Bytes of kernel receive buffer on each UDP proxy port (--udp-receive-buffer), set with
+    # SO_RCVBUFFORCE when allowed (beyond net.core.rmem_max), else SO_RCVBUF (capped by it).
+    # A burst arriving while the loop is busy waits here instead of being dropped: with the
+    # default 208 KiB, about 1 % of a flood was lost at uproxy's own socket. It is a limit,
+    # not an allocation: memory is taken only by datagrams actually queued. 0: the default.
+    udp_receive_buffer: int = 4 << 20
     # SO_MARK on every socket uproxy opens to an endpoint (--dial-mark); 0: none. The portal
     # rules return at once on this mark, so a dial never walks the portal chains: with
     # 10,000 services in iptables chains that walk more than doubled the proxy's system

@@ -241,6 +241,20 @@ async def dial_marked(
         raise
 
 
+_TCP_CLOSE = 7  # linux/tcp_states.h: where a reset leaves a socket
+
+
+def _was_reset(transport: asyncio.Transport) -> bool:
+    """Whether the peer reset this (paused, unread) socket: its TCP state is CLOSE."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return False
+    try:
+        return bool(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] == _TCP_CLOSE)
+    except OSError:
+        return True
+
+
 def _reset_transport(transport: asyncio.Transport) -> None:
     sock = transport.get_extra_info("socket")
     if sock is not None:
@@ -296,6 +310,7 @@ class _Side(asyncio.Protocol):
         peer = self.peer
         if peer is not None and peer.transport is not None:
             peer.transport.pause_reading()
+            self._pair().watch_paused()
 
     def resume_writing(self) -> None:
         self.write_paused = False
@@ -340,6 +355,7 @@ class _Connection(_Side):
         "held_bytes",
         "linger",
         "listener",
+        "stall",
         "task",
         "timed_out",
         "undialed",
@@ -354,6 +370,7 @@ class _Connection(_Side):
         self.held_bytes = 0
         self.closed = False
         self.linger: Deadline | None = None
+        self.stall: Deadline | None = None
         self.task: asyncio.Task[None] | None = None
         self.deadline: Deadline | None = None
         self.timed_out = False
@@ -530,6 +547,36 @@ class _Connection(_Side):
         elif self.linger is None:
             self.linger = self.listener.linger_timers.start(self.close_pair)
 
+    def watch_paused(self) -> None:
+        """One side's reading is paused: check it now and then for a reset.
+
+        A paused socket is not read, so the loop never learns that its peer reset it: the
+        pair, and the megabytes queued towards the other side, would stay until that other
+        side drained them, possibly never. A peek at the TCP state (a getsockopt, no read)
+        every ``paused_check_s`` finds the reset; a FIN is left alone (a half-close lets
+        the queued bytes go on).
+        """
+        if self.stall is None and not self.closed:
+            timers = shared_timers(self.listener.loop, self.listener.settings.paused_check_s)
+            self.stall = timers.start(self._check_paused)
+
+    def _check_paused(self) -> None:
+        self.stall = None
+        for side in (self, self.peer):
+            # The side whose peer is write-paused is the one not being read.
+            other = side.peer if side is not None else None
+            if side is None or other is None or not other.write_paused:
+                continue
+            if side.transport is not None and _was_reset(side.transport):
+                # Reset both: closing the other side gracefully would wait for its full
+                # write buffer to drain, which is what cannot happen.
+                for t in (side.transport, other.transport):
+                    if t is not None:
+                        _reset_transport(t)
+                return
+        if any(s is not None and s.write_paused for s in (self, self.peer)):
+            self.watch_paused()
+
     def close_pair(self) -> None:
         for side in (self, self.peer):
             if side is not None and side.transport is not None:
@@ -572,6 +619,9 @@ class _Connection(_Side):
         if self.linger is not None:
             self.linger.cancel()
             self.linger = None
+        if self.stall is not None:
+            self.stall.cancel()
+            self.stall = None
         self._cancel_deadline()
         if self.peer is not None:
             self.listener.stats.open.value -= 1

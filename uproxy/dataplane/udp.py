@@ -41,6 +41,19 @@ _ANC_SIZE = socket.CMSG_SPACE(32)  # room for in_pktinfo (12 B) or in6_pktinfo (
 _WILDCARDS = ("0.0.0.0", "::", "")
 
 
+def _set_receive_buffer(sock: socket.socket, size: int) -> None:
+    """Room for bursts: SO_RCVBUFFORCE (needs CAP_NET_ADMIN), else SO_RCVBUF (capped)."""
+    if size <= 0:
+        return
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, _SO_RCVBUFFORCE, size)
+    except PermissionError:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, size)
+
+
+_SO_RCVBUFFORCE = 33  # asm-generic/socket.h; not exported by Python's socket module
+
+
 class UdpFlow:
     """One client address and its connected socket to the chosen endpoint."""
 
@@ -153,6 +166,7 @@ class UdpListener:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             sock.bind((host, port))
             sock.setblocking(False)
+            _set_receive_buffer(sock, settings.udp_receive_buffer)
             if host in _WILDCARDS:
                 # Learn each datagram's destination address so the reply can leave from it.
                 if family == socket.AF_INET6:
