@@ -1,5 +1,5 @@
 # uproxy's node image: the package in a virtual environment on a slim Python base, plus the
-# Debian tools it runs (iptables-{nft,legacy}-{save,restore}, conntrack, ip).
+# Debian tools it runs (iptables-{nft,legacy}-{save,restore}, nft, conntrack, ip).
 #
 # The base is pinned to an exact Python and Debian release so a rebuild gets the interpreter
 # the tests ran on. Pin it further by digest where you build
@@ -32,11 +32,11 @@ LABEL org.opencontainers.image.title="uproxy" \
       org.opencontainers.image.version="${VERSION}" \
       org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.base.name="docker.io/library/python:3.11.7-slim-bookworm"
-# iptables (nft and legacy variants, and the libraries python-iptables loads), conntrack
-# (forgetting stale UDP entries), iproute2 (finding the node IP).
+# iptables (nft and legacy variants, and the libraries python-iptables loads), nftables (nft,
+# for --rules nftables), conntrack (forgetting stale UDP entries), iproute2 (finding the node IP).
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends iptables conntrack iproute2 \
+    && apt-get install -y --no-install-recommends iptables nftables conntrack iproute2 \
     && rm -rf /var/lib/apt/lists/*
 COPY --from=build /opt/uproxy /opt/uproxy
 # The root filesystem is read-only in the DaemonSet: pip compiled the bytecode at build time,

@@ -6,7 +6,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-APT_PACKAGES := iptables conntrack iproute2 dnsutils curl netcat-openbsd dnsmasq-base \
+APT_PACKAGES := iptables nftables conntrack iproute2 dnsutils curl netcat-openbsd dnsmasq-base \
 	socat haproxy nginx-light libnginx-mod-stream wrk iperf3 gcc libc6-dev make openssl
 
 .PHONY: demo test lint typecheck pytest system-deps venv bench bench-quick clean

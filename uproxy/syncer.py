@@ -387,7 +387,7 @@ class Syncer:
     def _portals_of(self, spn: ServicePortName, pp: ProxiedPort) -> frozenset[Portal]:
         """One service port's portals (IPv4 only: the rules backends program IPv4).
 
-        The IPv6 addresses of a dual-stack service would need ip6tables (and the proxy ports
+        The IPv6 addresses of a dual-stack service would need ip6 rules (and the proxy ports
         listen on IPv4): they are left out, with one line per address, and never reach a
         backend, where one of them would fail the whole commit for every service.
         """
@@ -409,7 +409,7 @@ class Syncer:
                 elif (spn, ip) not in self._skipped_ipv6:
                     self._skipped_ipv6.add((spn, ip))
                     log.warning(
-                        "IPv6 service address not proxied: uproxy programs IPv4 iptables only",
+                        "IPv6 service address not proxied: the rules backends program IPv4 only",
                         extra=kv(service=str(spn), ip=ip),
                     )
         reserved = self.options.nodeports

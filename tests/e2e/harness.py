@@ -213,6 +213,27 @@ class Uproxy:
             return 0.0  # not listening yet
         return samples.get(("kubeproxy_sync_proxy_rules_last_timestamp_seconds", ()), 0.0)
 
+    def endpoint_changes(self) -> tuple[float, float]:
+        """kube-proxy's endpoint-change counters: (total applied, pending)."""
+        samples = self.metrics()
+        return (
+            samples.get(("kubeproxy_sync_proxy_rules_endpoint_changes_total", ()), 0.0),
+            samples.get(("kubeproxy_sync_proxy_rules_endpoint_changes_pending", ()), 0.0),
+        )
+
+    def wait_endpoints_applied(self, *, total_before: float, timeout: float = 15.0) -> None:
+        """Until endpoint changes counted after ``total_before`` reached the data plane.
+
+        Endpoint-only changes skip the rules sync (they go to the balancers at once), so
+        the sync timestamp does not move for them; the pending count drops to 0 instead.
+        """
+
+        def applied() -> bool:
+            total, pending = self.endpoint_changes()
+            return total > total_before and pending == 0
+
+        wait_for_sync(applied, timeout=timeout, interval=0.1, message="endpoint changes applied")
+
     def wait_synced(self, *, after: float = 0.0, timeout: float = 15.0) -> None:
         """Until a sync that started after wall-clock time ``after`` has finished."""
         wait_for_sync(

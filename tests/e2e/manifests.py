@@ -36,7 +36,7 @@ def backend_argv(net: Cluster) -> list[str]:
     return [sys.executable, "-m", "tests.e2e.servers", *specs]
 
 
-def dnsmasq_argv(ip: str) -> list[str]:
+def dnsmasq_argv(ip: str, *, answer: str = DNS_ANSWER) -> list[str]:
     return [
         "dnsmasq",
         "--no-daemon",
@@ -48,7 +48,7 @@ def dnsmasq_argv(ip: str) -> list[str]:
         "--bind-interfaces",
         "--no-resolv",
         "--no-hosts",
-        f"--address=/svc.test/{DNS_ANSWER}",
+        f"--address=/svc.test/{answer}",
     ]
 
 
@@ -106,4 +106,17 @@ def sum_service(net: Cluster, *, endpoints: int = 1) -> list[Obj]:
         endpoints=[slice_endpoint(ip) for ip in net.backend_ips[:endpoints]],
         ports=[{"name": "raw", "port": SUM_PORT, "protocol": "TCP"}],
     )
+    return [svc, eps]
+
+
+DNS_NODE_PORT = 30053
+
+
+def lb_dns(net: Cluster) -> list[Obj]:
+    """The DNS service as a LoadBalancer: UDP on a node port, the externalIP and the ingress IP
+    (the same addresses as ``lb_web``, another protocol and port)."""
+    svc, eps = dns(net)
+    svc["spec"].update(type="LoadBalancer", externalIPs=[EXTERNAL_IP])
+    svc["spec"]["ports"][0]["nodePort"] = DNS_NODE_PORT
+    svc["status"] = {"loadBalancer": {"ingress": [{"ip": LB_IP}]}}
     return [svc, eps]

@@ -1,8 +1,9 @@
 """Issue 4: ``uproxy --cleanup`` restores the tables, and a taken node port is one clear error.
 
-Someone else's rules are installed before uproxy starts (in the variant uproxy writes), so
-"restored" means: theirs still there, uproxy's gone, and both ``iptables-nft-save`` and
-``iptables-legacy-save`` print exactly what they printed before (counters stripped).
+Someone else's rules are installed before uproxy starts (in the iptables variant uproxy writes,
+and a table of their own in nft), so "restored" means: theirs still there, uproxy's gone, and
+``iptables-nft-save``, ``iptables-legacy-save`` and ``nft -s list ruleset`` print exactly what
+they printed before (counters left out: the traffic moved them).
 """
 
 from __future__ import annotations
@@ -25,8 +26,21 @@ pytestmark = [pytest.mark.root]
 MODES = ("nft", "legacy")
 
 
+FOREIGN_NFT = """\
+table inet other {
+	set allowed { type inet_service; elements = { 22, 443 } }
+	chain input {
+		type filter hook input priority 10; policy accept;
+		tcp dport @allowed counter accept
+	}
+}
+"""
+
+
 def saves(net: Cluster) -> dict[str, str]:
-    return {m: normalized(net.topo.run(net.topo.node, f"iptables-{m}-save")) for m in MODES}
+    out = {m: normalized(net.topo.run(net.topo.node, f"iptables-{m}-save")) for m in MODES}
+    out["ruleset"] = net.topo.run(net.topo.node, "nft", "-s", "list", "ruleset")
+    return out
 
 
 @pytest.mark.parametrize(
@@ -37,6 +51,7 @@ def saves(net: Cluster) -> dict[str, str]:
             ["--rules", "auto", "--iptables-mode", "legacy"], "legacy", id="restore-legacy"
         ),
         pytest.param(["--rules", "iptables"], "legacy", id="python-iptables"),
+        pytest.param(["--rules", "nftables"], "nft", id="nftables"),
     ],
 )
 def test_cleanup_restores_iptables_save_exactly(
@@ -50,8 +65,10 @@ def test_cleanup_restores_iptables_save_exactly(
 ) -> None:
     topo = net.topo
     topo.run(topo.node, f"iptables-{mode}-restore", "--noflush", stdin=FOREIGN)
+    topo.run(topo.node, "nft", "-f", "-", stdin=FOREIGN_NFT)
     before = saves(net)
     assert "OTHER-NAT" in before[mode]
+    assert "table inet other" in before["ruleset"]
 
     start_proc(topo.backend, backend_argv(net), ready_line=True)
     services.put(*lb_web(net))
@@ -60,7 +77,12 @@ def test_cleanup_restores_iptables_save_exactly(
     proxy.wait_synced()
     curl(topo, topo.pod, f"http://{WEB_IP}/", body=b"installed", tmp=tmp_path)
     during = saves(net)
-    assert "KUBE-PORTALS-CONTAINER" in during[mode]
+    if rules[1] == "nftables":
+        assert "table ip uproxy" in during["ruleset"]
+        assert "KUBE-PORTALS" not in during["ruleset"]
+    else:
+        assert "KUBE-PORTALS-CONTAINER" in during[mode]
+        assert "table ip uproxy" not in during["ruleset"]
     assert "-A OUTPUT -j OTHER-NAT" in during[mode]  # someone else's rules are untouched
     assert proxy.stop() == 0
 

@@ -124,10 +124,10 @@ def test_terminating_endpoints_serve_until_a_ready_one_exists(
     assert {a.name for a in answers} == {"web-1", "web-2"}
 
     # A ready endpoint arrives (web-3 comes back ready): only it is used from now on.
-    started = time.time()
+    total, _ = proxy.endpoint_changes()
     services.put(web_slice("term-1", "term", [*terminating, slice_endpoint(ips[2])]))
     services.write()
-    proxy.wait_synced(after=started)
+    proxy.wait_endpoints_applied(total_before=total)
     answers = curl(topo, topo.pod, url, body=b"ready", tmp=tmp_path, count=12)
     assert {a.name for a in answers} == {"web-3"}
 
@@ -168,10 +168,10 @@ def test_health_check_node_port_follows_local_endpoints(
     proxy.wait_synced()
     assert observed() == hc_expect(topo.node_ip, 0, 503)
 
-    started = time.time()
+    total, _ = proxy.endpoint_changes()
     services.put(web_slice("local-1", "local", three_endpoints(net)))
     services.write()
-    proxy.wait_synced(after=started)
+    proxy.wait_endpoints_applied(total_before=total)
     assert observed() == hc_expect(topo.node_ip, 2, 200)
 
     started = time.time()

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.conftest import wait_for_sync
 from tests.e2e.cluster import Cluster
 from tests.e2e.conftest import StartProc, StartUproxy
-from tests.e2e.harness import ServicesFile, curl, dig, wait_until_ok
+from tests.e2e.harness import ServicesFile, curl, dig, slice_endpoint, wait_until_ok
 from tests.e2e.manifests import (
     DNS_ANSWER,
     DNS_IP,
@@ -24,14 +25,21 @@ from tests.e2e.manifests import (
     LB_IP,
     WEB_IP,
     WEB_NODE_PORT,
+    WEB_PORT,
     backend_argv,
     dns,
     dnsmasq_argv,
     lb_web,
+    web_service,
+    web_slice,
 )
 from tests.e2e.saved import Tables, save
+from tests.factories import endpoint_slice, service
+from tests.netns.helpers import nft, nft_normalised
 
 pytestmark = [pytest.mark.root]
+
+Obj = dict[str, Any]
 
 # (--rules, the iptables variant it writes to)
 RULES = [
@@ -51,14 +59,19 @@ NODEPORTS_JUMP = (
     '"handle service NodePorts; NOTE: this must be the last rule in the chain" -j {chain}'
 )
 NON_LOCAL_JUMP = '-m comment --comment "Ensure that non-local NodePort traffic can flow" -j {chain}'
+# First in both host chains: uproxy's own dials (--dial-mark, 0x1000 by default) leave at once.
+MARK_RETURN = (
+    '-m mark --mark 0x1000/0x1000 -m comment --comment "uproxy dials to endpoints skip the portals" '
+    "-j RETURN"
+)
 
 
 def expected_tables(node_ip: str, *, web: int | None, dns_port: int | None) -> Tables:
     """What the node's nat and filter tables must hold (and nothing else)."""
     container: list[str] = []
-    host: list[str] = []
+    host: list[str] = [MARK_RETURN]
     np_container: list[str] = []
-    np_host: list[str] = []
+    np_host: list[str] = [MARK_RETURN]
     non_local: list[str] = []
     if dns_port is not None:
         m = f'-d {DNS_IP}/32 -p udp -m comment --comment "default/dns:dns" -m udp --dport 53'
@@ -112,14 +125,18 @@ def expected_tables(node_ip: str, *, web: int | None, dns_port: int | None) -> T
 
 
 def comparable(tables: Tables) -> Tables:
-    """Rule order matters in built-in chains (portals first, node ports last); uproxy's own
-    chains hold non-overlapping rules, so their order is compared as a sorted list."""
+    """Rule order matters in built-in chains (portals first, node ports last) and for the
+    dial-mark RETURN (first); uproxy's other rules do not overlap, so their order is compared
+    as a sorted list."""
     out: Tables = {}
     for name in ("nat", "filter"):
-        out[name] = {
-            chain: rules if chain.isupper() and not chain.startswith("KUBE-") else sorted(rules)
-            for chain, rules in tables.get(name, {}).items()
-        }
+        out[name] = {}
+        for chain, rules in tables.get(name, {}).items():
+            if not chain.startswith("KUBE-"):
+                out[name][chain] = rules
+                continue
+            head = rules[:1] if rules[:1] == [MARK_RETURN] else []
+            out[name][chain] = head + sorted(rules[len(head) :])
     return out
 
 
@@ -235,3 +252,240 @@ def test_flushed_nat_table_is_repaired_within_5s(
     assert time.monotonic() - flushed < 5.0
     assert repaired() == seen + 1
     assert proxy.proc.popen.poll() is None
+
+
+# ----- --rules nftables ------------------------------------------------------------------------
+
+NFT_CHAINS = """\
+chain portals-container {
+type nat hook prerouting priority dstnat - 1; policy accept;
+meta l4proto { tcp, udp } redirect to :ip daddr . meta l4proto . th dport map @cluster-ips
+meta iifkind != "bridge" meta l4proto { tcp, udp } redirect to :ip daddr . meta l4proto . th dport map @external-ips
+fib daddr type local meta l4proto { tcp, udp } redirect to :ip daddr . meta l4proto . th dport map @external-ips
+}
+chain portals-host {
+type nat hook output priority -101; policy accept;
+meta mark & 0x00001000 == 0x00001000 return comment "uproxy dials to endpoints skip the portals"
+meta l4proto { tcp, udp } dnat to NODE_IP:ip daddr . meta l4proto . th dport map @cluster-ips
+fib daddr type local meta l4proto { tcp, udp } dnat to NODE_IP:ip daddr . meta l4proto . th dport map @external-ips
+}
+chain node-ports-container {
+type nat hook prerouting priority dstnat + 1; policy accept;
+fib daddr type local meta l4proto { tcp, udp } redirect to :meta l4proto . th dport map @node-ports
+}
+chain node-ports-host {
+type nat hook output priority -99; policy accept;
+meta mark & 0x00001000 == 0x00001000 return comment "uproxy dials to endpoints skip the portals"
+fib daddr type local meta l4proto { tcp, udp } dnat to NODE_IP:meta l4proto . th dport map @node-ports
+}
+chain node-ports-filter {
+type filter hook input priority filter; policy accept;
+ct state new meta l4proto . th dport @node-port-proxy-ports accept
+}
+"""
+ADDR_MAP = "ipv4_addr . inet_proto . inet_service : inet_service"
+PORT_MAP = "inet_proto . inet_service : inet_service"
+
+
+def expected_nft(node_ip: str, *, web: int | None, dns_port: int | None) -> str:
+    """``nft list table ip uproxy`` of the node, normalised like ``nft_normalised``."""
+    cluster: list[str] = []
+    external: list[str] = []
+    node_ports: list[str] = []
+    proxy_ports: list[str] = []
+    if dns_port is not None:
+        cluster.append(f'{DNS_IP} . udp . 53 comment "default/dns:dns" : {dns_port}')
+    if web is not None:
+        c = 'comment "default/web:http"'
+        cluster += [f"{WEB_IP} . tcp . 80 {c} : {web}", f"{LB_IP} . tcp . 80 {c} : {web}"]
+        external.append(f"{EXTERNAL_IP} . tcp . 80 {c} : {web}")
+        node_ports.append(f"tcp . {WEB_NODE_PORT} {c} : {web}")
+        proxy_ports.append(f"tcp . {web} {c}")
+    out = ["table ip uproxy {"]
+    for kind, name, type_, members in (
+        ("map", "cluster-ips", ADDR_MAP, cluster),
+        ("map", "external-ips", ADDR_MAP, external),
+        ("map", "node-ports", PORT_MAP, node_ports),
+        ("set", "node-port-proxy-ports", "inet_proto . inet_service", proxy_ports),
+    ):
+        out += [f"{kind} {name} {{", f"type {type_}"]
+        if members:
+            out.append("elements = { " + ", ".join(members) + " }")
+        out.append("}")
+    out.append(NFT_CHAINS.replace("NODE_IP", node_ip).rstrip("\n"))
+    out.append("}")
+    return nft_normalised("\n".join(out))
+
+
+def nft_table(net: Cluster) -> str:
+    return nft_normalised(nft(net.topo, "list", "table", "ip", "uproxy"))
+
+
+def test_nft_table_is_exact_and_goes_with_its_service(
+    net: Cluster,
+    services: ServicesFile,
+    start_proc: StartProc,
+    start_uproxy: StartUproxy,
+    tmp_path: Path,
+) -> None:
+    topo = net.topo
+    start_proc(topo.backend, backend_argv(net), ready_line=True)
+    start_proc(topo.backend, dnsmasq_argv(topo.backend_ip))
+    web_objs = lb_web(net)
+    web_spec = web_objs[0]["spec"]  # dual-stack: the IPv6 addresses are left out
+    web_spec["clusterIPs"] = [WEB_IP, WEB_IP6]
+    web_spec["ipFamilies"] = ["IPv4", "IPv6"]
+    web_spec["ipFamilyPolicy"] = "PreferDualStack"
+    web_spec["externalIPs"].append(EXTERNAL_IP6)
+    services.put(*web_objs, *dns(net))
+    services.write()
+    proxy = start_uproxy("nftables", extra=["--proxy-port-range", PORT_RANGE])
+    proxy.wait_synced()
+
+    ports = proxy.proxy_ports()
+    web, dns_port = ports[("default/web:http", "cluster")], ports[("default/dns:dns", "cluster")]
+    assert nft_table(net) == expected_nft(topo.node_ip, web=web, dns_port=dns_port)
+    # Nothing in iptables, either variant.
+    for mode in ("nft", "legacy"):
+        assert "KUBE-" not in topo.run(topo.node, f"iptables-{mode}-save")
+    curl(topo, topo.pod, f"http://{WEB_IP}/", body=b"x" * 1000, tmp=tmp_path)
+    wait_until_ok(lambda: dig(topo, topo.pod, DNS_IP, DNS_NAME) == DNS_ANSWER, message="dns")
+    assert f"dst={DNS_IP}" in conntrack_udp(net)
+
+    started = time.time()
+    services.remove("Service", "web")
+    services.write()
+    proxy.wait_synced(after=started)
+    assert nft_table(net) == expected_nft(topo.node_ip, web=None, dns_port=dns_port)
+
+    started = time.time()
+    services.remove("Service", "dns")
+    services.write()
+    proxy.wait_synced(after=started)
+    assert nft_table(net) == expected_nft(topo.node_ip, web=None, dns_port=None)
+    assert f"dst={DNS_IP}" not in conntrack_udp(net)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        pytest.param(["delete", "table", "ip", "uproxy"], id="deleted"),
+        pytest.param(["flush", "table", "ip", "uproxy"], id="flushed"),
+        pytest.param(["flush", "ruleset"], id="ruleset-flushed"),
+    ],
+)
+def test_damaged_nft_table_is_repaired_within_5s(
+    net: Cluster,
+    services: ServicesFile,
+    start_proc: StartProc,
+    start_uproxy: StartUproxy,
+    tmp_path: Path,
+    damage: list[str],
+) -> None:
+    topo = net.topo
+    start_proc(topo.backend, backend_argv(net), ready_line=True)
+    services.put(*lb_web(net))
+    services.write()
+    proxy = start_uproxy("nftables")
+    proxy.wait_synced()
+    url = f"http://{WEB_IP}/"
+    curl(topo, topo.pod, url, body=b"before", tmp=tmp_path)
+    intact = nft_table(net)
+
+    def repaired() -> int:
+        return sum("Rules missing" in line for line in proxy.proc.stderr_lines)
+
+    def traffic_flows() -> object:
+        return curl(topo, topo.pod, url, body=b"after", tmp=tmp_path, max_time=0.5)
+
+    for attempt in (1, 2):  # twice: the second right after the first repair
+        nft(topo, *damage)
+        damaged = time.monotonic()
+        assert "redirect" not in nft(topo, "list", "ruleset")
+        wait_until_ok(traffic_flows, timeout=5.0, message=f"traffic after damage {attempt}")
+        assert time.monotonic() - damaged < 5.0
+        wait_for_sync(lambda: nft_table(net) == intact, timeout=5.0, message="the whole table")
+        assert repaired() >= attempt
+    assert proxy.proc.popen.poll() is None
+
+
+# ----- uproxy's own dials ---------------------------------------------------------------------
+
+TRAP_ANSWER = "192.0.2.99"
+
+
+def trapped(net: Cluster) -> list[Obj]:
+    """``web`` and ``dns`` each with one endpoint on web-1's address, plus ``trap``: a service
+    whose ClusterIP *is* that address, on the same ports, with its endpoint elsewhere.
+
+    The node's own connections to web-1's address are caught by trap's host portal. So are
+    uproxy's dials to web-1, unless they skip the portals: then web-3 (and the trap's DNS
+    server) answers instead of web-1.
+    """
+    first, _, third = net.backend_ips
+    web = web_service()
+    web_eps = web_slice("web-1", "web", [slice_endpoint(first)])
+    dns_svc, dns_eps = dns(net)  # its endpoint is the first backend address
+    trap_ports = [
+        {"name": "http", "port": WEB_PORT, "protocol": "TCP", "targetPort": WEB_PORT},
+        {"name": "dns", "port": 53, "protocol": "UDP", "targetPort": 53},
+    ]
+    trap = service("trap", cluster_ip=first, ports=trap_ports)
+    slice_ports = [
+        {"name": p["name"], "port": p["port"], "protocol": p["protocol"]} for p in trap_ports
+    ]
+    trap_eps = endpoint_slice(
+        "trap-1", "trap", endpoints=[slice_endpoint(third)], ports=slice_ports
+    )
+    return [web, web_eps, dns_svc, dns_eps, trap, trap_eps]
+
+
+@pytest.mark.parametrize(
+    ("rules", "extra"),
+    [
+        pytest.param("auto", [], id="restore-nft"),
+        pytest.param("auto", ["--iptables-mode", "legacy"], id="restore-legacy"),
+        pytest.param("iptables", [], id="python-iptables"),
+        pytest.param("nftables", [], id="nftables"),
+    ],
+)
+@pytest.mark.parametrize("dial_mark", ["0x1000", "0"], ids=["marked", "unmarked"])
+def test_own_dials_never_walk_the_portals(
+    net: Cluster,
+    services: ServicesFile,
+    start_proc: StartProc,
+    start_uproxy: StartUproxy,
+    tmp_path: Path,
+    rules: str,
+    extra: list[str],
+    dial_mark: str,
+) -> None:
+    topo = net.topo
+    first, _, third = net.backend_ips
+    start_proc(topo.backend, backend_argv(net), ready_line=True)
+    start_proc(topo.backend, dnsmasq_argv(first))
+    start_proc(topo.backend, dnsmasq_argv(third, answer=TRAP_ANSWER))
+    for ip, answer in ((first, DNS_ANSWER), (third, TRAP_ANSWER)):
+        wait_until_ok(
+            lambda ip=ip, answer=answer: dig(topo, topo.backend, ip, DNS_NAME) == answer,
+            message=f"dnsmasq on {ip}",
+        )
+    services.put(*trapped(net))
+    services.write()
+    proxy = start_uproxy(rules, extra=[*extra, "--dial-mark", dial_mark])
+    proxy.wait_synced()
+
+    # The trap works: the node's own connections to web-1's address end up at web-3.
+    own = curl(topo, topo.node, f"http://{first}:{WEB_PORT}/", body=b"own", tmp=tmp_path, count=2)
+    assert {a.name for a in own} == {"web-3"}
+    assert dig(topo, topo.node, first, DNS_NAME) == TRAP_ANSWER
+    # uproxy's dials to web-1 (TCP) and to the DNS server (a UDP flow socket) from a pod's
+    # request: with the mark they return before any portal and reach their endpoint; without
+    # it they walk the host portals and fall into the trap.
+    if dial_mark == "0":
+        expected_name, expected_answer = "web-3", TRAP_ANSWER
+    else:
+        expected_name, expected_answer = "web-1", DNS_ANSWER
+    proxied = curl(topo, topo.pod, f"http://{WEB_IP}/", body=b"dial", tmp=tmp_path, count=3)
+    assert {a.name for a in proxied} == {expected_name}
+    assert dig(topo, topo.pod, DNS_IP, DNS_NAME) == expected_answer

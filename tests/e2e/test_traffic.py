@@ -1,4 +1,4 @@
-"""Issue 4: service traffic from a pod, the node and outside reaches the backends (both backends).
+"""Issue 4: service traffic from a pod, the node and outside reaches the backends (every backend).
 
 uproxy runs as a real process in the node namespace and follows a services file; real clients
 (curl, dig) send real bytes, and every HTTP answer carries the length and sha256 of the body
@@ -18,17 +18,22 @@ from tests.e2e.manifests import (
     DNS_ANSWER,
     DNS_IP,
     DNS_NAME,
+    DNS_NODE_PORT,
     EXTERNAL_IP,
     LB_IP,
     WEB_IP,
     WEB_NODE_PORT,
     backend_argv,
-    dns,
     dnsmasq_argv,
+    lb_dns,
     lb_web,
 )
 
-RULES = [pytest.param("auto", id="restore"), pytest.param("iptables", id="python-iptables")]
+RULES = [
+    pytest.param("auto", id="restore"),
+    pytest.param("iptables", id="python-iptables"),
+    pytest.param("nftables", id="nftables"),
+]
 
 pytestmark = [pytest.mark.root]
 
@@ -49,7 +54,7 @@ def test_pod_node_and_outside_reach_backends(
         lambda: dig(topo, topo.backend, topo.backend_ip, DNS_NAME) == DNS_ANSWER,
         message="dnsmasq answering",
     )
-    services.put(*lb_web(net), *dns(net))
+    services.put(*lb_web(net), *lb_dns(net))
     services.write()
     proxy = start_uproxy(rules)
     proxy.wait_synced()
@@ -79,3 +84,20 @@ def test_pod_node_and_outside_reach_backends(
     # UDP through the ClusterIP, from a pod and from the node.
     assert dig(topo, topo.pod, DNS_IP, DNS_NAME) == DNS_ANSWER
     assert dig(topo, topo.node, DNS_IP, DNS_NAME) == DNS_ANSWER
+    # Every other path, over TCP and UDP. Not the node to the externalIP: it is not a local
+    # address, so the node routes it out, and it would come back with the node's own source.
+    paths = [
+        (topo.pod, topo.node_ip, WEB_NODE_PORT, DNS_NODE_PORT),
+        (topo.pod, EXTERNAL_IP, 80, 53),
+        (topo.pod, LB_IP, 80, 53),
+        (topo.node, topo.node_ip, WEB_NODE_PORT, DNS_NODE_PORT),
+        (topo.node, LB_IP, 80, 53),
+        (topo.outside, topo.node_ip, WEB_NODE_PORT, DNS_NODE_PORT),
+        (topo.outside, EXTERNAL_IP, 80, 53),
+        (topo.outside, LB_IP, 80, 53),
+    ]
+    for ns, ip, tcp_port, udp_port in paths:
+        where = f"{ns.rsplit('-', 1)[-1]} -> {ip}"
+        answers = curl(topo, ns, f"http://{ip}:{tcp_port}/", body=b"path", tmp=tmp_path, count=2)
+        assert {a.name for a in answers} == {"web-1", "web-2"}, where
+        assert dig(topo, ns, ip, DNS_NAME, port=udp_port) == DNS_ANSWER, where

@@ -41,11 +41,46 @@ def portal_from_json(d: dict[str, Any]) -> Portal:
     )
 
 
+def many_portals(count: int) -> list[Portal]:
+    """``count`` ClusterIP portals (10.97.0.0/16), for tests at scale without a huge script."""
+    return [
+        Portal(
+            ServicePortName("scale", f"svc-{i}", "http", Protocol.TCP),
+            PortalKind.CLUSTER_IP,
+            f"10.97.{i // 250}.{i % 250 + 1}",
+            80,
+            20000 + i,
+        )
+        for i in range(count)
+    ]
+
+
+class SpawnCounter:
+    """Counts every process the rules code starts (all of it goes through ``command.run``)."""
+
+    def __init__(self) -> None:
+        self.argvs: list[list[str]] = []
+        self._run = command.run
+
+    async def run(self, argv: Any, **kwargs: Any) -> command.Completed:
+        self.argvs.append(list(argv))
+        return await self._run(argv, **kwargs)
+
+
+SPAWNS = SpawnCounter()
+command.run = SPAWNS.run
+
+
 async def _op(backend: RulesBackend, op: dict[str, Any]) -> Any:
     kind = op["op"]
     if kind == "sync":
-        await backend.sync([portal_from_json(p) for p in op["portals"]])
+        portals = [portal_from_json(p) for p in op["portals"]]
+        await backend.sync(portals + many_portals(op.get("many", 0)))
         return None
+    if kind == "spawns":
+        return [argv[0] for argv in SPAWNS.argvs]
+    if kind == "attr":
+        return getattr(backend, op["name"])
     if kind == "check":
         return await backend.check()
     if kind == "verify":
@@ -65,14 +100,19 @@ async def _op(backend: RulesBackend, op: dict[str, Any]) -> Any:
         await conntrack.clear_udp_node_port(op["port"])
         return None
     if kind == "shell":
-        return (await command.run(op["argv"], stdin=op.get("stdin"))).stdout
+        return (await SPAWNS._run(op["argv"], stdin=op.get("stdin"))).stdout
     raise ValueError(f"unknown op {kind}")
 
 
 async def main() -> int:
     script = json.load(sys.stdin)
     spec = script["backend"]
-    backend = make_backend(spec["name"], host_ip=spec["host_ip"], iptables_mode=spec["mode"])
+    backend = make_backend(
+        spec["name"],
+        host_ip=spec["host_ip"],
+        iptables_mode=spec["mode"],
+        dial_mark=spec.get("dial_mark", 0),
+    )
     results: list[Any] = []
     try:
         for op in script["ops"]:

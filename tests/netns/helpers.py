@@ -20,6 +20,10 @@ BACKENDS = [
     pytest.param("iptables", "legacy", id="python-iptables"),
 ]
 
+NFTABLES = pytest.param("nftables", "nft", id="nftables")
+# Every kernel backend: the iptables ones and uproxy's own nft table.
+ALL_BACKENDS = [*BACKENDS, NFTABLES]
+
 # Someone else's rules, present before uproxy starts: they must survive every operation.
 FOREIGN = """\
 *filter
@@ -40,11 +44,22 @@ def sync_op(portals: Collection[Portal]) -> dict[str, Any]:
     return {"op": "sync", "portals": [portal_to_json(p) for p in sorted(portals)]}
 
 
+# The mark uproxy puts on its own dials by default (--dial-mark): the host chains return on it.
+DIAL_MARK = 0x1000
+
+
 def run_ops(
-    topo: Topology, backend: str, mode: str, ops: list[dict[str, Any]], *, ns: str | None = None
+    topo: Topology,
+    backend: str,
+    mode: str,
+    ops: list[dict[str, Any]],
+    *,
+    ns: str | None = None,
+    dial_mark: int = DIAL_MARK,
 ) -> list[Any]:
     """Run ``ops`` with one backend instance inside the node; fail on any error."""
-    script = {"backend": {"name": backend, "mode": mode, "host_ip": topo.node_ip}, "ops": ops}
+    spec = {"name": backend, "mode": mode, "host_ip": topo.node_ip, "dial_mark": dial_mark}
+    script = {"backend": spec, "ops": ops}
     done = subprocess.run(
         topo.python_argv(ns or topo.node, "tests.netns.driver"),
         input=json.dumps(script),
@@ -67,3 +82,32 @@ def save(topo: Topology, mode: str) -> str:
 
 def install_foreign(topo: Topology, mode: str) -> None:
     topo.run(topo.node, f"iptables-{mode}-restore", "--noflush", stdin=FOREIGN)
+
+
+def nft_normalised(listing: str) -> str:
+    """``nft list`` output without layout: stripped lines, no blank ones, and each
+    ``elements = { ... }`` block on one line in sorted order (nft lists a hash in its own
+    order), so two listings compare as text."""
+    out: list[str] = []
+    pending: list[str] | None = None
+    for raw in listing.splitlines():
+        line = raw.strip()
+        if not line:
+            continue
+        if pending is None and line.startswith("elements = {"):
+            pending = [line[len("elements = {") :]]
+        elif pending is not None:
+            pending.append(line)
+        else:
+            out.append(line)
+            continue
+        if pending[-1].endswith("}"):
+            body = " ".join(pending)[:-1]
+            members = sorted(m.strip() for m in body.split(",") if m.strip())
+            out.append("elements = { " + ", ".join(members) + " }")
+            pending = None
+    return "\n".join(out) + "\n"
+
+
+def nft(topo: Topology, *args: str) -> str:
+    return topo.run(topo.node, "nft", *args)

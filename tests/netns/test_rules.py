@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
-from tests.netns.helpers import BACKENDS, install_foreign, run_ops, save, sync_op
+from tests.netns.helpers import BACKENDS, DIAL_MARK, install_foreign, run_ops, save, sync_op
 from tests.netns.topology import Topology
 from uproxy.model import Protocol, ServicePortName
 from uproxy.rules.base import Portal, PortalKind
@@ -27,7 +29,7 @@ pytestmark = [pytest.mark.root, pytest.mark.parametrize(("backend", "mode"), BAC
 
 def assert_installed(before: str, after: str, portals: list[Portal], node_ip: str) -> None:
     """``after`` is ``before`` plus exactly uproxy's chains, rules and jumps."""
-    ruleset = build_rules(portals, host_ip=node_ip)
+    ruleset = build_rules(portals, host_ip=node_ip, dial_mark=DIAL_MARK)
     old, new = parse_save(before), parse_save(after)
     for table in TABLES:
         expected = ruleset.save_lines(table)
@@ -91,7 +93,7 @@ def test_flushed_table_is_noticed_and_repaired(topo: Topology, backend: str, mod
     assert results[1] is True
     assert results[3] is False
     assert results[5:] == [True, True]
-    ruleset = build_rules(PORTALS, host_ip=topo.node_ip)
+    ruleset = build_rules(PORTALS, host_ip=topo.node_ip, dial_mark=DIAL_MARK)
     tables = parse_save(save(topo, mode))
     for table in (NAT, FILTER):
         for chain, lines in ruleset.save_lines(table).items():
@@ -140,4 +142,35 @@ def test_damaged_chain_is_found_and_rewritten(topo: Topology, backend: str, mode
     assert results[2] is False
     assert results[4] is True
     lines = parse_save(save(topo, mode))[NAT].chains["KUBE-PORTALS-HOST"]
-    assert len(lines) == 4
+    assert len(lines) == 5  # the dial-mark RETURN and four portals
+    assert lines[0].endswith("-j RETURN")
+
+
+def test_idle_checks_and_syncs_spawn_nothing(topo: Topology, backend: str, mode: str) -> None:
+    # The watch (nf_tables generation, legacy table shapes) keeps the periodic check and the
+    # syncer's periodic sync free while nobody changes anything.
+    many: dict[str, Any] = {"op": "sync", "portals": [], "many": 1000}
+    changed: dict[str, Any] = {"op": "sync", "portals": [], "many": 1001}
+    counter = "commits" if backend == "iptables" else "restores"
+    state: list[dict[str, Any]] = [{"op": "spawns"}, {"op": "attr", "name": counter}]
+    # 0-5: warm up (the first iptables-nft-restore may bump the generation twice: uproxy then
+    # looks once before it trusts its own mark).
+    script = [many, {"op": "check"}, many, {"op": "check"}, *state]
+    script += [{"op": "check"}, many] * 3 + state  # 6-13: idle
+    script += [changed, *state]  # 14-16: one more service
+    if mode == "nft":
+        foreign = ["nft", "add", "table", "inet", "somebody"]
+    else:
+        foreign = ["iptables-legacy", "-w", "-t", "nat", "-A", "POSTROUTING", "-j", "ACCEPT"]
+    script += [{"op": "shell", "argv": foreign}, {"op": "check"}, {"op": "check"}, *state]
+    results = run_ops(topo, backend, mode, script)
+    spawns, commits = results[4], results[5]
+    assert results[6:12:2] == [True] * 3
+    assert (results[12], results[13]) == (spawns, commits)  # idle: nothing at all
+    # A change is one commit, without reading the built-in chains first.
+    own = [] if backend == "iptables" else [f"iptables-{mode}-restore"]
+    assert (results[15], results[16]) == (spawns + own, commits + 1)
+    # Somebody else committed: the next check looks once, the one after is free again.
+    assert results[18:20] == [True, True]
+    look = ["iptables-legacy-save"] if backend == "iptables" else [f"iptables-{mode}"] * 3
+    assert (results[20], results[21]) == (spawns + own + look, commits + 1)

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from tests.netns.helpers import BACKENDS, run_ops, sync_op
+from tests.netns.helpers import ALL_BACKENDS, run_ops, sync_op
 from tests.netns.topology import Topology
 from uproxy.model import Protocol, ServicePortName
 from uproxy.rules.base import Portal, PortalKind
@@ -79,7 +79,7 @@ def send(topo: Topology, ns: str, host: str, port: int, seed: int) -> None:
 
 
 @pytest.mark.root
-@pytest.mark.parametrize(("backend", "mode"), BACKENDS)
+@pytest.mark.parametrize(("backend", "mode"), ALL_BACKENDS)
 def test_portals_carry_traffic_to_the_proxy_port(topo: Topology, backend: str, mode: str) -> None:
     run_ops(topo, backend, mode, [sync_op(PORTALS)])
     with echo_server(topo, count=3) as server:

@@ -8,7 +8,9 @@ import pytest
 
 from uproxy.model import Protocol, ServicePortName
 from uproxy.rules import (
+    BACKEND_NAMES,
     IptcBackend,
+    NftablesBackend,
     NoRules,
     Portal,
     PortalKind,
@@ -17,6 +19,7 @@ from uproxy.rules import (
     command,
     make_backend,
 )
+from uproxy.settings import RULES_BACKENDS
 
 
 def test_factory_names() -> None:
@@ -24,6 +27,8 @@ def test_factory_names() -> None:
     assert isinstance(make_backend("iptables-restore", host_ip="10.0.0.1"), RestoreBackend)
     assert isinstance(make_backend("iptables", host_ip="10.0.0.1"), IptcBackend)
     assert isinstance(make_backend("none", host_ip="10.0.0.1"), NoRules)
+    assert isinstance(make_backend("nftables", host_ip="10.0.0.1"), NftablesBackend)
+    assert BACKEND_NAMES == RULES_BACKENDS  # every --rules choice has a backend
     with pytest.raises(RulesError, match="unknown rules backend 'ipvs'"):
         make_backend("ipvs", host_ip="10.0.0.1")
     with pytest.raises(RulesError, match="unknown iptables mode"):

@@ -11,6 +11,7 @@ from uproxy.rules.portals import (
     FILTER,
     NAT,
     build_rules,
+    mark_match,
     quote,
     restore_payload,
 )
@@ -120,3 +121,24 @@ def test_ipv6_portal_renders_v6_forms() -> None:
 )
 def test_quote_matches_iptables_save(value: str, expected: str) -> None:
     assert quote(value) == expected
+
+
+def test_dial_mark_returns_first_in_both_host_chains() -> None:
+    ruleset = build_rules(PORTALS, host_ip=HOST_IP, dial_mark=0x1000)
+    nat = ruleset.save_lines(NAT)
+    mark = '-m mark --mark 0x1000/0x1000 -m comment --comment "uproxy dials to endpoints skip the portals" -j RETURN'
+    assert nat["KUBE-PORTALS-HOST"][0] == f"-A KUBE-PORTALS-HOST {mark}"
+    assert nat["KUBE-NODEPORT-HOST"][0] == f"-A KUBE-NODEPORT-HOST {mark}"
+    assert sum(mark in line for chain in nat.values() for line in chain) == 2
+    assert len(nat["KUBE-PORTALS-HOST"]) == 5 and len(nat["KUBE-NODEPORT-HOST"]) == 2
+    # Nothing else moves, and with no mark there is no such rule.
+    unmarked = build_rules(PORTALS, host_ip=HOST_IP).save_lines(NAT)
+    assert nat["KUBE-PORTALS-HOST"][1:] == unmarked["KUBE-PORTALS-HOST"]
+    assert "mark" not in restore_payload(build_rules(PORTALS, host_ip=HOST_IP), NAT)
+
+
+@pytest.mark.parametrize(
+    ("mark", "text"), [(0x4000, "0x4000/0x4000"), (0x3, "0x3/0x3"), (0xFFFFFFFF, "0xffffffff")]
+)
+def test_mark_match_is_canonical(mark: int, text: str) -> None:
+    assert mark_match(mark) == text

@@ -40,7 +40,7 @@ class RecordingWorker:
     def __init__(self) -> None:
         self.iptc = SimpleNamespace(IPTCError=FakeIPTCError)
 
-    def sync(self, ruleset: Any, *, full: bool) -> None:
+    def sync(self, ruleset: Any, *, full: bool, watch: Any = None) -> None:
         self.threads.append(threading.current_thread().name)
 
     def cleanup(self) -> bool:

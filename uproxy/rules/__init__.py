@@ -1,7 +1,8 @@
 """Rules backends: how traffic to service addresses is steered into uproxy's proxy ports.
 
 ``make_backend`` maps the ``--rules`` flag to a backend; ``cleanup_all`` is ``uproxy
---cleanup``: it removes whatever any backend ever installed, in either iptables variant.
+--cleanup``: it removes whatever any backend ever installed, uproxy's nft tables and its
+chains in either iptables variant, and nothing else.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import logging
 
 from uproxy.rules.base import Portal, PortalKind, RulesBackend, RulesError
+from uproxy.rules.nftables import NftablesBackend, cleanup_tables
 from uproxy.rules.none import NoRules
 from uproxy.rules.portals import ANY_IPV4
 from uproxy.rules.pyiptables import IptcBackend
@@ -17,6 +19,7 @@ from uproxy.rules.restore import MODES, RestoreBackend, cleanup_mode
 __all__ = [
     "BACKEND_NAMES",
     "IptcBackend",
+    "NftablesBackend",
     "NoRules",
     "Portal",
     "PortalKind",
@@ -29,31 +32,47 @@ __all__ = [
 
 log = logging.getLogger("uproxy.rules")
 
-BACKEND_NAMES = ("auto", "iptables-restore", "iptables", "none")
+BACKEND_NAMES = ("auto", "iptables-restore", "nftables", "iptables", "none")
 
 
 def make_backend(
-    name: str, *, host_ip: str, iptables_mode: str = "auto", listen_ip: str = ANY_IPV4
+    name: str,
+    *,
+    host_ip: str,
+    iptables_mode: str = "auto",
+    listen_ip: str = ANY_IPV4,
+    dial_mark: int = 0,
 ) -> RulesBackend:
-    """The backend for ``--rules NAME``; RulesError naming the choices for an unknown one."""
+    """The backend for ``--rules NAME``; RulesError naming the choices for an unknown one.
+
+    ``dial_mark`` is the packet mark on uproxy's own dials (``--dial-mark``): the host portal
+    chains return on it first thing. 0: no such rule.
+    """
     if name in ("auto", "iptables-restore"):
-        return RestoreBackend(host_ip=host_ip, mode=iptables_mode, listen_ip=listen_ip)
+        return RestoreBackend(
+            host_ip=host_ip, mode=iptables_mode, listen_ip=listen_ip, dial_mark=dial_mark
+        )
+    if name == "nftables":
+        return NftablesBackend(host_ip=host_ip, listen_ip=listen_ip, dial_mark=dial_mark)
     if name == "iptables":
-        return IptcBackend(host_ip=host_ip, mode=iptables_mode, listen_ip=listen_ip)
+        return IptcBackend(
+            host_ip=host_ip, mode=iptables_mode, listen_ip=listen_ip, dial_mark=dial_mark
+        )
     if name == "none":
         return NoRules()
     raise RulesError(f"unknown rules backend {name!r}: use one of {', '.join(BACKEND_NAMES)}")
 
 
 async def cleanup_all() -> bool:
-    """Remove every uproxy jump, rule and chain from nft and legacy tables.
+    """Remove uproxy's nft tables and every uproxy jump, rule and chain from nft and legacy
+    iptables.
 
     The python-iptables backend writes the legacy tables, so the legacy pass removes its rules
     too. Returns whether anything was removed; succeeds when nothing is installed.
     """
-    removed = False
+    removed = await cleanup_tables()
     for mode in MODES:
         removed = await cleanup_mode(mode) or removed
     if not removed:
-        log.info("No iptables rules to remove")
+        log.info("No rules to remove")
     return removed

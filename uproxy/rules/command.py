@@ -1,4 +1,4 @@
-"""Running iptables/conntrack binaries from the event loop, with errors a user can act on.
+"""Running iptables/nft/conntrack binaries from the event loop, with errors a user can act on.
 
 Everything the kernel backends execute goes through ``run``: an asyncio subprocess (the loop
 never blocks on a fork or on the xtables lock), a bounded wait, and one translation of the
@@ -22,6 +22,7 @@ _FIX = (
     "run as root or with CAP_NET_ADMIN (and CAP_NET_RAW for legacy iptables), or use --rules none"
 )
 _PERMISSION_MARKERS = ("Permission denied", "must be root", "Operation not permitted")
+_PACKAGES = {"nft": "nftables", "conntrack": "conntrack"}  # else: iptables
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,8 +64,9 @@ async def run(
             stderr=asyncio.subprocess.PIPE,
         )
     except FileNotFoundError:
+        package = _PACKAGES.get(program, "iptables")
         raise RulesError(
-            f"{program} not found: install the iptables/conntrack tools, or use --rules none"
+            f"{program} not found: install the {package} package, or use --rules none"
         ) from None
     except PermissionError:
         raise permission_error(program) from None

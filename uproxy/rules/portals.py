@@ -20,6 +20,12 @@ externalIPs get kube-proxy's three rules: from containers when the packet did no
 bridge port (``physdev ! --physdev-is-in``), from containers when the address is local, and
 from the host when the address is local.
 
+uproxy's own connections to endpoints carry a packet mark (``--dial-mark``). With a mark, the
+first rule of both host chains RETURNs on it: a dial is itself a new connection from the node,
+and without that rule every proxied connection would walk the host portal chain a second time
+(with 10,000 services that more than doubled the proxy's system time per connection), and a
+dial to an address that happens to be a portal would be sent back into uproxy.
+
 Rules render in the exact canonical form ``iptables-save`` prints, so "installed == expected"
 is a plain text comparison.
 """
@@ -53,6 +59,8 @@ ALL_CHAINS: frozenset[str] = frozenset(c for chains in CHAINS.values() for c in 
 _PORTALS_COMMENT = "handle ClusterIPs; NOTE: this must be before the NodePort rules"
 _NODEPORTS_COMMENT = "handle service NodePorts; NOTE: this must be the last rule in the chain"
 _NON_LOCAL_COMMENT = "Ensure that non-local NodePort traffic can flow"
+# No apostrophe: iptables-save would print it escaped, and the text is compared verbatim.
+DIAL_MARK_COMMENT = "uproxy dials to endpoints skip the portals"
 
 ANY_IPV4 = "0.0.0.0"
 
@@ -99,10 +107,11 @@ class PortalRule:
     table: str
     chain: str
     comment: str  # str(ServicePortName)
-    protocol: str  # "tcp" | "udp"
-    dport: int
-    target: str  # "REDIRECT" | "DNAT" | "ACCEPT"
+    protocol: str | None  # "tcp" | "udp"; None only for the dial-mark RETURN
+    dport: int | None
+    target: str  # "REDIRECT" | "DNAT" | "ACCEPT" | "RETURN"
     dst: str | None = None  # CIDR, e.g. "10.96.0.10/32"
+    mark: int | None = None  # -m mark --mark MARK/MARK
     not_physdev_in: bool = False
     dst_local: bool = False
     state_new: bool = False
@@ -114,9 +123,13 @@ class PortalRule:
         parts: list[str] = []
         if self.dst is not None:
             parts.append(f"-d {self.dst}")
-        parts.append(f"-p {self.protocol}")
+        if self.protocol is not None:
+            parts.append(f"-p {self.protocol}")
+        if self.mark is not None:
+            parts.append(f"-m mark --mark {mark_match(self.mark)}")
         parts.append(f"-m comment --comment {quote(self.comment)}")
-        parts.append(f"-m {self.protocol} --dport {self.dport}")
+        if self.protocol is not None and self.dport is not None:
+            parts.append(f"-m {self.protocol} --dport {self.dport}")
         if self.not_physdev_in:
             parts.append("-m physdev ! --physdev-is-in")
         if self.dst_local:
@@ -132,6 +145,22 @@ class PortalRule:
 
     def save_line(self) -> str:
         return f"-A {self.chain} {self.spec()}"
+
+
+def mark_match(mark: int) -> str:
+    """``--mark`` argument matching every packet whose mark has all of ``mark``'s bits set,
+    as iptables-save prints it (a full mask is left out)."""
+    return f"{mark:#x}" if mark == 0xFFFFFFFF else f"{mark:#x}/{mark:#x}"
+
+
+def dial_mark_rules(mark: int) -> tuple[PortalRule, ...]:
+    """The first rule of each host chain: uproxy's own dials leave at once (none for 0)."""
+    if not mark:
+        return ()
+    return tuple(
+        PortalRule(NAT, chain, DIAL_MARK_COMMENT, None, None, "RETURN", mark=mark)
+        for chain in (HOST_PORTALS, HOST_NODEPORTS)
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,6 +229,12 @@ def _join_host_port(ip: str, port: int) -> str:
 
 def _is_any(ip: str) -> bool:
     return ipaddress.ip_address(ip).is_unspecified
+
+
+def check_host_ip(host_ip: str) -> None:
+    """ValueError unless ``host_ip`` can be a DNAT target for the node's own traffic."""
+    if _is_any(host_ip) or ipaddress.ip_address(host_ip).is_loopback:
+        raise ValueError(f"host_ip must be a routable node address, not {host_ip}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,7 +308,7 @@ def _rules_for(portal: Portal, targets: _Targets) -> Iterable[PortalRule]:
     yield _rule(HOST_PORTALS, portal, portal.port, from_host)
 
 
-def _portal_key(p: Portal) -> tuple[str, str, str, str, str, str, int, int]:
+def portal_key(p: Portal) -> tuple[str, str, str, str, str, str, int, int]:
     # Same order as Portal's own ordering, but on plain tuples: 5x faster at 10,000 portals.
     s = p.service
     return (s.namespace, s.name, s.port_name, s.protocol, p.kind, p.ip or "", p.port, p.proxy_port)
@@ -286,20 +321,30 @@ class RuleBuilder:
     ~0.4 s of Python, looking them up ~20 ms. The memory is pruned to the current portals.
     """
 
-    def __init__(self, *, host_ip: str, listen_ip: str = ANY_IPV4) -> None:
-        if _is_any(host_ip) or ipaddress.ip_address(host_ip).is_loopback:
-            raise ValueError(f"host_ip must be a routable node address, not {host_ip}")
+    def __init__(self, *, host_ip: str, listen_ip: str = ANY_IPV4, dial_mark: int = 0) -> None:
+        check_host_ip(host_ip)
         redirect = _is_any(listen_ip)
         self._targets = _Targets(redirect, listen_ip, host_ip if redirect else listen_ip)
+        self._mark_rules = dial_mark_rules(dial_mark)
         self._by_portal: dict[Portal, tuple[PortalRule, ...]] = {}
+        self._last: tuple[frozenset[Portal], RuleSet] | None = None
         self.lines: dict[PortalRule, str] = {}
 
     def build(self, portals: Collection[Portal]) -> RuleSet:
-        """The exact rule set for ``portals`` (sorted, duplicates dropped)."""
+        """The exact rule set for ``portals`` (sorted, duplicates dropped); the very same
+        object again for the same portals (the syncer's periodic sync), at no cost."""
+        given = frozenset(portals)  # the syncer's frozenset itself: no copy
+        if self._last is not None and self._last[0] == given:
+            return self._last[1]
+        ruleset = self._build(given)
+        self._last = (given, ruleset)
+        return ruleset
+
+    def _build(self, portals: frozenset[Portal]) -> RuleSet:
         by_portal: dict[Portal, tuple[PortalRule, ...]] = {}
-        seen: set[PortalRule] = set()
-        ordered: list[PortalRule] = []
-        for portal in sorted(set(portals), key=_portal_key):
+        seen: set[PortalRule] = set(self._mark_rules)
+        ordered: list[PortalRule] = list(self._mark_rules)  # first in their chains
+        for portal in sorted(portals, key=portal_key):
             rules = self._by_portal.get(portal)
             if rules is None:
                 if portal.kind is not PortalKind.NODE_PORT and portal.ip is None:
@@ -322,13 +367,16 @@ class RuleBuilder:
 _CHAIN_ORDER = {c: i for i, c in enumerate(c for t in TABLES for c in CHAINS[t])}
 
 
-def build_rules(portals: Collection[Portal], *, host_ip: str, listen_ip: str = ANY_IPV4) -> RuleSet:
+def build_rules(
+    portals: Collection[Portal], *, host_ip: str, listen_ip: str = ANY_IPV4, dial_mark: int = 0
+) -> RuleSet:
     """Turn the desired portals into the exact rule set (sorted, duplicates dropped).
 
     ``host_ip`` is the node address host-originated traffic is DNATed to; ``listen_ip`` is
-    where the proxy sockets are bound (any address: REDIRECT from containers).
+    where the proxy sockets are bound (any address: REDIRECT from containers); ``dial_mark``
+    is the mark on uproxy's own dials (0: no RETURN rule).
     """
-    return RuleBuilder(host_ip=host_ip, listen_ip=listen_ip).build(portals)
+    return RuleBuilder(host_ip=host_ip, listen_ip=listen_ip, dial_mark=dial_mark).build(portals)
 
 
 def restore_payload(

@@ -9,6 +9,13 @@ sync also repairs a flushed table.
 
 nft or legacy: chosen the way kube-proxy's image does it (iptables-wrappers' DetectMode), so
 uproxy writes to the same variant as the kubelet; ``mode`` overrides it.
+
+Reading rules costs processes, so a change detector (``watch``: the nf_tables generation, or
+the shape of the legacy tables) decides when to read: ``check`` reads the three built-in
+chains only when somebody committed something since uproxy last looked, a sync skips that
+read when nothing changed since uproxy's own last commit, and a sync of the very rules that
+commit installed, with nothing changed since, does nothing at all. At least once an hour a
+sync reads and rewrites regardless, for what the watch cannot see.
 """
 
 from __future__ import annotations
@@ -16,12 +23,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
-from collections.abc import Collection
+import time
+from collections.abc import Callable, Collection
 
 from uproxy.rules import command
 from uproxy.rules.base import Portal, RulesError
-from uproxy.rules.portals import ANY_IPV4, JUMPS, TABLES, RuleBuilder, RuleSet, restore_payload
+from uproxy.rules.portals import (
+    ANY_IPV4,
+    JUMPS,
+    TABLES,
+    JumpRule,
+    RuleBuilder,
+    RuleSet,
+    restore_payload,
+)
 from uproxy.rules.saved import SavedTable, cleanup_payload, matches, missing_jumps, parse_save
+from uproxy.rules.watch import FULL_SYNC_PERIOD_S, Token, Watch, watch_for
 
 log = logging.getLogger("uproxy.rules.restore")
 
@@ -93,11 +110,20 @@ class RestoreBackend:
 
     name = "iptables-restore"
 
-    def __init__(self, *, host_ip: str, mode: str = "auto", listen_ip: str = ANY_IPV4) -> None:
+    def __init__(
+        self,
+        *,
+        host_ip: str,
+        mode: str = "auto",
+        listen_ip: str = ANY_IPV4,
+        dial_mark: int = 0,
+        watch_factory: Callable[[str], Watch] = watch_for,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if mode not in ("auto", *MODES):
             raise RulesError(f"unknown iptables mode {mode!r}: use auto, nft or legacy")
         try:
-            self._builder = RuleBuilder(host_ip=host_ip, listen_ip=listen_ip)
+            self._builder = RuleBuilder(host_ip=host_ip, listen_ip=listen_ip, dial_mark=dial_mark)
         except ValueError as exc:
             raise RulesError(str(exc)) from None
         self.host_ip = host_ip
@@ -106,6 +132,13 @@ class RestoreBackend:
         self._mode: str | None = None if mode == "auto" else mode
         self._lock = asyncio.Lock()
         self._installed: RuleSet | None = None
+        self._watch_factory = watch_factory
+        self._watch: Watch | None = None
+        self._committed: Token | None = None  # the watch's token right after our last restore
+        self._clock = clock
+        self._last_full = float("-inf")
+        self.restores = 0
+        self.reads = 0  # reads of the built-in chains (each is three processes)
 
     async def mode(self) -> str:
         """The variant in use (detected once, on first use)."""
@@ -114,6 +147,15 @@ class RestoreBackend:
             log.info("Using iptables mode", extra={"kv": {"mode": self._mode}})
         return self._mode
 
+    async def _read_jumps(self, mode: str) -> dict[str, SavedTable]:
+        self.reads += 1
+        return await builtin_rules(mode)
+
+    def watch(self, mode: str) -> Watch:
+        if self._watch is None:
+            self._watch = self._watch_factory(mode)
+        return self._watch
+
     async def sync(self, portals: Collection[Portal]) -> None:
         async with self._lock:
             try:
@@ -121,32 +163,67 @@ class RestoreBackend:
             except ValueError as exc:
                 raise RulesError(str(exc)) from None
             mode = await self.mode()
-            missing = missing_jumps(await builtin_rules(mode), ruleset)
-            payload = "".join(
-                restore_payload(ruleset, t, missing_jumps=missing, lines=self._builder.lines)
-                for t in TABLES
-            )
+            watch = self.watch(mode)
+            full = self._clock() - self._last_full >= FULL_SYNC_PERIOD_S
+            if not full and ruleset == self._installed and self._untouched(watch):
+                return  # exactly what our last restore left, and nobody committed since
+            if full or watch.changed():
+                before = watch.read()
+                missing = missing_jumps(await self._read_jumps(mode), ruleset)
+            else:  # the jumps are as our last commit or check left them
+                before, missing = watch.marked, []
+            await self._restore(mode, ruleset, missing, before)
+            if full:
+                self._last_full = self._clock()
+
+    def _untouched(self, watch: Watch) -> bool:
+        return self._committed is not None and watch.read() == self._committed
+
+    async def _restore(
+        self, mode: str, ruleset: RuleSet, missing: list[JumpRule], before: Token | None
+    ) -> None:
+        payload = "".join(
+            restore_payload(ruleset, t, missing_jumps=missing, lines=self._builder.lines)
+            for t in TABLES
+        )
+        watch = self.watch(mode)
+        self._committed = None  # unknown until the commit is through
+        try:
+            self.restores += 1
             await restore(mode, payload)
-            if missing:
-                log.info(
-                    "Installed jumps into uproxy chains",
-                    extra={"kv": {"mode": mode, "count": len(missing)}},
-                )
-            self._installed = ruleset
+        except RulesError:
+            watch.forget()
+            raise
+        self._committed = watch.mark_after_commit(before, commits=1)
+        self._installed = ruleset
+        if missing:
+            log.info(
+                "Installed jumps into uproxy chains",
+                extra={"kv": {"mode": mode, "count": len(missing)}},
+            )
 
     async def check(self) -> bool:
         """Whether the jumps into uproxy's chains are all in place.
 
-        Cheap at any size (three short built-in chains are read), and it notices what
-        actually happens to nodes: a flushed table, a firewall reload, deleted chains (a chain
-        cannot be deleted while a jump refers to it). A rule deleted by hand from inside
-        uproxy's chains is not looked for: every sync rewrites those chains whole, so the
-        periodic sync repairs it. ``verify`` compares everything.
+        Free unless somebody committed a change since uproxy last looked (see ``watch``);
+        then three short built-in chains are read. That notices what actually happens to
+        nodes: a flushed table, a firewall reload, deleted chains (a chain cannot be deleted
+        while a jump refers to it). A rule deleted by hand from inside uproxy's chains is not
+        looked for: the watch saw a change, so the next sync rewrites those chains whole.
+        ``verify`` compares everything.
         """
         async with self._lock:
             if self._installed is None:
                 return True
-            return not missing_jumps(await builtin_rules(await self.mode()), self._installed)
+            mode = await self.mode()
+            watch = self.watch(mode)
+            if not watch.changed():
+                return True
+            token = watch.read()
+            ok = not missing_jumps(await self._read_jumps(mode), self._installed)
+            if ok:
+                watch.mark(token)
+            return ok
 
     async def verify(self) -> bool:
         """Full comparison of the installed chains with the last sync (reads every table)."""
@@ -160,6 +237,9 @@ class RestoreBackend:
             for mode in MODES:
                 await cleanup_mode(mode)
             self._installed = None
+            self._committed = None
+            if self._watch is not None:
+                self._watch.forget()
 
     async def close(self) -> None:
         return None

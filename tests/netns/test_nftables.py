@@ -1,0 +1,267 @@
+"""The nftables backend in a real namespace: the exact table, incremental transactions seen by
+``nft monitor``, repair after a deleted or flushed table, cleanup, and idle checks at scale."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+from tests.conftest import wait_for_sync
+from tests.netns.helpers import install_foreign, nft, nft_normalised, run_ops, sync_op
+from tests.netns.test_rules import DNS, PORTALS, WEB
+from tests.netns.topology import Topology
+from uproxy.rules.base import Portal, PortalKind
+
+pytestmark = [pytest.mark.root]
+
+# Someone else's nft table: it must survive everything uproxy does.
+FOREIGN_NFT = """\
+table inet other {
+	set allowed { type inet_service; elements = { 22, 443 } }
+	chain input {
+		type filter hook input priority 10; policy accept;
+		tcp dport @allowed accept
+	}
+}
+"""
+
+EXPECTED = """\
+table ip uproxy {
+map cluster-ips {
+type ipv4_addr . inet_proto . inet_service : inet_service
+elements = { 10.96.0.10 . tcp . 80 comment "default/web:http" : 40001, 10.96.0.53 . udp . 53 comment "kube-system/dns:dns" : 40003, 198.51.100.9 . tcp . 80 comment "default/web:http" : 40002 }
+}
+map external-ips {
+type ipv4_addr . inet_proto . inet_service : inet_service
+elements = { 203.0.113.5 . tcp . 80 comment "default/web:http" : 40002 }
+}
+map node-ports {
+type inet_proto . inet_service : inet_service
+elements = { tcp . 30080 comment "default/web:http" : 40002, udp . 30053 comment "kube-system/dns:dns" : 40003 }
+}
+set node-port-proxy-ports {
+type inet_proto . inet_service
+elements = { tcp . 40002 comment "default/web:http", udp . 40003 comment "kube-system/dns:dns" }
+}
+chain portals-container {
+type nat hook prerouting priority dstnat - 1; policy accept;
+meta l4proto { tcp, udp } redirect to :ip daddr . meta l4proto . th dport map @cluster-ips
+meta iifkind != "bridge" meta l4proto { tcp, udp } redirect to :ip daddr . meta l4proto . th dport map @external-ips
+fib daddr type local meta l4proto { tcp, udp } redirect to :ip daddr . meta l4proto . th dport map @external-ips
+}
+chain portals-host {
+type nat hook output priority -101; policy accept;
+meta mark & 0x00001000 == 0x00001000 return comment "uproxy dials to endpoints skip the portals"
+meta l4proto { tcp, udp } dnat to 10.200.3.1:ip daddr . meta l4proto . th dport map @cluster-ips
+fib daddr type local meta l4proto { tcp, udp } dnat to 10.200.3.1:ip daddr . meta l4proto . th dport map @external-ips
+}
+chain node-ports-container {
+type nat hook prerouting priority dstnat + 1; policy accept;
+fib daddr type local meta l4proto { tcp, udp } redirect to :meta l4proto . th dport map @node-ports
+}
+chain node-ports-host {
+type nat hook output priority -99; policy accept;
+meta mark & 0x00001000 == 0x00001000 return comment "uproxy dials to endpoints skip the portals"
+fib daddr type local meta l4proto { tcp, udp } dnat to 10.200.3.1:meta l4proto . th dport map @node-ports
+}
+chain node-ports-filter {
+type filter hook input priority filter; policy accept;
+ct state new meta l4proto . th dport @node-port-proxy-ports accept
+}
+}
+"""
+
+
+def ops(topo: Topology, script: list[dict[str, Any]]) -> list[Any]:
+    return run_ops(topo, "nftables", "nft", script)
+
+
+def listing(topo: Topology) -> str:
+    return nft_normalised(nft(topo, "list", "table", "ip", "uproxy"))
+
+
+def install_foreign_nft(topo: Topology) -> None:
+    topo.run(topo.node, "nft", "-f", "-", stdin=FOREIGN_NFT)
+    install_foreign(topo, "nft")  # and iptables-nft rules: nat and filter tables of their own
+
+
+def test_sync_installs_exactly_the_table(topo: Topology) -> None:
+    install_foreign_nft(topo)
+    others = nft(topo, "list", "table", "inet", "other")
+    nat = nft(topo, "list", "table", "ip", "nat")
+    results = ops(topo, [sync_op(PORTALS), sync_op(PORTALS), {"op": "check"}, {"op": "verify"}])
+    assert results[-2:] == [True, True]
+    assert listing(topo) == EXPECTED
+    assert nft(topo, "list", "table", "inet", "other") == others
+    assert nft(topo, "list", "table", "ip", "nat") == nat
+    tables = nft(topo, "list", "tables").split("\n")
+    assert "table ip uproxy" in tables and "table ip6 uproxy" not in tables
+
+
+class Monitor:
+    """``nft monitor`` in the node: every committed change, as nft prints it."""
+
+    def __init__(self, topo: Topology) -> None:
+        self.topo = topo
+        self.proc = subprocess.Popen(
+            topo.exec_argv(topo.node, "nft", "monitor"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self._probes = 0
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def probe(self) -> None:
+        """Commit markers until the monitor prints one (it may not listen yet): bounded."""
+
+        def seen() -> bool:
+            self._probes += 1
+            name = f"probe{self._probes}"
+            self.topo.run(self.topo.node, "nft", f"add table ip {name}; delete table ip {name}")
+            return f"add table ip {name}" in self.lines
+
+        wait_for_sync(seen, timeout=10, interval=0.05, message="nft monitor output")
+
+    def transactions(self) -> list[list[str]]:
+        """uproxy's committed transactions: its lines, split at the generation markers."""
+        out: list[list[str]] = []
+        current: list[str] = []
+        for line in self.lines:
+            if line.startswith("# new generation"):
+                if current:
+                    out.append(current)
+                current = []
+            elif " ip uproxy " in line or line.endswith(" ip uproxy"):
+                current.append(line)
+        if current:
+            out.append(current)
+        return out
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+        self._reader.join(timeout=5)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+@contextmanager
+def monitor(topo: Topology) -> Iterator[Monitor]:
+    mon = Monitor(topo)
+    try:
+        mon.probe()
+        yield mon
+        mon.probe()  # everything before it has been printed
+    finally:
+        mon.stop()
+
+
+def test_updates_touch_only_the_changed_elements(topo: Topology) -> None:
+    moved = Portal(DNS, PortalKind.CLUSTER_IP, "10.96.0.53", 53, 40007)
+    added = Portal(WEB, PortalKind.CLUSTER_IP, "10.96.0.11", 8080, 40001)
+    changed = [p for p in PORTALS if p.kind is not PortalKind.NODE_PORT and p.service == WEB]
+    changed += [moved, added]
+    script = [sync_op(PORTALS), sync_op(changed), sync_op(changed), {"op": "verify"}]
+    script.append({"op": "spawns"})
+    with monitor(topo) as mon:
+        results = ops(topo, script)
+    assert results[3] is True
+    assert results[4] == ["nft", "nft", "nft"]  # full load, one update, verify; not the no-op
+    full, update = mon.transactions()  # and nothing for the third sync
+    assert full[:3] == ["add table ip uproxy", "delete table ip uproxy", "add table ip uproxy"]
+    assert sum(line.startswith("add element") for line in full) == 8
+    assert sorted(update) == sorted(
+        [
+            'delete element ip uproxy cluster-ips { 10.96.0.53 . udp . 53 comment "kube-system/dns:dns" : 40003 }',
+            'delete element ip uproxy node-ports { tcp . 30080 comment "default/web:http" : 40002 }',
+            'delete element ip uproxy node-ports { udp . 30053 comment "kube-system/dns:dns" : 40003 }',
+            'delete element ip uproxy node-port-proxy-ports { tcp . 40002 comment "default/web:http" }',
+            'delete element ip uproxy node-port-proxy-ports { udp . 40003 comment "kube-system/dns:dns" }',
+            'add element ip uproxy cluster-ips { 10.96.0.11 . tcp . 8080 comment "default/web:http" : 40001 }',
+            'add element ip uproxy cluster-ips { 10.96.0.53 . udp . 53 comment "kube-system/dns:dns" : 40007 }',
+        ]
+    )
+
+
+DELETE_FIRST_HOST_RULE = (
+    "h=$(nft -a list chain ip uproxy portals-host | sed -n 's/.*return.*# handle //p'); "
+    "nft delete rule ip uproxy portals-host handle $h"
+)
+
+
+def test_deleted_or_flushed_table_is_noticed_and_repaired(topo: Topology) -> None:
+    def shell(*argv: str) -> dict[str, Any]:
+        return {"op": "shell", "argv": list(argv)}
+
+    script = [sync_op(PORTALS), {"op": "check"}]
+    script += [shell("nft", "delete", "table", "ip", "uproxy"), {"op": "check"}]
+    script += [sync_op(PORTALS), {"op": "check"}, {"op": "verify"}]
+    script += [shell("nft", "flush", "table", "ip", "uproxy"), {"op": "check"}]
+    script += [sync_op(PORTALS), {"op": "check"}, {"op": "verify"}]
+    # A rule deleted from one chain (by handle: the first rule of portals-host).
+    script += [shell("sh", "-c", DELETE_FIRST_HOST_RULE), {"op": "check"}]
+    script += [sync_op(PORTALS), {"op": "verify"}]
+    results = ops(topo, script)
+    assert results[1] is True
+    assert results[3] is False  # deleted
+    assert results[5:7] == [True, True]
+    assert results[8] is False  # flushed
+    assert results[10:12] == [True, True]
+    assert results[13] is False  # one rule gone
+    assert results[15] is True
+    assert listing(topo) == EXPECTED
+
+
+def test_flushed_map_is_the_cheap_checks_blind_spot(topo: Topology) -> None:
+    # Documented: nft -t lists no elements, so a flushed map passes check(); verify() and the
+    # hourly full load see it. The generation moved, so check() did look (one nft process).
+    script = [sync_op(PORTALS), {"op": "spawns"}]
+    script += [{"op": "shell", "argv": ["nft", "flush", "map", "ip", "uproxy", "cluster-ips"]}]
+    script += [{"op": "check"}, {"op": "spawns"}, {"op": "verify"}]
+    results = ops(topo, script)
+    assert results[3] is True
+    assert results[4] == [*results[1], "nft"]
+    assert results[5] is False
+
+
+def test_cleanup_restores_the_ruleset_exactly(topo: Topology) -> None:
+    install_foreign_nft(topo)
+    before = nft(topo, "list", "ruleset")
+    ops(topo, [sync_op(PORTALS), {"op": "cleanup"}])
+    assert nft(topo, "list", "ruleset") == before
+    assert ops(topo, [{"op": "cleanup"}, {"op": "cleanup_all"}]) == [None, False]
+    # --cleanup (from a process that never synced) removes a table left behind.
+    ops(topo, [sync_op(PORTALS)])
+    assert "table ip uproxy" in nft(topo, "list", "tables")
+    assert run_ops(topo, "none", "auto", [{"op": "cleanup_all"}]) == [True]
+    assert nft(topo, "list", "ruleset") == before
+
+
+def test_idle_checks_spawn_nothing_at_10000_services(topo: Topology) -> None:
+    many = {"op": "sync", "portals": [], "many": 10_000}
+    script: list[dict[str, Any]] = [many, {"op": "spawns"}]
+    script += [{"op": "check"}] * 5 + [many] * 3 + [{"op": "spawns"}]
+    # Somebody else commits: the next check looks once, then it is free again.
+    script += [{"op": "shell", "argv": ["nft", "add", "table", "inet", "somebody"]}]
+    script += [{"op": "check"}, {"op": "check"}, many, {"op": "spawns"}, {"op": "verify"}]
+    results = ops(topo, script)
+    assert results[1] == ["nft"]
+    assert results[2:7] == [True] * 5
+    assert results[10] == ["nft"]  # five checks and three periodic syncs: no process
+    assert results[12:14] == [True, True]
+    assert results[15] == ["nft", "nft"]  # the one look after the foreign commit
+    assert results[16] is True
+    assert "elements" in nft(topo, "list", "map", "ip", "uproxy", "cluster-ips")

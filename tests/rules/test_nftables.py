@@ -1,0 +1,468 @@
+"""The nftables backend without a kernel: exact nft text, element diffs, and when it spawns nft."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from tests.rules.test_portals import DNS, HOST_IP, PORTALS, WEB
+from uproxy.model import Protocol, ServicePortName
+from uproxy.rules import NftablesBackend, RulesError, command, make_backend, nftables
+from uproxy.rules.base import Portal, PortalKind
+from uproxy.rules.nftables import (
+    CLUSTER_IPS,
+    EXTERNAL_IPS,
+    IPV6,
+    NODE_PORT_PROXY_PORTS,
+    NODE_PORTS,
+    Element,
+    ElementBuilder,
+    Layout,
+    diff,
+    element_comment,
+    parse_elements,
+    parse_skeleton,
+    render_delta,
+    render_full,
+    render_table,
+)
+from uproxy.rules.nftables import IPV4 as V4
+from uproxy.rules.watch import FULL_SYNC_PERIOD_S, Watch
+
+MARK = 0x1000
+
+EXPECTED_FULL = """\
+add table ip uproxy
+delete table ip uproxy
+table ip uproxy {
+	map cluster-ips {
+		type ipv4_addr . inet_proto . inet_service : inet_service
+		elements = { 10.96.0.10 . tcp . 80 comment "default/web:http" : 40001,
+			10.96.0.53 . udp . 53 comment "kube-system/dns" : 40003,
+			198.51.100.9 . tcp . 80 comment "default/web:http" : 40002 }
+	}
+	map external-ips {
+		type ipv4_addr . inet_proto . inet_service : inet_service
+		elements = { 203.0.113.5 . tcp . 80 comment "default/web:http" : 40002 }
+	}
+	map node-ports {
+		type inet_proto . inet_service : inet_service
+		elements = { tcp . 30080 comment "default/web:http" : 40002 }
+	}
+	set node-port-proxy-ports {
+		type inet_proto . inet_service
+		elements = { tcp . 40002 comment "default/web:http" }
+	}
+	chain portals-container {
+		type nat hook prerouting priority -101; policy accept;
+		meta l4proto { tcp, udp } redirect to :ip daddr . meta l4proto . th dport map @cluster-ips
+		meta iifkind != "bridge" meta l4proto { tcp, udp } redirect to :ip daddr . meta l4proto . th dport map @external-ips
+		fib daddr type local meta l4proto { tcp, udp } redirect to :ip daddr . meta l4proto . th dport map @external-ips
+	}
+	chain portals-host {
+		type nat hook output priority -101; policy accept;
+		meta mark & 0x1000 == 0x1000 return comment "uproxy dials to endpoints skip the portals"
+		meta l4proto { tcp, udp } dnat to 192.168.7.1:ip daddr . meta l4proto . th dport map @cluster-ips
+		fib daddr type local meta l4proto { tcp, udp } dnat to 192.168.7.1:ip daddr . meta l4proto . th dport map @external-ips
+	}
+	chain node-ports-container {
+		type nat hook prerouting priority -99; policy accept;
+		fib daddr type local meta l4proto { tcp, udp } redirect to :meta l4proto . th dport map @node-ports
+	}
+	chain node-ports-host {
+		type nat hook output priority -99; policy accept;
+		meta mark & 0x1000 == 0x1000 return comment "uproxy dials to endpoints skip the portals"
+		fib daddr type local meta l4proto { tcp, udp } dnat to 192.168.7.1:meta l4proto . th dport map @node-ports
+	}
+	chain node-ports-filter {
+		type filter hook input priority 0; policy accept;
+		ct state new meta l4proto . th dport @node-port-proxy-ports accept
+	}
+}
+"""
+
+
+def elements(portals: list[Portal]) -> dict[str, dict[Any, Element]]:
+    return ElementBuilder().build(portals)
+
+
+def test_every_portal_kind_renders_exact_nft() -> None:
+    layout = Layout(host_ip=HOST_IP, dial_mark=MARK)
+    assert render_full(layout, elements(PORTALS)) == EXPECTED_FULL
+
+
+def test_order_and_duplicates_do_not_change_the_text() -> None:
+    layout = Layout(host_ip=HOST_IP, dial_mark=MARK)
+    shuffled = [*reversed(PORTALS), PORTALS[0]]
+    assert render_full(layout, elements(shuffled)) == EXPECTED_FULL
+
+
+def test_listen_address_dnats_from_containers_too() -> None:
+    text = render_table(Layout(host_ip=HOST_IP, listen_ip="192.168.7.2"), elements(PORTALS))
+    assert "redirect" not in text
+    assert text.count("dnat to 192.168.7.2:") == 7  # 4 container + 3 host rules
+    assert HOST_IP not in text  # the host's traffic goes to the listen address as well
+
+
+def test_without_dial_mark_no_return_rule() -> None:
+    text = render_table(Layout(host_ip=HOST_IP), elements(PORTALS))
+    assert "meta mark" not in text
+    assert "return" not in text
+
+
+def test_empty_table_declares_everything_without_elements() -> None:
+    text = render_table(Layout(host_ip=HOST_IP), elements([]))
+    assert "elements" not in text
+    for name in (CLUSTER_IPS, EXTERNAL_IPS, NODE_PORTS, NODE_PORT_PROXY_PORTS):
+        assert f" {name} {{\n" in text
+
+
+def test_ipv6_twin_is_a_parameter() -> None:
+    layout = Layout(IPV6, host_ip="fd00::1", dial_mark=MARK)
+    portal = Portal(WEB, PortalKind.CLUSTER_IP, "fd00:0:0::a", 80, 40001)
+    text = render_full(layout, ElementBuilder(IPV6).build([portal]))
+    assert text.startswith("add table ip6 uproxy\ndelete table ip6 uproxy\ntable ip6 uproxy {")
+    assert "type ipv6_addr . inet_proto . inet_service : inet_service" in text
+    assert "fd00::a . tcp . 80" in text
+    assert "dnat to [fd00::1]:ip6 daddr . meta l4proto . th dport map @cluster-ips" in text
+    with pytest.raises(ValueError, match="not an ip6 address"):
+        ElementBuilder(IPV6).build([PORTALS[0]])
+
+
+@pytest.mark.parametrize("bad", ["127.0.0.1", "0.0.0.0"])
+def test_host_ip_must_be_routable(bad: str) -> None:
+    with pytest.raises(RulesError, match="routable"):
+        NftablesBackend(host_ip=bad)
+
+
+def test_factory_builds_it() -> None:
+    backend = make_backend("nftables", host_ip="10.0.0.1", dial_mark=MARK)
+    assert isinstance(backend, NftablesBackend)
+    assert backend.name == "nftables"
+
+
+def test_comments_are_safe_and_fit() -> None:
+    assert element_comment("ns/name:port") == "ns/name:port"
+    assert element_comment('a"b\\c\u00e9') == "a_b_c_"
+    assert len(element_comment("n" * 63 + "/" + "s" * 63 + ":" + "p" * 15)) == 128
+
+
+def test_conflicting_keys_keep_the_first_portal() -> None:
+    other = ServicePortName("default", "zz-other", "http", Protocol.TCP)
+    first = Portal(WEB, PortalKind.EXTERNAL_IP, "203.0.113.5", 80, 40002)
+    second = Portal(other, PortalKind.EXTERNAL_IP, "203.0.113.5", 80, 40009)
+    builder = ElementBuilder()
+    built = builder.build([second, first])
+    assert [e.value for e in built[EXTERNAL_IPS].values()] == [40002]
+    assert builder.conflicts == [
+        "external-ips 203.0.113.5 . tcp . 80: default/web:http -> 40002, "
+        "not default/zz-other:http -> 40009"
+    ]
+
+
+def test_diff_touches_only_what_changed() -> None:
+    before = elements(PORTALS)
+    moved = Portal(DNS, PortalKind.CLUSTER_IP, "10.96.0.53", 53, 40007)  # new proxy port
+    added = Portal(WEB, PortalKind.CLUSTER_IP, "10.96.0.11", 8080, 40001)
+    after = elements([*PORTALS[:3], moved, added])
+    deletes, adds = diff(before, after)
+    assert render_delta(V4, deletes, adds) == (
+        "delete element ip uproxy cluster-ips { 10.96.0.53 . udp . 53 }\n"
+        "delete element ip uproxy node-port-proxy-ports { tcp . 40002 }\n"
+        "delete element ip uproxy node-ports { tcp . 30080 }\n"
+        'add element ip uproxy cluster-ips { 10.96.0.11 . tcp . 8080 comment "default/web:http"'
+        ' : 40001, 10.96.0.53 . udp . 53 comment "kube-system/dns" : 40007 }\n'
+    )
+    assert diff(after, after) == ({}, {})
+    assert render_delta(V4, {}, {}) == ""
+
+
+def test_changed_comment_is_replaced() -> None:
+    # nft keeps the old comment when an existing key is added again: delete and add.
+    renamed = ServicePortName("default", "web", "web", Protocol.TCP)
+    before = elements(PORTALS[:1])
+    after = elements([Portal(renamed, PortalKind.CLUSTER_IP, "10.96.0.10", 80, 40001)])
+    deletes, adds = diff(before, after)
+    assert [e.key for e in deletes[CLUSTER_IPS]] == [("10.96.0.10", "tcp", 80)]
+    assert [e.comment for e in adds[CLUSTER_IPS]] == ["default/web:web"]
+
+
+def test_big_deltas_are_split_into_statements() -> None:
+    many = [
+        Portal(WEB, PortalKind.CLUSTER_IP, f"10.97.{i // 250}.{i % 250 + 1}", 80, 20000 + i)
+        for i in range(2500)
+    ]
+    text = render_delta(V4, *diff(elements([]), elements(many)))
+    assert text.count("add element ip uproxy cluster-ips {") == 3
+    assert text.count(" : 2") == 2500
+
+
+# What nft 1.0.6 prints for `nft -j list table ip uproxy` (one element with no comment).
+LISTING = json.dumps(
+    {
+        "nftables": [
+            {"metainfo": {"version": "1.0.6", "json_schema_version": 1}},
+            {"table": {"family": "ip", "name": "uproxy", "handle": 2}},
+            {
+                "map": {
+                    "family": "ip",
+                    "name": "cluster-ips",
+                    "table": "uproxy",
+                    "type": ["ipv4_addr", "inet_proto", "inet_service"],
+                    "handle": 4,
+                    "map": "inet_service",
+                    "elem": [
+                        [{"concat": ["10.96.0.11", "udp", 53]}, 40003],
+                        [
+                            {
+                                "elem": {
+                                    "val": {"concat": ["10.96.0.10", "tcp", 80]},
+                                    "comment": "default/web:http",
+                                }
+                            },
+                            40001,
+                        ],
+                    ],
+                }
+            },
+            {
+                "set": {
+                    "family": "ip",
+                    "name": "node-port-proxy-ports",
+                    "table": "uproxy",
+                    "type": ["inet_proto", "inet_service"],
+                    "handle": 7,
+                    "elem": [{"elem": {"val": {"concat": ["tcp", 40002]}, "comment": "a/b:c"}}],
+                }
+            },
+            {
+                "chain": {
+                    "family": "ip",
+                    "table": "uproxy",
+                    "name": "portals-host",
+                    "handle": 2,
+                    "type": "nat",
+                    "hook": "output",
+                    "prio": -101,
+                    "policy": "accept",
+                }
+            },
+            {"rule": {"family": "ip", "table": "uproxy", "chain": "portals-host", "expr": []}},
+            {"rule": {"family": "ip", "table": "uproxy", "chain": "portals-host", "expr": []}},
+        ]
+    }
+)
+
+
+def test_parse_listing() -> None:
+    skeleton = parse_skeleton(LISTING)
+    assert skeleton.stores == {("map", "cluster-ips"), ("set", "node-port-proxy-ports")}
+    assert skeleton.chains == {("portals-host", "nat", "output", -101, 2)}
+    found = parse_elements(LISTING)
+    assert found[CLUSTER_IPS] == {
+        ("10.96.0.11", "udp", 53): Element(("10.96.0.11", "udp", 53), 40003, ""),
+        ("10.96.0.10", "tcp", 80): Element(("10.96.0.10", "tcp", 80), 40001, "default/web:http"),
+    }
+    assert found[NODE_PORT_PROXY_PORTS] == {("tcp", 40002): Element(("tcp", 40002), None, "a/b:c")}
+    assert parse_skeleton("not json").chains == frozenset()
+
+
+def test_layout_skeleton_matches_its_own_listing_shape() -> None:
+    layout = Layout(host_ip=HOST_IP, dial_mark=MARK)
+    counts = {c.name: len(c.rules) for c in layout.chains}
+    assert counts == {
+        "portals-container": 3,
+        "portals-host": 3,
+        "node-ports-container": 1,
+        "node-ports-host": 2,
+        "node-ports-filter": 1,
+    }
+    assert len(layout.skeleton().stores) == 4
+
+
+# ----- the backend, with nft replaced by a recorder ------------------------------------------
+
+
+@dataclass
+class FakeNft:
+    """Stands in for ``command.run``: records argv and stdin, fails on demand."""
+
+    calls: list[tuple[list[str], str | None]] = field(default_factory=list)
+    fail: list[str] = field(default_factory=list)  # messages for the next nft -f runs
+    listing: str = ""
+
+    async def run(self, argv: Any, *, stdin: str | None = None, **kwargs: Any) -> command.Completed:
+        self.calls.append((list(argv), stdin))
+        if argv[:2] == ["nft", "-f"] and self.fail:
+            raise RulesError(f"nft failed: {self.fail.pop(0)}")
+        return command.Completed(tuple(argv), 0, self.listing, "")
+
+    def loads(self) -> list[str]:
+        return [stdin or "" for argv, stdin in self.calls if argv[:2] == ["nft", "-f"]]
+
+
+class FakeGen(Watch):
+    """A generation that moves when told to, and by one with every commit of ours."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gen = 7
+
+    def read(self) -> int:
+        return self.gen
+
+    def mark_after_commit(self, before: Any, commits: int = 1) -> Any:
+        self.gen += commits
+        if before != self.gen - commits:
+            self.forget()
+            return None
+        self.mark(self.gen)
+        return self.gen
+
+
+@dataclass
+class Clock:
+    now: float = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def nft(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeNft]:
+    fake = FakeNft()
+    monkeypatch.setattr(command, "run", fake.run)
+    yield fake
+
+
+def backend(gen: FakeGen, clock: Clock) -> NftablesBackend:
+    return NftablesBackend(host_ip=HOST_IP, dial_mark=MARK, watch=gen, clock=clock)
+
+
+def intact_listing() -> str:
+    layout = Layout(host_ip=HOST_IP, dial_mark=MARK)
+    objs: list[dict[str, Any]] = [
+        {"map": {"name": s.name}} for s in layout.stores if s.kind == "map"
+    ]
+    objs += [{"set": {"name": s.name}} for s in layout.stores if s.kind == "set"]
+    for c in layout.chains:
+        objs.append({"chain": {"name": c.name, "type": c.type, "hook": c.hook, "prio": c.priority}})
+        objs += [{"rule": {"chain": c.name}} for _ in c.rules]
+    return json.dumps({"nftables": objs})
+
+
+async def test_first_sync_is_full_then_only_changes_then_nothing(nft: FakeNft) -> None:
+    gen, clock = FakeGen(), Clock()
+    b = backend(gen, clock)
+    await b.sync(PORTALS)
+    assert nft.loads() == [EXPECTED_FULL]
+    for _ in range(3):  # the syncer's periodic sync: nothing changed, nothing spawned
+        await b.sync(PORTALS)
+        assert await b.check() is True
+    assert len(nft.calls) == 1
+    await b.sync(PORTALS[:-1])
+    assert nft.loads()[1:] == ["delete element ip uproxy cluster-ips { 10.96.0.53 . udp . 53 }\n"]
+    assert len(nft.calls) == 2 and b.full_loads == 1
+
+
+async def test_failed_update_is_retried_whole_at_once(nft: FakeNft) -> None:
+    gen, clock = FakeGen(), Clock()
+    b = backend(gen, clock)
+    await b.sync(PORTALS[:1])
+    nft.fail = ["Error: Could not process rule: No such file or directory"]
+    await b.sync(PORTALS)
+    loads = nft.loads()
+    assert loads[1].startswith("add element ip uproxy")
+    assert loads[2] == EXPECTED_FULL
+    assert b.full_loads == 2
+
+
+async def test_failed_full_load_is_one_rules_error_and_next_sync_is_full(nft: FakeNft) -> None:
+    b = backend(FakeGen(), Clock())
+    await b.sync(PORTALS[:1])
+    nft.fail = ["first", "second: out of memory"]
+    with pytest.raises(RulesError, match=r"^cannot load table ip uproxy: nft failed: second"):
+        await b.sync(PORTALS)
+    await b.sync(PORTALS)
+    assert nft.loads()[-1] == EXPECTED_FULL
+
+
+async def test_check_lists_the_table_only_after_a_foreign_commit(nft: FakeNft) -> None:
+    gen, clock = FakeGen(), Clock()
+    b = backend(gen, clock)
+    await b.sync(PORTALS)
+    assert await b.check() is True
+    assert len(nft.calls) == 1
+    gen.gen += 1  # somebody committed something
+    nft.listing = intact_listing()
+    assert await b.check() is True
+    assert nft.calls[-1][0] == ["nft", "-t", "-j", "list", "table", "ip", "uproxy"]
+    assert await b.check() is True  # marked: free again
+    assert len(nft.calls) == 2
+
+
+async def test_damage_found_by_check_makes_the_next_sync_full(nft: FakeNft) -> None:
+    gen, clock = FakeGen(), Clock()
+    b = backend(gen, clock)
+    await b.sync(PORTALS)
+    gen.gen += 1
+    nft.listing = intact_listing().replace('"rule": {"chain": "portals-host"}', '"x": {}', 1)
+    assert await b.check() is False
+    assert await b.check() is False  # still damaged until a sync
+    await b.sync(PORTALS)
+    assert nft.loads()[-1] == EXPECTED_FULL
+    assert await b.check() is True
+
+
+async def test_sync_notices_damage_without_a_check(nft: FakeNft) -> None:
+    gen, clock = FakeGen(), Clock()
+    b = backend(gen, clock)
+    await b.sync(PORTALS)
+    gen.gen += 1
+    nft.listing = "{}"  # the table is gone
+    await b.sync(PORTALS)
+    assert nft.loads()[-1] == EXPECTED_FULL
+
+
+async def test_full_load_at_least_hourly(nft: FakeNft) -> None:
+    gen, clock = FakeGen(), Clock()
+    b = backend(gen, clock)
+    await b.sync(PORTALS)
+    clock.now += FULL_SYNC_PERIOD_S - 1
+    await b.sync(PORTALS)
+    assert b.full_loads == 1
+    clock.now += 1
+    await b.sync(PORTALS)
+    assert b.full_loads == 2 and nft.loads()[-1] == EXPECTED_FULL
+
+
+async def test_invalid_portal_is_rules_error(nft: FakeNft) -> None:
+    b = backend(FakeGen(), Clock())
+    with pytest.raises(RulesError, match="has no address"):
+        await b.sync([Portal(WEB, PortalKind.CLUSTER_IP, None, 80, 4000)])
+    assert nft.calls == []
+
+
+async def test_cleanup_deletes_only_uproxys_tables(
+    nft: FakeNft, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/sbin/{name}")
+    nft.listing = "table ip uproxy\ntable inet other\ntable ip6 uproxy\ntable ip uproxy-x\n"
+    assert await nftables.cleanup_tables() is True
+    assert nft.loads() == ["delete table ip uproxy\ndelete table ip6 uproxy\n"]
+    nft.listing = "table inet other\n"
+    assert await nftables.cleanup_tables() is False
+    assert len(nft.loads()) == 1
+
+
+async def test_cleanup_without_nft_installed_does_nothing(
+    nft: FakeNft, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    assert await nftables.cleanup_tables() is False
+    assert nft.calls == []

@@ -1,0 +1,227 @@
+"""The change detectors on canned kernel replies, and how the backends use them to stay idle."""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from tests.rules.test_portals import HOST_IP, PORTALS
+from uproxy.rules import RestoreBackend, command
+from uproxy.rules.watch import (
+    FULL_SYNC_PERIOD_S,
+    GenerationWatch,
+    LegacyWatch,
+    Watch,
+    getgen_request,
+    parse_generation,
+    parse_getinfo,
+    read_generation,
+)
+
+# An NFT_MSG_NEWGEN reply captured from the kernel: generation 3, pid 0x3781, name "python3".
+NEWGEN = bytes.fromhex(
+    "300000000f0a0000010000008137000000000003"
+    "08000100000000030800020000003781"
+    "0c000300707974686f6e3300"
+)
+
+
+def test_getgen_request_bytes() -> None:
+    # nlmsghdr: len 20, type NFNL_SUBSYS_NFTABLES << 8 | NFT_MSG_GETGEN, NLM_F_REQUEST, seq 9.
+    assert getgen_request(9) == struct.pack("=IHHII", 20, 0x0A10, 1, 9, 0) + bytes(4)
+
+
+def test_generation_from_a_real_reply() -> None:
+    assert parse_generation(NEWGEN) == 3
+    bumped = NEWGEN[:24] + struct.pack(">I", 0xFFFFFFFF) + NEWGEN[28:]
+    assert parse_generation(bumped) == 0xFFFFFFFF
+
+
+def nlmsg(msg_type: int, body: bytes) -> bytes:
+    return struct.pack("=IHHII", 16 + len(body), msg_type, 0, 1, 0) + body
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        b"",
+        NEWGEN[:20],  # cut short
+        nlmsg(2, struct.pack("=i", -1) + bytes(16)),  # NLMSG_ERROR: EPERM
+        nlmsg(0x0A0F, bytes(4) + struct.pack("=HH", 8, 2) + bytes(4)),  # no NFTA_GEN_ID
+        nlmsg(0x0A0F, bytes(4) + struct.pack("=HH", 6, 1) + bytes(2)),  # wrong attribute size
+        struct.pack("=IHHII", 9999, 0x0A0F, 0, 1, 0),  # length beyond the data
+    ],
+)
+def test_unexpected_replies_read_as_unknown(reply: bytes) -> None:
+    assert parse_generation(reply) is None
+
+
+def test_reading_the_generation_never_raises() -> None:
+    gen = read_generation()
+    assert gen is None or isinstance(gen, int)
+
+
+# struct ipt_getinfo of a legacy nat table with 5 rules (captured).
+GETINFO = struct.pack(
+    "=32sI5I5III", b"nat", 27, 0, 152, 0xFFFFFFFF, 304, 456, 0, 152, 0xFFFFFFFF, 304, 456, 5, 784
+)
+
+
+def test_getinfo_shape() -> None:
+    shape = parse_getinfo(GETINFO)
+    assert shape == (27, 0, 152, 0xFFFFFFFF, 304, 456, 0, 152, 0xFFFFFFFF, 304, 456, 5, 784)
+    assert parse_getinfo(GETINFO[:40]) is None
+
+
+def test_unreadable_is_always_changed() -> None:
+    watch = Watch()
+    watch.mark("anything")
+    assert watch.changed() is True
+    watch.forget()
+    assert watch.changed() is True
+
+
+def test_generation_watch_marks_only_its_own_commit() -> None:
+    reads = iter([6, 6, 8, 8, 10])
+    watch = GenerationWatch(lambda: next(reads))
+    assert watch.changed() is True  # nothing marked yet (and nothing read)
+    assert watch.mark_after_commit(5) == 6  # 5 before our commit, 6 after: ours alone
+    assert watch.changed() is False  # reads 6
+    assert watch.changed() is True  # reads 8: somebody committed
+    assert watch.mark_after_commit(8) is None  # still 8: our commit did not show
+    assert watch.marked is None
+    assert watch.mark_after_commit(8) is None  # 10: somebody else committed as well
+    assert watch.changed() is True
+
+
+def test_generation_wraps() -> None:
+    watch = GenerationWatch(lambda: 0)
+    assert watch.mark_after_commit(0xFFFFFFFF) == 0
+
+
+def test_generation_watch_unreadable() -> None:
+    watch = GenerationWatch(lambda: None)
+    assert watch.mark_after_commit(3) is None
+    watch.mark(3)
+    assert watch.changed() is True
+
+
+@dataclass
+class FakeLegacy:
+    names: frozenset[str] | None = frozenset({"nat"})
+    infos: dict[str, bytes | None] = field(default_factory=lambda: {"nat": GETINFO})
+    asked: list[str] = field(default_factory=list)
+
+    def info(self, table: str) -> bytes | None:
+        self.asked.append(table)
+        return self.infos[table]
+
+
+def legacy(fake: FakeLegacy) -> LegacyWatch:
+    return LegacyWatch(names=lambda: fake.names, info=fake.info)
+
+
+def test_legacy_watch_never_asks_about_a_missing_table() -> None:
+    # Asking creates a legacy table: filter is not listed, so it must not be asked about.
+    fake = FakeLegacy()
+    watch = legacy(fake)
+    token = watch.read()
+    assert token == (("nat", parse_getinfo(GETINFO)), ("filter", None))
+    assert fake.asked == ["nat"]
+
+
+def test_legacy_watch_sees_a_changed_shape() -> None:
+    fake = FakeLegacy()
+    watch = legacy(fake)
+    watch.mark_after_commit(None)
+    assert watch.changed() is False
+    fake.infos["nat"] = GETINFO[:-8] + struct.pack("=II", 6, 936)  # one more rule
+    assert watch.changed() is True
+    fake.infos["nat"] = GETINFO
+    fake.names = frozenset({"nat", "filter"})  # a table appeared
+    fake.infos["filter"] = GETINFO
+    assert watch.changed() is True
+
+
+@pytest.mark.parametrize("broken", ["names", "info"])
+def test_legacy_watch_unreadable(broken: str) -> None:
+    fake = FakeLegacy()
+    watch = legacy(fake)
+    watch.mark_after_commit(None)
+    if broken == "names":
+        fake.names = None
+    else:
+        fake.infos["nat"] = None
+    assert watch.changed() is True
+
+
+# ----- the restore backend, with iptables replaced by a recorder ---------------------------
+
+
+@dataclass
+class FakeIptables:
+    calls: list[list[str]] = field(default_factory=list)
+
+    async def run(self, argv: Any, *, stdin: str | None = None, **kwargs: Any) -> command.Completed:
+        self.calls.append(list(argv))
+        return command.Completed(tuple(argv), 0, "", "")
+
+    def programs(self) -> list[str]:
+        return [argv[0] for argv in self.calls]
+
+
+class Gen(Watch):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gen = 1
+
+    def read(self) -> int:
+        return self.gen
+
+    def mark_after_commit(self, before: Any, commits: int = 1) -> Any:
+        self.gen += commits
+        if before != self.gen - commits:
+            self.forget()
+            return None
+        self.mark(self.gen)
+        return self.gen
+
+
+@pytest.fixture
+def iptables(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeIptables]:
+    fake = FakeIptables()
+    monkeypatch.setattr(command, "run", fake.run)
+    yield fake
+
+
+async def test_restore_backend_stays_idle_while_nothing_changes(iptables: FakeIptables) -> None:
+    gen = Gen()
+    now = [0.0]
+    backend = RestoreBackend(
+        host_ip=HOST_IP, mode="nft", watch_factory=lambda mode: gen, clock=lambda: now[0]
+    )
+    await backend.sync(PORTALS)
+    reads = ["iptables-nft"] * 3
+    assert iptables.programs() == [*reads, "iptables-nft-restore"]
+    for _ in range(3):  # periodic syncs and checks: not one process
+        await backend.sync(PORTALS)
+        assert await backend.check() is True
+    assert len(iptables.calls) == 4
+    # A new portal: restored without reading the jumps (nothing else committed).
+    await backend.sync(PORTALS[:-1])
+    assert iptables.programs()[4:] == ["iptables-nft-restore"]
+    # Somebody commits: the check reads the jumps (the fake has none: missing), then the
+    # sync reads them again and restores.
+    gen.gen += 1
+    assert await backend.check() is False
+    await backend.sync(PORTALS[:-1])
+    assert iptables.programs()[5:] == [*reads, *reads, "iptables-nft-restore"]
+    # Once an hour everything is read and rewritten regardless.
+    now[0] += FULL_SYNC_PERIOD_S
+    await backend.sync(PORTALS[:-1])
+    assert iptables.programs()[12:] == [*reads, "iptables-nft-restore"]
+    assert backend.restores == 4
