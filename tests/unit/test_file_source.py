@@ -3,21 +3,95 @@
 from __future__ import annotations
 
 import logging
+import os
+import random
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
 from tests.factories import endpoint, endpoint_slice, service
 from uproxy.model import Protocol, ServicePortName
-from uproxy.sources.file import FileSource, ServicesFileError, parse_manifests
-from uproxy.tracker import Tracker
+from uproxy.objects import object_key
+from uproxy.sources import file as file_source
+from uproxy.sources.file import FileSource, ServicesFileError, parse_manifests, split_documents
+from uproxy.tracker import Kind, Obj, Tracker
 
 WEB = ServicePortName("default", "web", "http", Protocol.TCP)
+LOADERS: list[file_source._Loader] = [file_source._PythonLoader]
+if yaml.__with_libyaml__:
+    LOADERS.append(file_source._LibyamlLoader)
 
 
 def dump(*docs: object) -> str:
     return yaml.safe_dump_all(docs)
+
+
+def rewrite(path: Path, text: str) -> None:
+    """Write in place with a later mtime: two writes within a clock tick share one."""
+    before = path.stat().st_mtime_ns
+    path.write_text(text)
+    os.utime(path, ns=(before + 10**9, before + 10**9))
+
+
+class SpyTracker(Tracker):
+    """A real tracker that also records what the source asked of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, Kind, str]] = []
+
+    def upsert(self, kind: Kind, obj: Obj) -> None:
+        self.calls.append(("upsert", kind, object_key(obj)))
+        super().upsert(kind, obj)
+
+    def delete(self, kind: Kind, obj: Obj) -> None:
+        self.calls.append(("delete", kind, object_key(obj)))
+        super().delete(kind, obj)
+
+    async def replace_async(self, kind: Kind, objs: Iterable[Obj]) -> None:
+        objs = list(objs)
+        self.calls.append(("replace", kind, str(len(objs))))
+        await super().replace_async(kind, objs)
+
+
+def cluster(n: int, *, ip: str = "10.0.0.1") -> list[dict[str, Any]]:
+    docs = []
+    for i in range(n):
+        docs.append(service(f"svc-{i}", ports=[{"name": "http", "port": 80 + i}]))
+        docs.append(endpoint_slice(f"svc-{i}-1", f"svc-{i}", endpoints=[endpoint(ip)]))
+    return docs
+
+
+async def loaded(path: Path, docs: list[dict[str, Any]]) -> tuple[FileSource, SpyTracker]:
+    path.write_text(dump(*docs))
+    tracker = SpyTracker()
+    src = FileSource(path=str(path), tracker=tracker)
+    await src.load_initial()
+    assert tracker.synced
+    assert tracker.calls == [
+        ("replace", Kind.SERVICE, str(len(docs) // 2)),
+        ("replace", Kind.ENDPOINT_SLICE, str(len(docs) // 2)),
+    ]
+    tracker.calls.clear()
+    return src, tracker
+
+
+def python_yaml_error(text: str, path: str) -> str:
+    """The message the pure-Python loader's whole-file parse gives (what uproxy always said)."""
+    with pytest.raises(yaml.MarkedYAMLError) as err:
+        list(yaml.load_all(text, Loader=yaml.SafeLoader))
+    mark = err.value.problem_mark
+    assert mark is not None
+    return (
+        f"{path}: line {mark.line + 1} column {mark.column + 1}: "
+        f"not valid YAML: {err.value.problem}"
+    )
+
+
+# ----- parsing and validation -----
 
 
 def test_parse_documents_and_lists() -> None:
@@ -61,26 +135,272 @@ def test_yaml_error_names_the_line() -> None:
         parse_manifests("kind: Service\n  bad: [unclosed\n", "svc.yaml")
 
 
-def test_reload_applies_changes_and_keeps_last_good_state(
+def test_libyaml_is_used_when_pyyaml_has_it() -> None:
+    if not yaml.__with_libyaml__:
+        pytest.skip("this PyYAML was built without libyaml")
+    assert issubclass(file_source._LOADER, yaml.CSafeLoader)
+
+
+@pytest.mark.parametrize("loader", LOADERS)
+def test_loaders_build_no_arbitrary_objects(
+    loader: file_source._Loader, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(file_source, "_LOADER", loader)
+    text = "a: !!python/object/apply:os.system ['false']\n"
+    with pytest.raises(ServicesFileError, match="could not determine a constructor"):
+        parse_manifests(text, "svc.yaml")
+
+
+PLAIN_AND_NOT = [
+    dump(*cluster(3)),
+    "a: &x {k: [1, 2]}\nb: *x\n",  # an alias: one shared object
+    "base: &b {x: 1}\nderived:\n  <<: *b\n  y: 2\n",  # a merge key
+    "t: 2024-01-01T00:00:00Z\nd: 2024-01-02\nb: !!binary aGVsbG8=\nf: 1.5e3\nn: ~\no: 0o17\n",
+    "--- !!set\n? a\n? b\n--- !!omap\n- a: 1\n- b: 2\n",
+    "a: !!str 1\nb: '2'\nc: yes\nd: 0x1F\n= : v\n",
+    "a: 1\na: 2\n1: int key\nnull: x\n",
+]
+
+
+@pytest.mark.parametrize("loader", LOADERS)
+@pytest.mark.parametrize("text", PLAIN_AND_NOT)
+def test_direct_building_gives_what_safe_loader_gives(
+    loader: file_source._Loader, text: str
+) -> None:
+    assert file_source._load_all(text, loader) == list(yaml.safe_load_all(text))
+
+
+@pytest.mark.parametrize("loader", LOADERS)
+def test_aliases_share_one_object_as_in_safe_loader(loader: file_source._Loader) -> None:
+    [doc] = file_source._load_all("a: &x {k: [1]}\nb: *x\n", loader)
+    assert doc["a"] is doc["b"]
+    [looped] = file_source._load_all("&a [*a, 1]\n", loader)
+    assert looped[0] is looped
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "a: 1\nb:\n\tc: 2\n",  # a tab
+        "a: 1\n---\nb: [1, 2\n---\nc: 3\n",  # seen only at the next document
+        'a: 1\n---\nb: "\\q"\n',  # an escape libyaml places a column earlier
+        "a: 1\n---\nb: *nope\n",
+        "a: 1\n---\n- a\nb: 1\n",
+        "%YAML 1.1\n%YAML 1.1\n---\na: 1\n",  # parsed whole: libyaml's words
+    ],
+)
+def test_syntax_errors_read_as_before_with_libyaml(text: str) -> None:
+    """libyaml finds the error; the message is the pure-Python loader's (line, column, words)
+    for that document, as the whole-file parse always gave it."""
+    with pytest.raises(ServicesFileError) as err:
+        parse_manifests(text, "svc.yaml")
+    if text.startswith("%") and file_source._LOADER is not file_source._PythonLoader:
+        assert "svc.yaml: line 2 column 1: not valid YAML:" in str(err.value)
+    else:
+        assert str(err.value) == python_yaml_error(text, "svc.yaml")
+
+
+# ----- splitting into documents -----
+
+TRICKY = {
+    "keep chomping before ---": "a: |+\n  x\n\n---\nb: 1\n",
+    "block scalar at the top": "--- |\n  foo\n---\nb: 1\n",
+    "--- inside a block scalar": "a: |\n  ---\n  x\n---\nb: 1\n",
+    "multi-line quoted": 'a: "x\n  y"\n---\nb: 1\n',
+    "--- inside quotes": "a: 'x\n---\nb: 1'\n",
+    "unclosed flow": "a: [1,\n---\nb: 2\n",
+    "document end": "a: 1\n...\n---\nb: 2\n...\n",
+    "content after document end": "a: 1\n...\nb: 2\n",
+    "alias into another document": "a: &x {k: 1}\n---\nc: *x\n",
+    "comments only before ---": "# hi\n---\na: 1\n",
+    "empty documents": "---\n---\na: 1\n---\n",
+    "no final newline": "---\na: 1\n---\nb: 2",
+    "CRLF": "a: 1\r\n---\r\nb: 2\r\n",
+    "BOM": "\ufeff---\na: 1\n---\nb: 2\n",
+    "tab after ---": "---\ta: 1\n---\t\nb: 2\n",
+    "inline documents": "--- {a: 1}\n--- [1, 2]\n--- x\n",
+    "not a document start": "a: ---\n---x: 1\n",
+}
+WHOLE = {
+    "a directive": "%YAML 1.1\n---\na: 1\n",
+    "a lone CR": "a: 1\r---\rb: 2\r",
+    "a line separator": "a: 1\u2028---\u2028b: 2\n",
+    "a NEL": "a: 1\x85---\x85b: 2\n",
+}
+
+
+def piecewise(text: str) -> list[Any] | None:
+    pieces = split_documents(text)
+    assert pieces is not None
+    assert "".join(pieces) == text
+    parsed = file_source._parse_pieces(pieces)
+    return None if parsed is None else [doc for docs in parsed for doc in docs]
+
+
+@pytest.mark.parametrize("text", TRICKY.values(), ids=TRICKY.keys())
+def test_documents_parse_alone_as_in_the_whole_file(text: str) -> None:
+    try:
+        whole = file_source._load_all(text)
+    except yaml.YAMLError:
+        with pytest.raises(yaml.YAMLError):
+            piecewise(text)
+        return
+    assert piecewise(text) == whole
+
+
+@pytest.mark.parametrize("text", WHOLE.values(), ids=WHOLE.keys())
+def test_doubtful_files_are_parsed_whole(text: str) -> None:
+    assert split_documents(text) is None
+
+
+def test_random_fragments_parse_alone_as_in_the_whole_file() -> None:
+    frags = [
+        "---", "--- ", "--- |", "--- |+", "--- [1,", "...", "a: 1", "b: 'x", "y'",
+        'c: "p', 'q"', "d: |+", "  ---", "  x", "- 1", "f: [1,", "2]", "# c", "",
+        "&a k: 1", "k2: *a", "<<: *a", "x: !!str 1", "---x", "----", "z:", "  w: 1",
+        "\ta: 1", "plain", "  cont",
+    ]  # fmt: skip
+    rng = random.Random(7)
+    agreed = 0
+    for _ in range(2000):
+        text = "\n".join(rng.choice(frags) for _ in range(rng.randint(0, 10)))
+        text += rng.choice(["", "\n", "\n\n"])
+        try:
+            whole = file_source._load_all(text)
+        except yaml.YAMLError:
+            with pytest.raises(yaml.YAMLError):
+                piecewise(text)
+            continue
+        assert piecewise(text) == whole, repr(text)
+        agreed += 1
+    assert agreed > 100
+
+
+# ----- reloads -----
+
+
+async def test_reload_applies_changes_and_keeps_last_good_state(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     path = tmp_path / "services.yaml"
     path.write_text(dump(service(), endpoint_slice("a", endpoints=[endpoint("10.0.0.1")])))
     tracker = Tracker()
     src = FileSource(path=str(path), tracker=tracker)
-    src.load_initial()
+    await src.load_initial()
     assert tracker.synced
     assert [e.ip for e in tracker.snapshot()[WEB].endpoints] == ["10.0.0.1"]
 
-    path.write_text(dump(service(), endpoint_slice("a", endpoints=[endpoint("10.0.0.2")])))
-    src.poll()
+    rewrite(path, dump(service(), endpoint_slice("a", endpoints=[endpoint("10.0.0.2")])))
+    await src.poll()
     assert [e.ip for e in tracker.snapshot()[WEB].endpoints] == ["10.0.0.2"]
 
     with caplog.at_level(logging.ERROR, logger="uproxy"):
-        path.write_text(dump(service(ports=[{"name": "http", "port": 99999}])) + "\n# broken\n")
-        src.poll()
-        src.poll()
+        rewrite(path, dump(service(ports=[{"name": "http", "port": 99999}])) + "\n# broken\n")
+        await src.poll()
+        await src.poll()
     assert [e.ip for e in tracker.snapshot()[WEB].endpoints] == ["10.0.0.2"]
     errors = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1
     assert "spec.ports[0].port" in errors[0].kv["error"]  # type: ignore[attr-defined]
+
+
+async def test_a_bad_first_file_fails_the_start(tmp_path: Path) -> None:
+    path = tmp_path / "services.yaml"
+    path.write_text(dump(*cluster(2), service("svc-0")))
+    tracker = Tracker()
+    with pytest.raises(ServicesFileError, match="document 5: Service default/svc-0 appears"):
+        await FileSource(path=str(path), tracker=tracker).load_initial()
+    with pytest.raises(OSError):
+        await FileSource(path=str(tmp_path / "missing"), tracker=tracker).load_initial()
+    assert not tracker.synced
+
+
+async def test_one_changed_document_is_parsed_and_upserted_alone(tmp_path: Path) -> None:
+    path = tmp_path / "services.yaml"
+    docs = cluster(50)
+    src, tracker = await loaded(path, docs)
+    assert src.documents_parsed == 100
+
+    docs[41] = endpoint_slice("svc-20-1", "svc-20", endpoints=[endpoint("10.0.0.9")])
+    rewrite(path, dump(*docs))
+    await src.poll()
+    assert src.documents_parsed == 101
+    assert tracker.calls == [("upsert", Kind.ENDPOINT_SLICE, "default/svc-20-1")]
+    svc20 = ServicePortName("default", "svc-20", "http", Protocol.TCP)
+    assert [e.ip for e in tracker.snapshot()[svc20].endpoints] == ["10.0.0.9"]
+
+    # The same content again (an editor's save without changes): nothing parsed, no calls.
+    tracker.calls.clear()
+    rewrite(path, dump(*docs))
+    await src.poll()
+    assert src.documents_parsed == 101 and tracker.calls == []
+
+
+async def test_a_removed_document_deletes_only_its_object(tmp_path: Path) -> None:
+    path = tmp_path / "services.yaml"
+    docs = cluster(20)
+    src, tracker = await loaded(path, docs)
+    del docs[6]  # svc-3
+    rewrite(path, dump(*docs))
+    await src.poll()
+    assert src.documents_parsed == 40
+    assert tracker.calls == [("delete", Kind.SERVICE, "default/svc-3")]
+    assert ServicePortName("default", "svc-3", "http", Protocol.TCP) not in tracker.snapshot()
+
+
+async def test_a_bad_edit_changes_nothing_and_the_fix_parses_one_document(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "services.yaml"
+    docs = cluster(20)
+    src, tracker = await loaded(path, docs)
+    bad = list(docs)
+    bad[25] = endpoint_slice("svc-12-1", "svc-12", endpoints=[endpoint("10.0.0.x")])
+    with caplog.at_level(logging.ERROR, logger="uproxy"):
+        rewrite(path, dump(*bad))
+        await src.poll()
+        rewrite(path, dump(*docs).replace("  name: svc-3\n", "\tname: svc-3\n", 1))
+        await src.poll()
+    errors = [str(r.kv["error"]) for r in caplog.records if r.levelno == logging.ERROR]  # type: ignore[attr-defined]
+    assert len(errors) == 2
+    assert errors[0].startswith(f"{path}: document 26: EndpointSlice default/svc-12-1:")
+    assert errors[1] == python_yaml_error(path.read_text(), str(path))
+    assert tracker.calls == [] and src.reloads == 1
+
+    docs[4] = service("svc-2", ports=[{"name": "http", "port": 8080}])
+    rewrite(path, dump(*docs))
+    await src.poll()
+    assert tracker.calls == [("upsert", Kind.SERVICE, "default/svc-2")]
+    assert src.documents_parsed == 41
+
+
+async def test_a_duplicate_is_named_by_its_document_number(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "services.yaml"
+    docs = cluster(5)
+    src, tracker = await loaded(path, docs)
+    with caplog.at_level(logging.ERROR, logger="uproxy"):
+        rewrite(path, dump(*docs, service("svc-1")))
+        await src.poll()
+    errors = [str(r.kv["error"]) for r in caplog.records if r.levelno == logging.ERROR]  # type: ignore[attr-defined]
+    assert errors == [f"{path}: document 11: Service default/svc-1 appears twice"]
+    assert tracker.calls == []
+
+
+async def test_a_file_with_directives_reloads_whole_and_right(tmp_path: Path) -> None:
+    path = tmp_path / "services.yaml"
+    docs = cluster(5)
+    path.write_text("%YAML 1.1\n---\n" + dump(*docs))
+    tracker = SpyTracker()
+    src = FileSource(path=str(path), tracker=tracker)
+    await src.load_initial()
+    docs[3] = endpoint_slice("svc-1-1", "svc-1", endpoints=[endpoint("10.0.0.7")])
+    del docs[0]
+    rewrite(path, "%YAML 1.1\n---\n" + dump(*docs))
+    await src.poll()
+    assert src.documents_parsed == 10 + 9  # the whole file, twice
+    state = tracker.snapshot()
+    assert ServicePortName("default", "svc-0", "http", Protocol.TCP) not in state
+    svc1 = ServicePortName("default", "svc-1", "http", Protocol.TCP)
+    assert [e.ip for e in state[svc1].endpoints] == ["10.0.0.7"]
