@@ -369,7 +369,7 @@ class IptcBackend:
         tables changed since uproxy's last commit (see ``watch``)."""
         async with self._lock:
             try:
-                ruleset = self._builder.build(portals)
+                ruleset = await asyncio.to_thread(self._builder.build, portals)  # off the loop
             except ValueError as exc:
                 raise RulesError(str(exc)) from None
             full = self._full or self._clock() - self._last_full >= FULL_SYNC_PERIOD_S
