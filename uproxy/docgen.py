@@ -219,7 +219,7 @@ def metric_rows() -> list[tuple[str, str, tuple[str, ...], str]]:
     rows = []
     for value in vars(metrics).values():
         # prometheus_client's own metrics, and uproxy's scrape-time collectors of the data path.
-        scrape_time = isinstance(value, (metrics.ScrapeCounter, metrics.ScrapeGauge))
+        scrape_time = isinstance(value, metrics.LabelledFamily)
         if not (scrape_time or isinstance(value, (MetricWrapperBase, metrics.ScrapeHistogram))):
             continue
         names = value.labelnames if scrape_time else getattr(value, "_labelnames", ())
@@ -233,6 +233,21 @@ def metric_rows() -> list[tuple[str, str, tuple[str, ...], str]]:
     return rows
 
 
+def _sparse_series() -> list[str]:
+    """The data-plane series written only from their first event on (``sparse``)."""
+    from uproxy import metrics
+
+    out = []
+    for family in metrics.DATA_PLANE:
+        sparse = family.sparse if isinstance(family, metrics.LabelledFamily) else False
+        if sparse is True:
+            out.append(f"`{family.name}`")
+        elif sparse:
+            values = " or ".join(f'`{k}="{v}"`' for k, vs in sparse.items() for v in vs)
+            out.append(f"`{family.name}` with {values}")
+    return out
+
+
 def metrics_md() -> str:
     from uproxy.settings import Settings
 
@@ -243,12 +258,22 @@ def metrics_md() -> str:
         "",
         "Served at `http://<--metrics-bind-address>/metrics` (default "
         f"`{Settings().metrics_bind_address}`) in the "
-        "Prometheus text format. `kubeproxy_*` metrics keep kube-proxy's names and meaning, so "
+        "Prometheus text format 0.0.4, whatever the request's `Accept` header prefers "
+        "(Prometheus accepts it), gzip-compressed when the client accepts gzip. "
+        "`kubeproxy_*` metrics keep kube-proxy's names and meaning, so "
         "its dashboards and alerts work; `uproxy_*` metrics describe the data plane. Labels "
         "name service ports (`namespace/name:port`), protocols and outcomes, never client or "
         "endpoint addresses. A histogram's series are `<name>_bucket`, `<name>_sum` and "
-        "`<name>_count`; counters also expose `<name>_created`. The Prometheus client's "
-        "standard `process_*` and `python_*` metrics are served too.",
+        "`<name>_count`. As with kube-proxy, there are no `<name>_created` series. The "
+        "Prometheus client's standard `process_*` and `python_*` metrics are served too.",
+        "",
+        "Series that count failures appear at their first event and stay from then on: "
+        + "; ".join(_sparse_series())
+        + ". Until then they are absent, not zero: in dashboards add `or vector(0)`. "
+        "`rate()` and `increase()` need two samples of a series, so they miss the event that "
+        "creates it; to alert on the first one too, add the series that are new, e.g. "
+        "`increase(uproxy_no_endpoints_total[5m]) > 0 or (uproxy_no_endpoints_total unless "
+        "uproxy_no_endpoints_total offset 5m)`.",
         "",
         "| Metric | Type | Labels | Meaning |",
         "|---|---|---|---|",

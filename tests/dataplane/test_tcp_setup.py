@@ -12,8 +12,6 @@ import time
 from collections.abc import Iterator
 
 import uvloop
-from prometheus_client import REGISTRY
-from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.dataplane.conftest import (
@@ -67,8 +65,8 @@ async def echo_through(port: int, payload: bytes) -> bytes:
 
 
 def scrape(service: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """This service's samples from the default registry, as /metrics would show them."""
-    text = generate_latest(REGISTRY).decode()
+    """This service's samples, as /metrics shows them."""
+    text = metrics.exposition()
     out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
