@@ -12,7 +12,7 @@ share one switch), and at the end everything allocated so far is frozen (``gc.fr
 O(1)): moved to a generation the collector never scans. Later passes then see only what
 was allocated since, mostly per-connection objects, and stay in the milliseconds. The price:
 cyclic garbage that exists at a freeze is never reclaimed. The control plane's objects are
-acyclic by design (the data plane breaks its cycles by hand, see ``dataplane/tcp.py``), so
+acyclic by design (the data plane breaks its cycles by hand, see ``dataplane/relay.py``), so
 this is small and bounded by the number of bulk operations.
 """
 

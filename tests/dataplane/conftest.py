@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import uvloop
 
-from uproxy.dataplane import tcp
+from uproxy.dataplane import fdreserve
 from uproxy.dataplane.balancer import Balancer
 from uproxy.dataplane.settings import DataplaneSettings
 from uproxy.dataplane.tcp import TcpListener
@@ -200,7 +200,7 @@ async def tcp_listener() -> AsyncIterator[ListenerFactory]:
     # Every connection, whatever way it ended (relayed, dial failed, client gone while
     # dialing, aborted at shutdown), gave back its place in the fd reserve: a leak here
     # would make accepting pause for good once enough had leaked.
-    await wait_until(lambda: tcp.FD_RESERVE.undialed == 0, what="fd reserve released")
+    await wait_until(lambda: fdreserve.FD_RESERVE.undialed == 0, what="fd reserve released")
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from tests.dataplane.conftest import (
     wait_until,
 )
 from uproxy import metrics
-from uproxy.dataplane import tcp
+from uproxy.dataplane import relay
 from uproxy.dataplane.settings import DataplaneSettings
 from uproxy.model import Endpoint
 
@@ -248,7 +248,7 @@ async def test_relayed_pairs_are_freed_without_the_cyclic_gc(
         await asyncio.sleep(0.05)  # not a sync point: only lets the last callbacks run
         gc.set_debug(gc.DEBUG_SAVEALL)
         gc.collect()
-        cyclic = [o for o in gc.garbage if isinstance(o, (tcp._Connection, tcp._EndpointSide))]
+        cyclic = [o for o in gc.garbage if isinstance(o, (relay.Connection, relay._EndpointSide))]
     finally:
         gc.set_debug(0)
         gc.garbage.clear()
