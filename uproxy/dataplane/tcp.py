@@ -35,6 +35,7 @@ from uproxy.dataplane.balancer import Balancer
 from uproxy.dataplane.fdreserve import FD_RESERVE, RESOURCE_ERRNOS
 from uproxy.dataplane.relay import Connection, Stats, reset_socket
 from uproxy.dataplane.settings import DataplaneSettings
+from uproxy.dataplane.sockets import bind_tcp
 from uproxy.dataplane.timers import shared_timers
 from uproxy.model import ServicePortName, Traffic
 
@@ -103,19 +104,23 @@ class TcpListener:
         settings: DataplaneSettings,
     ) -> Self:
         """Bind and start accepting; port 0 lets the OS choose. Raises OSError."""
+        sock = bind_tcp(host, port, backlog=settings.listen_backlog)
+        return cls.serve(sock, name=name, balancer=balancer, traffic=traffic, settings=settings)
+
+    @classmethod
+    def serve(
+        cls,
+        sock: socket.socket,
+        *,
+        name: ServicePortName,
+        balancer: Balancer,
+        traffic: Traffic,
+        settings: DataplaneSettings,
+    ) -> Self:
+        """Start accepting on a listening socket bound elsewhere (a worker's share of a
+        group, see ``sockets``); the listener owns it from now on."""
         loop = asyncio.get_running_loop()
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            sock.bind((host, port))
-            sock.listen(settings.listen_backlog)
-            sock.setblocking(False)
-        except OSError:
-            sock.close()
-            raise
+        sock.setblocking(False)
         FD_RESERVE.refresh_limit()
         self = cls(
             loop=loop,

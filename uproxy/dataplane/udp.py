@@ -31,6 +31,7 @@ from typing import Self
 from uproxy import metrics
 from uproxy.dataplane.balancer import Balancer
 from uproxy.dataplane.settings import DataplaneSettings
+from uproxy.dataplane.sockets import bind_udp
 from uproxy.log import kv
 from uproxy.model import Endpoint, ServicePortName, Traffic
 
@@ -39,19 +40,6 @@ log = logging.getLogger("uproxy.dataplane.udp")
 IP_PKTINFO = 8  # linux/in.h; not exported by Python's socket module
 _ANC_SIZE = socket.CMSG_SPACE(32)  # room for in_pktinfo (12 B) or in6_pktinfo (20 B)
 _WILDCARDS = ("0.0.0.0", "::", "")
-
-
-def _set_receive_buffer(sock: socket.socket, size: int) -> None:
-    """Room for bursts: SO_RCVBUFFORCE (needs CAP_NET_ADMIN), else SO_RCVBUF (capped)."""
-    if size <= 0:
-        return
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, _SO_RCVBUFFORCE, size)
-    except PermissionError:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, size)
-
-
-_SO_RCVBUFFORCE = 33  # asm-generic/socket.h; not exported by Python's socket module
 
 
 class UdpFlow:
@@ -157,27 +145,36 @@ class UdpListener:
         settings: DataplaneSettings,
     ) -> Self:
         """Bind and start receiving; port 0 lets the OS choose. Raises OSError."""
-        loop = asyncio.get_running_loop()
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_DGRAM)
-        pktinfo_level: int | None = None
+        sock = bind_udp(host, port, receive_buffer=settings.udp_receive_buffer)
         try:
-            if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            sock.bind((host, port))
-            sock.setblocking(False)
-            _set_receive_buffer(sock, settings.udp_receive_buffer)
-            if host in _WILDCARDS:
-                # Learn each datagram's destination address so the reply can leave from it.
-                if family == socket.AF_INET6:
-                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_RECVPKTINFO, 1)
-                    pktinfo_level = socket.IPPROTO_IPV6
-                else:
-                    sock.setsockopt(socket.IPPROTO_IP, IP_PKTINFO, 1)
-                    pktinfo_level = socket.IPPROTO_IP
+            return cls.serve(sock, name=name, balancer=balancer, traffic=traffic, settings=settings)
         except OSError:
             sock.close()
             raise
+
+    @classmethod
+    def serve(
+        cls,
+        sock: socket.socket,
+        *,
+        name: ServicePortName,
+        balancer: Balancer,
+        traffic: Traffic,
+        settings: DataplaneSettings,
+    ) -> Self:
+        """Start receiving on a socket bound elsewhere (a worker's share of a group, see
+        ``sockets``); the listener owns it from now on. Raises OSError."""
+        loop = asyncio.get_running_loop()
+        sock.setblocking(False)
+        pktinfo_level: int | None = None
+        if sock.getsockname()[0] in _WILDCARDS:
+            # Learn each datagram's destination address so the reply can leave from it.
+            if sock.family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_RECVPKTINFO, 1)
+                pktinfo_level = socket.IPPROTO_IPV6
+            else:
+                sock.setsockopt(socket.IPPROTO_IP, IP_PKTINFO, 1)
+                pktinfo_level = socket.IPPROTO_IP
         self = cls(
             loop=loop,
             sock=sock,
