@@ -39,12 +39,7 @@ def rss_kib() -> int:
 
 
 def accept_pauses() -> float:
-    total = 0.0
-    for metric in metrics.ACCEPT_PAUSED.collect():
-        for sample in metric.samples:
-            if sample.name.endswith("_total"):
-                total += sample.value
-    return total
+    return sum(tally.value for _, tally in metrics.ACCEPT_PAUSED.series())
 
 
 def hog(held: list[int]) -> None:

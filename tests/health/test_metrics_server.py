@@ -110,7 +110,7 @@ def of_family(
 async def test_metrics_parse_and_include_build_info(
     http: aiohttp.ClientSession, server: MetricsServer
 ) -> None:
-    metrics.ACCEPT_PAUSED.labels(reason="emfile").inc()  # a labelled series to find below
+    metrics.ACCEPT_PAUSED.labels("emfile").value += 1  # a labelled series to find below
     async with http.get(f"http://127.0.0.1:{server.port}/metrics") as resp:
         assert resp.status == 200
         assert resp.headers["Content-Type"] == TEXT_0_0_4

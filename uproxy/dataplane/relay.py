@@ -162,7 +162,7 @@ class _Side(asyncio.Protocol):
 
     __slots__ = ("counter", "eof", "peer", "transport", "write_paused")
 
-    def __init__(self, counter: metrics.Tally) -> None:
+    def __init__(self, counter: metrics.AnyTally) -> None:
         self.counter = counter
         self.transport: asyncio.Transport | None = None
         self.peer: _Side | None = None
@@ -214,7 +214,7 @@ class _Side(asyncio.Protocol):
 class _EndpointSide(_Side):
     __slots__ = ("conn",)
 
-    def __init__(self, conn: Connection, counter: metrics.Tally) -> None:
+    def __init__(self, conn: Connection, counter: metrics.AnyTally) -> None:
         super().__init__(counter)
         self.conn = conn
 

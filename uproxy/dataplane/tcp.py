@@ -181,7 +181,7 @@ class TcpListener:
         if self._paused is not None or self._sock is None:
             return
         self.loop.remove_reader(self._sock.fileno())
-        metrics.ACCEPT_PAUSED.labels(reason).inc()
+        metrics.ACCEPT_PAUSED.labels(reason).value += 1
         if self._starved:
             # Still out of fds after the backoff: counted, but one log line per episode.
             self._paused = self.loop.call_later(self.settings.accept_backoff_s, self._resume)

@@ -1,0 +1,92 @@
+"""Shared-memory counters: what a worker counts is read by the control process, exactly, and
+stays counted after the worker is gone. The worker side runs in a real child process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+from uproxy import metrics
+from uproxy.dataplane.counters import CounterFiles, SlotReader, SlotWriter
+
+_WORKER = textwrap.dedent(
+    """
+    import sys
+    from uproxy import metrics
+    from uproxy.dataplane.counters import CounterFiles, SlotWriter
+    metrics.share(SlotWriter(CounterFiles(int(sys.argv[1]), int(sys.argv[2]))))
+    svc = "ns/web:http"
+    metrics.BYTES.labels(svc, "to_endpoint").value += 1000
+    metrics.BYTES.labels(svc, "to_endpoint").value += 234
+    metrics.CONNECTIONS.labels(svc, "TCP", "ok").value += 3
+    metrics.OPEN_CONNECTIONS.labels(svc, "TCP").value += 2
+    metrics.ACCEPT_PAUSED.labels("emfile").value += 1
+    metrics.DIAL_DURATION.observe(0.003)
+    metrics.DIAL_DURATION.observe(0.3)
+    """
+)
+
+
+def run_worker(files: CounterFiles) -> None:
+    fds = (files.values_fd, files.directory_fd)
+    subprocess.run(
+        [sys.executable, "-c", _WORKER, *map(str, fds)],
+        check=True,
+        pass_fds=fds,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+        timeout=60,
+    )
+
+
+def totals(name: str) -> dict[tuple[str, ...], float]:
+    family = next(f for f in metrics.DATA_PLANE if f.name == name)
+    assert isinstance(family, metrics.LabelledFamily)
+    return {labels: t.value for labels, t in family.series() if t.value}
+
+
+def test_the_control_process_adds_up_live_and_dead_workers_exactly() -> None:
+    a, b = CounterFiles.create(), CounterFiles.create()
+    try:
+        run_worker(a)  # both have counted and exited: their numbers are in shared memory
+        run_worker(b)
+        readers = [SlotReader(a), SlotReader(b)]
+        sums = metrics.WorkerTotals()
+        sums.add_up(readers)
+        svc = ("ns/web:http",)
+        assert totals("uproxy_bytes_total")[(*svc, "to_endpoint")] == 2 * 1234
+        assert totals("uproxy_connections_total")[(*svc, "TCP", "ok")] == 6
+        assert totals("uproxy_open_connections")[(*svc, "TCP")] == 4
+        assert totals("uproxy_accept_paused_total")[("emfile",)] == 2
+        assert sum(metrics.DIAL_DURATION.counts) == 4
+        assert abs(metrics.DIAL_DURATION.sum - 2 * 0.303) < 1e-9
+        # Worker a is replaced: its counts stay, its gauges go, nothing counts twice.
+        sums.retire(readers[0])
+        sums.add_up(readers[1:])
+        assert totals("uproxy_bytes_total")[(*svc, "to_endpoint")] == 2 * 1234
+        assert totals("uproxy_open_connections")[(*svc, "TCP")] == 2
+        assert sum(metrics.DIAL_DURATION.counts) == 4
+        for reader in readers:
+            reader.close()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_reader_learns_label_sets_bound_after_it_started() -> None:
+    files = CounterFiles.create()
+    try:
+        writer, reader = SlotWriter(files), SlotReader(files)
+        first = writer.new_slot("uproxy_bytes_total", ("a", "to_client"))
+        writer.values[first] += 5
+        reader.refresh()
+        assert list(reader.items()) == [("uproxy_bytes_total", ("a", "to_client"), 5.0)]
+        second = writer.new_slot("uproxy_bytes_total", ("b", "to_client"))
+        writer.values[second] += 7
+        writer.values[first] += 1
+        reader.refresh()
+        assert [v for *_, v in reader.items()] == [6.0, 7.0]
+        reader.close()
+    finally:
+        files.close()
