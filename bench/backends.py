@@ -51,7 +51,7 @@ http {{
     uwsgi_temp_path {dir}/nginx-tmp;
     scgi_temp_path {dir}/nginx-tmp;
     server {{
-        listen 127.0.0.1:{port} backlog=4096;
+        listen {host}:{port} backlog=4096;
         location = /blob {{ alias {dir}/blob.bin; default_type application/octet-stream; }}
         location / {{ default_type text/plain; return 200 "ok\\n"; }}
     }}
@@ -59,12 +59,20 @@ http {{
 """
 
 
-def start(procs: ProcessGroup, cores: Cores, workdir: Path, ports: BackendPorts) -> Backends:
+def start(
+    procs: ProcessGroup,
+    cores: Cores,
+    workdir: Path,
+    ports: BackendPorts,
+    *,
+    host: str = "127.0.0.1",
+) -> Backends:
+    """nginx and iperf3 on ``host``; the UDP echo on 127.0.0.1."""
     blob = os.urandom(BLOB_SIZE)
     (workdir / "blob.bin").write_bytes(blob)
     (workdir / "nginx-tmp").mkdir(exist_ok=True)
     conf = workdir / "backend-nginx.conf"
-    conf.write_text(NGINX_HTTP.format(dir=workdir, port=ports.http))
+    conf.write_text(NGINX_HTTP.format(dir=workdir, host=host, port=ports.http))
     nginx = procs.start(
         [
             "nginx",
@@ -79,7 +87,7 @@ def start(procs: ProcessGroup, cores: Cores, workdir: Path, ports: BackendPorts)
         name="backend-nginx",
     )
     iperf = procs.start(
-        ["iperf3", "-s", "-B", "127.0.0.1", "-p", str(ports.iperf)],
+        ["iperf3", "-s", "-B", host, "-p", str(ports.iperf)],
         core=cores.load,
         name="backend-iperf3",
     )

@@ -7,6 +7,8 @@ kernel-DNAT rule needs it). The bench re-executes itself inside each namespace, 
 created here and removed on every exit path, Ctrl-C included. Without root everything runs on
 the host's loopback and the kernel-DNAT peer is skipped with a note. ``--quick`` runs each
 installed peer once, briefly, and still writes every output: CI uses it as a smoke test.
+The control-plane part builds its own namespaces instead (a node and a backend namespace per
+session, see ``bench/controlplane.py``), so it runs outside any namespace of this module's.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from bench import controlplane, dataplane, netns, report
+from bench import controlplane, dataplane, deployed, deployed_report, netns, report
 from bench import workloads as wl
 from bench.backends import BackendPorts, missing_tools
 from bench.backends import start as start_backends
@@ -59,6 +61,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-control-plane", action="store_true", help="skip the sync-time runs")
     p.add_argument("--no-profile", action="store_true", help="skip the py-spy profile")
     p.add_argument("--no-rules-sync", action="store_true", help="skip python -m bench.rules_sync")
+    p.add_argument(
+        "--no-deployed",
+        action="store_true",
+        help="skip the deployed path (pod -> ClusterIP -> node; python -m bench.deployed)",
+    )
     p.add_argument("--keep-logs", action="store_true", help="keep the child processes' logs")
     p.add_argument("--no-netns", action="store_true", help="run on the host's loopback")
     p.add_argument(
@@ -95,8 +102,18 @@ def _cp_planned_run_s(args: argparse.Namespace) -> float:
     return 1.5 if args.quick else 5.0
 
 
+def _cp_at_scale(args: argparse.Namespace) -> controlplane.ScalePlan | None:
+    """As root: the control plane at scale, in namespaces it builds itself, with rules."""
+    if os.geteuid() != 0 or args.no_netns:
+        return None
+    return controlplane.scale_plan(_sizes(args), quick=args.quick)
+
+
 def _part_planned_s(args: argparse.Namespace, part: str) -> float:
     if part == "control-plane":
+        at_scale = _cp_at_scale(args)
+        if at_scale is not None:
+            return controlplane.planned_seconds(at_scale)
         return _cp_planned_run_s(args) * _cp_runs(args) * len(_sizes(args)) + 1.0
     if part == "profile":
         return PROFILE_S + 4.0
@@ -134,6 +151,8 @@ def render(source: Path, out: Path) -> int:
     results["summary"] = report.summary_table(
         {p: e for p, e in results["peers"].items() if not e.get("skipped")}
     )
+    if "runs" in results.get("deployed", {}):
+        results["deployed"]["summary"] = deployed_report.summary(results["deployed"])
     for path in report.write(results, out):
         print(path)
     return 0
@@ -197,6 +216,9 @@ def run_all(args: argparse.Namespace, args_list: list[str]) -> int:
     results["meta"]["load_average_start"] = _loadavg()
     planned = sum(_part_planned_s(args, p) for p in parts)
     planned += RULES_SYNC_PLANNED_S[args.quick] if rules_sync else 0.0
+    run_deployed = os.geteuid() == 0 and not args.no_deployed
+    deployed_plan = deployed.plan_for(quick=args.quick, rounds=args.runs)
+    planned += deployed.planned_seconds(deployed_plan) if run_deployed else 0.0
     progress = Progress(planned_s=planned)
     if results["meta"]["load_average_start"][0] > BUSY_LOADAVG:
         progress.say(
@@ -222,7 +244,8 @@ def run_all(args: argparse.Namespace, args_list: list[str]) -> int:
                 "--cores",
                 f"{cores.proxy},{cores.load}",
             ]
-            if use_netns:
+            # The control plane builds its own namespaces (one set per session).
+            if use_netns and part != "control-plane":
                 name = f"ubench-{os.getpid()}-{i}"
                 rc = netns.run_inside(name, [*child_args, "--inside", name])
             else:
@@ -238,6 +261,14 @@ def run_all(args: argparse.Namespace, args_list: list[str]) -> int:
             failed |= _merge(results, part, data, progress)
     if rules_sync:
         results["rules_sync"] = _rules_sync(args.quick, progress)
+    if run_deployed:
+        results["deployed"] = deployed.run_from_bench(
+            quick=args.quick, rounds=args.runs, keep_logs=args.keep_logs, progress=progress
+        )
+        progress.advance(deployed.planned_seconds(deployed_plan))
+        failed |= deployed_report.failed(results["deployed"])
+    elif not args.no_deployed:
+        results["deployed"] = {"skipped": "needs root (network namespaces, iptables, nft)"}
     results["meta"]["elapsed_s"] = progress.elapsed()
     results["meta"]["load_average_end"] = _loadavg()
     results["summary"] = report.summary_table(
@@ -315,7 +346,7 @@ def _merge(results: dict[str, Any], part: str, data: dict[str, Any], progress: P
             "sizes": {},
             "notes": [f"failed: {error}"],
         }
-        return bool(error)
+        return bool(error) or bool(results["control_plane"].get("failed"))
     results["profile"] = data.get("profile")
     return False
 
@@ -354,6 +385,7 @@ def run_part(args: argparse.Namespace) -> int:
                 workdir=workdir,
                 progress=progress,
                 planned_per_run_s=_cp_planned_run_s(args),
+                at_scale=_cp_at_scale(args),
             )
         else:
             backends = start_backends(procs, cores, workdir, ctx.backend)

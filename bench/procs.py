@@ -179,6 +179,41 @@ def peak_rss_bytes(pid: int) -> int:
     return total
 
 
+def machine_busy_s() -> float:
+    """CPU seconds every CPU has spent not idle (user, system, irq, softirq, steal)."""
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / CLK_TCK
+
+
+def reaped_children_s(pid: int) -> float:
+    """CPU seconds of the children ``pid`` has reaped: uproxy's rules-check commands."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[16 - 3]) + int(fields[17 - 3])) / CLK_TCK
+
+
+def runqueue_wait_s(pid: int) -> float:
+    """Seconds the process tree's threads were runnable but waiting for a CPU (schedstat).
+
+    Near zero on a quiet machine. When other work shares the proxy's core, the proxy's
+    latency figures measure that contention rather than the proxy.
+    """
+    total = 0
+    for p in tree(pid):
+        try:
+            tasks = list(Path(f"/proc/{p}/task").iterdir())
+        except OSError:
+            continue
+        for task in tasks:
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                total += int((task / "schedstat").read_text().split()[1])
+    return total / 1e9
+
+
 # --- waiting for sockets -------------------------------------------------------------------
 
 

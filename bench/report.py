@@ -15,6 +15,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from bench import cp_report, deployed_report
 from bench.metrics import METRICS, Metric
 from bench.stats import Summary, ratio, summarise
 
@@ -197,7 +198,9 @@ def markdown(results: dict[str, Any]) -> str:
             )
         lines.append("")
     cp = results.get("control_plane")
-    if cp:
+    if cp and "scale" in cp:
+        lines += [cp_report.markdown(cp), ""]
+    elif cp:
         lines += [
             "## Control plane (uproxy, uvloop, against the API-server double)",
             "",
@@ -219,6 +222,7 @@ def markdown(results: dict[str, Any]) -> str:
     if rs:
         lines += ["## Rules sync (`python -m bench.rules_sync`, per rules backend)", ""]
         lines += [rs["markdown"] if "markdown" in rs else f"Failed: {rs.get('error')}", ""]
+    lines += deployed_report.markdown(results.get("deployed"))
     prof = results.get("profile")
     if prof and "skipped" in prof:
         lines += ["## Profile: uproxy (uvloop) on the connection-rate run", ""]
@@ -337,7 +341,9 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
         plt.close(fig)
         written.append(fname)
     cp = results.get("control_plane")
-    if cp and any(cp["sizes"].values()):
+    if cp and "scale" in cp:
+        written += [p for p in [cp_report.plot(cp, out, results["meta"]["date"])] if p]
+    elif cp and any(cp["sizes"].values()):
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
         sizes = [int(n) for n, runs in cp["sizes"].items() if runs]
         for ax, key, label in (
@@ -365,4 +371,5 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
         fig.savefig(out / "control_plane.png", dpi=110)
         plt.close(fig)
         written.append("control_plane.png")
+    written += deployed_report.plot(results.get("deployed"), out)
     return written

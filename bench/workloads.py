@@ -67,8 +67,8 @@ def write_scripts(workdir: Path, d: Durations) -> dict[str, Path]:
     return out
 
 
-def iperf(port: int, *, streams: int, seconds: int, core: int) -> Figures:
-    argv = ["iperf3", "-c", "127.0.0.1", "-p", str(port), "-t", str(seconds), "-P", str(streams)]
+def iperf(port: int, *, streams: int, seconds: int, core: int, host: str = "127.0.0.1") -> Figures:
+    argv = ["iperf3", "-c", host, "-p", str(port), "-t", str(seconds), "-P", str(streams)]
     argv += ["-J", "--connect-timeout", "3000"]
     res = run_pinned(argv, core=core, timeout_s=seconds + 20)
     try:
@@ -85,9 +85,17 @@ def iperf(port: int, *, streams: int, seconds: int, core: int) -> Figures:
     }
 
 
-def wrk(port: int, *, script: Path, connections: int, seconds: float, core: int) -> Figures:
+def wrk(
+    port: int,
+    *,
+    script: Path,
+    connections: int,
+    seconds: float,
+    core: int,
+    host: str = "127.0.0.1",
+) -> Figures:
     argv = ["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s", "--timeout", "2s"]
-    argv += ["-s", str(script), f"http://127.0.0.1:{port}/"]
+    argv += ["-s", str(script), f"http://{host}:{port}/"]
     res = run_pinned(argv, core=core, timeout_s=seconds + 20)
     for line in res.stdout.splitlines():
         if line.startswith("BENCHJSON "):

@@ -1,0 +1,249 @@
+"""The deployed path's peers: every way a node steers a pod's connection to a ClusterIP.
+
+Each peer is set up in the node namespace of a fresh topology (``bench.topology``) for one
+number of services, and is then reached the same way, from the pod, at the same ClusterIP:
+
+- kernel DNAT in one linear chain, as kube-proxy's iptables mode lays it out: a jump from nat
+  PREROUTING to ``KUBE-SERVICES``, one ``-d CLUSTER-IP -p tcp --dport PORT -j DNAT`` rule per
+  service (kube-proxy goes on through KUBE-SVC-/KUBE-SEP- chains; with one endpoint per
+  service that is the same match work for a new connection and one DNAT). Written with
+  ``iptables-nft-restore`` (the reference of every ratio) and ``iptables-legacy-restore``.
+- kernel DNAT through an nft map, as kube-proxy's nftables mode does: one rule, ``dnat ip to
+  ip daddr . tcp dport map @services``, whatever the number of services.
+- uproxy with ``--rules iptables-restore`` (nft and legacy) and ``--rules nftables``: the
+  process a node runs, from a ``--services`` file of the same Services and EndpointSlices.
+
+The measured service sorts last wherever order matters: the last rule of the linear chain,
+and for uproxy's iptables portals (sorted by namespace/name/port) the name ``zz-target``. Every
+HTTP service points at the same nginx; one more service (``zz-bulk``, just before the target)
+points at iperf3.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.backends import BackendPorts
+from bench.procs import Cores, ProcessGroup
+
+NAMESPACE = "bench"
+HTTP_PORT = 80
+PROXY_PORT_RANGE = "20000-39999"  # room for 10,000s of listeners, apart from uproxy's dials
+METRICS_URL = "http://127.0.0.1:10249/metrics"
+
+
+@dataclass(frozen=True, slots=True)
+class Service:
+    name: str
+    ip: str
+    port: int
+    target_port: int
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceSet:
+    """``count`` HTTP services (fillers, then the target last) plus the iperf3 service."""
+
+    count: int
+    backend_ip: str
+    backend: BackendPorts
+
+    @property
+    def target(self) -> Service:
+        return Service("zz-target", "10.96.255.10", HTTP_PORT, self.backend.http)
+
+    @property
+    def bulk(self) -> Service:
+        return Service("zz-bulk", "10.96.255.20", self.backend.iperf, self.backend.iperf)
+
+    def in_rule_order(self) -> Iterator[Service]:
+        for i in range(self.count - 1):
+            ip = f"10.96.{i // 250}.{i % 250 + 1}"
+            yield Service(f"svc-{i:05d}", ip, HTTP_PORT, self.backend.http)
+        yield self.bulk
+        yield self.target
+
+    def yaml(self) -> str:
+        """The Services and EndpointSlices a ``--services`` file holds (what kubectl accepts)."""
+        docs = []
+        for s in self.in_rule_order():
+            docs.append(
+                f"""apiVersion: v1
+kind: Service
+metadata: {{name: {s.name}, namespace: {NAMESPACE}}}
+spec:
+  type: ClusterIP
+  clusterIP: {s.ip}
+  clusterIPs: [{s.ip}]
+  ports: [{{name: p, port: {s.port}, protocol: TCP, targetPort: {s.target_port}}}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: {s.name}-1
+  namespace: {NAMESPACE}
+  labels: {{kubernetes.io/service-name: {s.name}}}
+addressType: IPv4
+ports: [{{name: p, port: {s.target_port}, protocol: TCP}}]
+endpoints:
+  - addresses: ["{self.backend_ip}"]
+    conditions: {{ready: true}}
+"""
+            )
+        return "---\n".join(docs)
+
+    def iptables_chain(self) -> str:
+        """``iptables-restore --noflush`` input: one linear chain of DNAT rules."""
+        lines = ["*nat", ":KUBE-SERVICES - [0:0]", "-A PREROUTING -j KUBE-SERVICES"]
+        for s in self.in_rule_order():
+            lines.append(
+                f"-A KUBE-SERVICES -d {s.ip}/32 -p tcp -m comment --comment "
+                f'"{NAMESPACE}/{s.name}:p cluster IP" -m tcp --dport {s.port} '
+                f"-j DNAT --to-destination {self.backend_ip}:{s.target_port}"
+            )
+        lines.append("COMMIT")
+        return "\n".join(lines) + "\n"
+
+    def nft_map(self) -> str:
+        """``nft -f`` input: one DNAT rule looking the destination up in a map."""
+        elements = ",\n".join(
+            f"      {s.ip} . {s.port} : {self.backend_ip} . {s.target_port}"
+            for s in self.in_rule_order()
+        )
+        return f"""table ip bench-services {{
+  map services {{
+    type ipv4_addr . inet_service : ipv4_addr . inet_service
+    elements = {{
+{elements}
+    }}
+  }}
+  chain prerouting {{
+    type nat hook prerouting priority dstnat; policy accept;
+    dnat ip to ip daddr . tcp dport map @services
+  }}
+}}
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeEnv:
+    """What a peer needs to set itself up (it is called inside the node namespace)."""
+
+    procs: ProcessGroup
+    cores: Cores
+    workdir: Path
+    services: ServiceSet
+
+
+class StartFailed(RuntimeError):
+    """The peer's process exited while starting (for a peer that may be skipped for it)."""
+
+
+class NodePeer:
+    name = ""
+    label = ""
+    is_uproxy = False
+    # uproxy --rules nftables is being built: until it exists, a failed start is a skip.
+    skip_when_start_fails = False
+
+    def unavailable(self) -> str | None:
+        return None
+
+    def start(self, env: NodeEnv) -> list[subprocess.Popen[bytes]]:
+        """Install the peer's rules / start its process; the processes to account."""
+        raise NotImplementedError
+
+
+def _load(argv: list[str], payload: str, what: str) -> None:
+    done = subprocess.run(argv, input=payload, capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        raise RuntimeError(f"{what}: {done.stderr.strip()[:300]}")
+
+
+class KernelChain(NodePeer):
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.name = f"kernel-chain-{mode}"
+        self.label = f"kernel DNAT, linear chain (iptables-{mode})"
+
+    def unavailable(self) -> str | None:
+        if shutil.which(f"iptables-{self.mode}-restore") is None:
+            return f"iptables-{self.mode}-restore is not installed (Debian package: iptables)"
+        return None
+
+    def start(self, env: NodeEnv) -> list[subprocess.Popen[bytes]]:
+        argv = [f"iptables-{self.mode}-restore", "--noflush", "-w", "5"]
+        _load(argv, env.services.iptables_chain(), f"iptables-{self.mode}-restore")
+        return []
+
+
+class KernelMap(NodePeer):
+    name = "kernel-map-nft"
+    label = "kernel DNAT, nft map"
+
+    def unavailable(self) -> str | None:
+        if shutil.which("nft") is None:
+            return "nft is not installed (Debian package: nftables)"
+        return None
+
+    def start(self, env: NodeEnv) -> list[subprocess.Popen[bytes]]:
+        _load(["nft", "-f", "-"], env.services.nft_map(), "nft -f")
+        return []
+
+
+class UproxyNode(NodePeer):
+    is_uproxy = True
+
+    def __init__(self, rules: str, mode: str | None = None) -> None:
+        self.rules = rules
+        self.mode = mode
+        self.name = f"uproxy-iptables-{mode}" if rules == "iptables-restore" else f"uproxy-{rules}"
+        self.label = f"uproxy --rules {rules}" + (f" ({mode})" if mode else "")
+        self.skip_when_start_fails = rules == "nftables"
+
+    def unavailable(self) -> str | None:
+        probe = subprocess.run(
+            [sys.executable, "-c", "import uproxy.run"], capture_output=True, text=True, timeout=30
+        )
+        if probe.returncode != 0:
+            last = (probe.stderr.strip().splitlines() or ["?"])[-1]
+            return f"uproxy does not import: {last}"
+        need = f"iptables-{self.mode}-restore" if self.mode else "nft"
+        if shutil.which(need) is None:
+            return f"{need} is not installed"
+        return None
+
+    def argv(self, services: Path) -> list[str]:
+        argv = [sys.executable, "-m", "uproxy.cli", "--services", str(services)]
+        argv += ["--rules", self.rules, "--proxy-port-range", PROXY_PORT_RANGE]
+        argv += ["--hostname-override", "bench-node"]
+        if self.mode:
+            argv += ["--iptables-mode", self.mode]
+        return argv
+
+    def start(self, env: NodeEnv) -> list[subprocess.Popen[bytes]]:
+        path = env.workdir / f"services-{env.services.count}.yaml"
+        if not path.exists():
+            path.write_text(env.services.yaml())
+        proc = env.procs.start(self.argv(path), core=env.cores.proxy, name=self.name)
+        return [proc]
+
+
+def all_peers() -> list[NodePeer]:
+    """The reference (kernel DNAT in a linear iptables-nft chain) first."""
+    return [
+        KernelChain("nft"),
+        KernelChain("legacy"),
+        KernelMap(),
+        UproxyNode("iptables-restore", "nft"),
+        UproxyNode("iptables-restore", "legacy"),
+        UproxyNode("nftables"),
+    ]
+
+
+REFERENCE = "kernel-chain-nft"
