@@ -111,7 +111,7 @@ async def _demo() -> int:
     proxy = Proxy(settings, on_table=print_table)
     try:
         await proxy.start()
-        install_signal_handlers(proxy.request_stop)
+        install_signal_handlers(proxy.on_signal)
         await asyncio.wait_for(proxy.synced.wait(), timeout=10)
         _print_instructions(proxy)
         await proxy.wait()
@@ -126,8 +126,6 @@ async def _demo() -> int:
 
 
 def _print_instructions(proxy: Proxy) -> None:
-    if proxy.syncer is None:
-        return
     lines = ["Try it:"]
     for spn, pp in sorted(proxy.syncer.ports.items()):
         if pp.cluster is None:

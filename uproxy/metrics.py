@@ -495,6 +495,10 @@ NO_ENDPOINTS = ScrapeCounter(
     ("service", "traffic"),
     sparse=True,
 )
+WORKER_RESTARTS = Counter(
+    "uproxy_worker_restarts_total",
+    "Data-plane worker processes that died and were replaced",
+)
 BUILD_INFO = Info("uproxy_build", "uproxy build information")
 BUILD_INFO.info({"version": __version__, "python": platform.python_version()})
 

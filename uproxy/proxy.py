@@ -36,10 +36,15 @@ from uproxy.rules.nodeports import NodePortReservations
 from uproxy.runner import BoundedFrequencyRunner
 from uproxy.settings import Settings, parse_hostport
 from uproxy.sources.file import FileSource
-from uproxy.syncer import ProxiedPort, Syncer, SyncerOptions, TableRow
+from uproxy.syncer import ProxiedPort, Syncer, SyncerOptions, TableRow, open_listener
 from uproxy.tracker import Tracker
+from uproxy.workers import WorkerPool, default_worker_count
 
 log = logging.getLogger("uproxy.proxy")
+
+# Seconds connections get to finish when uproxy stops (all listeners and workers at once).
+DRAIN_TIMEOUT_S = 5.0
+EXIT_NOW = 143  # a second stop signal: 128 + SIGTERM, as a shell reports a killed process
 
 # The cheap "are our rules still there" check: a netlink or getsockopt read of the ruleset's
 # generation (about 10 us) that reads the rules themselves only when someone else committed.
@@ -59,22 +64,68 @@ class Proxy:
         rules: RulesBackend | None = None,
         on_table: Callable[[list[TableRow]], None] | None = None,
     ) -> None:
-        self.settings = settings
-        self._rules_override = rules
-        self._on_table = on_table
-        self.health = ProxyHealth(sync_period_s=settings.iptables_sync_period)
+        """Build every part (StartupError when the settings cannot work); ``start`` runs them."""
+        s = self.settings = settings
+        self.health = ProxyHealth(sync_period_s=s.iptables_sync_period)
         self.tracker = Tracker(
-            service_proxy_name=settings.service_proxy_name,
+            service_proxy_name=s.service_proxy_name,
             on_change=self._queue_sync,
             on_endpoints=self._endpoints_changed,
         )
-        self.rules: RulesBackend | None = None
-        self.syncer: Syncer | None = None
-        self.runner: BoundedFrequencyRunner | None = None
-        self.healthz: HealthzServer | None = None
-        self.metrics_server: MetricsServer | None = None
-        self.healthchecks: HealthCheckServers | None = None
-        self.file_source: FileSource | None = None
+        self.rules: RulesBackend = rules or self._make_rules()
+        dataplane = DataplaneSettings(
+            udp_timeout_s=s.udp_timeout,
+            udp_max_flows=s.udp_max_flows,
+            udp_receive_buffer=s.udp_receive_buffer,
+            dial_mark=self._dial_mark(),
+        )
+        count = s.workers if s.workers is not None else default_worker_count(laptop=s.laptop)
+        self.workers: WorkerPool | None = (
+            WorkerPool(
+                count,
+                settings=dataplane,
+                node_name=s.node_name,
+                default_algorithm=s.algorithm,
+                drain_timeout_s=DRAIN_TIMEOUT_S,
+                event_loop=s.event_loop,
+                verbosity=s.verbosity,
+                logging_format=s.logging_format,
+            )
+            if count > 0
+            else None
+        )
+        self.healthchecks = HealthCheckServers(
+            addresses=self._nodeport_addresses(), proxy_health=self.health
+        )
+        self.syncer = Syncer(
+            tracker=self.tracker,
+            rules=self.rules,
+            listener_factory=self.workers.open_listener if self.workers else open_listener,
+            options=SyncerOptions(
+                listen_host=s.listen_host,
+                node_name=s.node_name,
+                laptop=s.laptop,
+                port_range=parse_port_range(s.proxy_port_range),
+                default_algorithm=s.algorithm,
+                dataplane=dataplane,
+                full_sync_period_s=s.iptables_sync_period,
+                drain_timeout_s=DRAIN_TIMEOUT_S,
+                nodeports=None if s.laptop else NodePortReservations(),
+                on_table=on_table,
+                on_synced=self._synced,
+                extra_hooks=[self._sync_healthchecks],
+                link=self.workers,
+            ),
+        )
+        self.runner = BoundedFrequencyRunner(
+            "sync-proxy-rules",
+            self.syncer.sync,
+            min_interval=s.iptables_min_sync_period,
+            max_interval=s.iptables_sync_period,
+        )
+        self.healthz = self._healthz_server()
+        self.metrics_server = self._metrics_server()
+        self.file_source = FileSource(path=s.services, tracker=self.tracker) if s.services else None
         self._endpoints_queued = False
         # Health-check node ports: per service, the ports that ask for one and their counts.
         self._hc_ports: dict[
@@ -89,45 +140,17 @@ class Proxy:
     # ----- lifecycle -----
 
     async def start(self) -> None:
-        s = self.settings
         limit = raise_nofile_limit()
         log.log(V2, "File descriptor limit", extra=kv(nofile=limit))
-        self.rules = self._rules_override or self._make_rules()
-        self.healthchecks = HealthCheckServers(
-            addresses=self._nodeport_addresses(), proxy_health=self.health
-        )
-        self.syncer = Syncer(
-            tracker=self.tracker,
-            rules=self.rules,
-            options=SyncerOptions(
-                listen_host=s.listen_host,
-                node_name=s.node_name,
-                laptop=s.laptop,
-                port_range=parse_port_range(s.proxy_port_range),
-                default_algorithm=s.algorithm,
-                dataplane=DataplaneSettings(
-                    udp_timeout_s=s.udp_timeout,
-                    udp_max_flows=s.udp_max_flows,
-                    udp_receive_buffer=s.udp_receive_buffer,
-                    dial_mark=self._dial_mark(),
-                ),
-                full_sync_period_s=s.iptables_sync_period,
-                nodeports=None if s.laptop else NodePortReservations(),
-                on_table=self._on_table,
-                on_synced=self._synced,
-                extra_hooks=[self._sync_healthchecks],
-            ),
-        )
-        self.runner = BoundedFrequencyRunner(
-            "sync-proxy-rules",
-            self.syncer.sync,
-            min_interval=s.iptables_min_sync_period,
-            max_interval=s.iptables_sync_period,
-        )
         await self._start_http()
+        if self.workers is not None:
+            try:
+                await self.workers.start()
+            except (OSError, RuntimeError) as e:
+                raise StartupError(f"cannot start the data-plane workers: {e}") from None
         await self._start_sources()
         self._spawn("sync-runner", self.runner.loop())
-        if not s.laptop:
+        if not self.settings.laptop:
             self._spawn("rules-check", self._check_rules())
         self._queue_sync()
 
@@ -138,6 +161,17 @@ class Proxy:
     def request_stop(self) -> None:
         self._stopped.set()
 
+    def on_signal(self) -> None:
+        """SIGTERM/SIGINT: the first drains and stops; a second one exits at once."""
+        if not self._stopped.is_set():
+            log.info("Stopping: draining connections (a second signal exits at once)")
+            self._stopped.set()
+            return
+        log.warning("Second stop signal: exiting now")
+        if self.workers is not None:
+            self.workers.kill_now()
+        os._exit(EXIT_NOW)
+
     async def stop(self) -> None:
         self._stopped.set()
         for task in self._tasks:
@@ -146,17 +180,16 @@ class Proxy:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks.clear()
-        if self.syncer is not None:
-            await self.syncer.close(drain=True)
-        if self.healthchecks is not None:
-            await self.healthchecks.close()
+        await self.syncer.close(drain=True)
+        if self.workers is not None:
+            await self.workers.stop(drain=True)
+        await self.healthchecks.close()
         for server in (self.healthz, self.metrics_server):
             if server is not None:
                 await server.close()
-        if self.rules is not None:
-            if self.settings.cleanup_on_exit:
-                await self.rules.cleanup()
-            await self.rules.close()
+        if self.settings.cleanup_on_exit:
+            await self.rules.cleanup()
+        await self.rules.close()
 
     # ----- pieces -----
 
@@ -214,24 +247,29 @@ class Proxy:
                 out.append(ip)
         return out
 
+    def _healthz_server(self) -> HealthzServer | None:
+        addr = parse_hostport(self.settings.healthz_bind_address)
+        if addr is None:
+            return None
+        return HealthzServer(proxy_health=self.health, address=addr[0], port=addr[1])
+
+    def _metrics_server(self) -> MetricsServer | None:
+        addr = parse_hostport(self.settings.metrics_bind_address)
+        if addr is None:
+            return None
+        add_up = self.workers.add_up if self.workers is not None else None
+        return MetricsServer(address=addr[0], port=addr[1], before_scrape=add_up)
+
     async def _start_http(self) -> None:
         s = self.settings
-        for flag, value in (
-            ("--healthz-bind-address", s.healthz_bind_address),
-            ("--metrics-bind-address", s.metrics_bind_address),
+        for flag, value, server in (
+            ("--healthz-bind-address", s.healthz_bind_address, self.healthz),
+            ("--metrics-bind-address", s.metrics_bind_address, self.metrics_server),
         ):
-            addr = parse_hostport(value)
-            if addr is None:
+            if server is None:
                 continue
             try:
-                if flag == "--healthz-bind-address":
-                    self.healthz = HealthzServer(
-                        proxy_health=self.health, address=addr[0], port=addr[1]
-                    )
-                    await self.healthz.start()
-                else:
-                    self.metrics_server = MetricsServer(address=addr[0], port=addr[1])
-                    await self.metrics_server.start()
+                await server.start()
             except OSError as e:
                 raise StartupError(
                     f"cannot listen on {flag} {value}: {e.strerror or e}; "
@@ -240,10 +278,9 @@ class Proxy:
 
     async def _start_sources(self) -> None:
         s = self.settings
-        if s.services:
+        if self.file_source is not None:
             from uproxy.sources.file import ServicesFileError
 
-            self.file_source = FileSource(path=s.services, tracker=self.tracker)
             try:
                 await self.file_source.load_initial()
             except (ServicesFileError, OSError) as e:
@@ -300,7 +337,7 @@ class Proxy:
         self.health.set_node_eligible(node is None or node.eligible)
         # Before every source has listed, a sync does nothing: requesting one would only
         # spend the rate limiter's burst and delay the first real sync by a min period.
-        if self.runner is None or not self.tracker.synced:
+        if not self.tracker.synced:
             return
         self.health.queued()
         metrics.SYNC_LAST_QUEUED_TIMESTAMP.set(time.time())
@@ -312,15 +349,13 @@ class Proxy:
         Coalesced (a burst of watch events is applied once) and outside the rules' rate
         limit, as kube-proxy's userspace mode did: endpoints need no rules.
         """
-        if self._endpoints_queued or self.syncer is None or self.syncer.syncs == 0:
+        if self._endpoints_queued or self.syncer.syncs == 0:
             return  # before the first sync, that sync takes every change
         self._endpoints_queued = True
         asyncio.get_running_loop().call_soon(self._apply_endpoints)
 
     def _apply_endpoints(self) -> None:
         self._endpoints_queued = False
-        if self.syncer is None:
-            return
         touched = self.syncer.apply_endpoints()
         if touched and self._note_healthchecks(self.syncer.ports, touched):
             self._queue_sync()  # a spec moved: the next sync opens or closes its server
@@ -332,7 +367,7 @@ class Proxy:
     async def _sync_healthchecks(
         self, ports: Mapping[ServicePortName, ProxiedPort], changed: Collection[ServicePortName]
     ) -> None:
-        if self._note_healthchecks(ports, changed) and self.healthchecks is not None:
+        if self._note_healthchecks(ports, changed):
             await self.healthchecks.sync(self._hc_specs)
 
     def _note_healthchecks(
@@ -343,8 +378,6 @@ class Proxy:
         Returns whether a spec changed (a server to open or close); counts are handed over
         at once. Work is proportional to the change.
         """
-        if self.healthchecks is None:
-            return False
         keys = set()
         for spn in changed:
             key = spn.service

@@ -31,14 +31,18 @@ def print_table(rows: list[TableRow]) -> None:
 
 
 async def run_proxy(settings: Settings) -> int:
-    proxy = Proxy(settings, on_table=print_table if settings.laptop else None)
+    try:
+        proxy = Proxy(settings, on_table=print_table if settings.laptop else None)
+    except StartupError as e:
+        print(f"uproxy: error: {e}", file=sys.stderr)
+        return 1
     try:
         await proxy.start()
     except StartupError as e:
         print(f"uproxy: error: {e}", file=sys.stderr)
         await proxy.stop()
         return 1
-    install_signal_handlers(proxy.request_stop)
+    install_signal_handlers(proxy.on_signal)
     # Start-up objects (modules, settings, clients) live for the whole process: move them
     # out of the collector's sight so per-connection collections stay cheap. The collector
     # was off while they were made (see main()); bulk work later freezes its own

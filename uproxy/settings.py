@@ -119,6 +119,15 @@ class Settings:
         help="Bytes of kernel receive buffer per UDP proxy port, so bursts wait instead of "
         "being dropped (beyond net.core.rmem_max with CAP_NET_ADMIN); 0 keeps the default",
     )
+    workers: int | None = opt(
+        None,
+        flag="--workers",
+        config="uproxy.workers",
+        kind="int",
+        help="Data-plane worker processes that accept, dial and relay (the control process "
+        "does everything else); 0 relays in the control process; default: the CPUs this "
+        "process may use (affinity mask and cgroup quota), 1 with --rules none",
+    )
     lb_algorithm: str = opt(
         LbAlgorithm.ROUND_ROBIN.value,
         flag="--lb-algorithm",
@@ -363,6 +372,8 @@ def validate(s: Settings) -> None:
         parse_port_range(s.proxy_port_range)
     except ValueError as e:
         raise SettingsError(f"invalid --proxy-port-range: {e}") from None
+    if s.workers is not None and s.workers < 0:
+        raise SettingsError("invalid --workers: must be 0 or more")
     if s.udp_receive_buffer < 0:
         raise SettingsError("invalid --udp-receive-buffer: must be 0 or more bytes")
     if s.udp_max_flows < 1:

@@ -12,6 +12,7 @@ every few milliseconds, so relays never wait behind them for long.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import logging
 import time
@@ -25,7 +26,15 @@ from uproxy.dataplane.settings import DataplaneSettings
 from uproxy.dataplane.tcp import TcpListener
 from uproxy.dataplane.udp import UdpListener
 from uproxy.log import V2, kv
-from uproxy.model import LbAlgorithm, Protocol, ServicePort, ServicePortName, ServiceState, Traffic
+from uproxy.model import (
+    Endpoint,
+    LbAlgorithm,
+    Protocol,
+    ServicePort,
+    ServicePortName,
+    ServiceState,
+    Traffic,
+)
 from uproxy.portrange import PortAllocator
 from uproxy.rules.base import Portal, PortalKind, RulesBackend, RulesError
 from uproxy.rules.nodeports import NodePortError, NodePortReservations
@@ -48,6 +57,20 @@ class Listener(TypingProtocol):
 
     @property
     def active(self) -> int: ...
+
+
+class DataplaneLink(TypingProtocol):
+    """Where balancer changes go besides the syncer's own balancers: the worker processes.
+
+    The syncer keeps one ``Balancer`` per service port either way (the table, the health
+    checks and the in-process listeners read it); with workers, each change is also sent.
+    """
+
+    def set_endpoints(
+        self, name: ServicePortName, port: ServicePort, endpoints: tuple[Endpoint, ...]
+    ) -> None: ...
+
+    def forget(self, name: ServicePortName) -> None: ...
 
 
 class ListenerFactory(TypingProtocol):
@@ -126,6 +149,8 @@ class SyncerOptions:
     on_table: Callable[[list[TableRow]], None] | None = None
     on_synced: Callable[[], None] | None = None
     extra_hooks: list[Hook] = field(default_factory=list)
+    # Data-plane workers (None: the listeners run in this process).
+    link: DataplaneLink | None = None
 
 
 class Syncer:
@@ -224,7 +249,7 @@ class Syncer:
             state = self.tracker.state(spn)
             if pp is not None and state is not None:
                 pp.port = state.port
-                pp.balancer.update(state.port, state.endpoints)
+                self._update_balancer(spn, pp, state)
                 touched.add(spn)
         self._emit_table(touched)
         _observe_programming(changes.trigger_times, time.time())
@@ -235,9 +260,9 @@ class Syncer:
         listeners = [lst for pp in self.ports.values() for lst in (pp.cluster, pp.external) if lst]
         for lst in listeners:
             lst.close()
-        if drain:
-            for lst in listeners:
-                await lst.shutdown(self.options.drain_timeout_s)
+        if drain:  # all at once: one drain deadline for the whole proxy, not one per port
+            timeout = self.options.drain_timeout_s
+            await asyncio.gather(*(lst.shutdown(timeout) for lst in listeners))
         self.ports.clear()
         if self.options.nodeports is not None:
             self.options.nodeports.close()
@@ -265,7 +290,7 @@ class Syncer:
             if pp.port.node_port != state.port.node_port:
                 self._release_nodeport(spn, pp.port)
         pp.port = state.port
-        pp.balancer.update(state.port, state.endpoints)
+        self._update_balancer(spn, pp, state)
         if pp.cluster is None:
             pp.cluster = await self._open_listener(spn, pp, Traffic.CLUSTER)
             opened += pp.cluster is not None
@@ -282,6 +307,11 @@ class Syncer:
             self._retry.add(spn)
         return opened
 
+    def _update_balancer(self, spn: ServicePortName, pp: ProxiedPort, state: ServiceState) -> None:
+        pp.balancer.update(state.port, state.endpoints)
+        if self.options.link is not None:
+            self.options.link.set_endpoints(spn, state.port, state.endpoints)
+
     async def _remove(self, spn: ServicePortName) -> int:
         pp = self.ports.pop(spn)
         closed = 0
@@ -292,6 +322,8 @@ class Syncer:
         self._failed = {k: v for k, v in self._failed.items() if k[0] != spn}
         self._release_nodeport(spn, pp.port)
         self._set_portals(spn, frozenset())
+        if self.options.link is not None:
+            self.options.link.forget(spn)
         if spn.protocol is Protocol.UDP and not self.options.laptop:
             await _clear_conntrack(pp.port)
         log.log(V2, "Removed service port", extra=kv(service=str(spn)))
@@ -307,7 +339,11 @@ class Syncer:
     ) -> Listener | None:
         alloc = self._allocators[spn.protocol]
         if self.options.laptop and traffic is Traffic.CLUSTER:
-            candidates: Iterable[int] = (pp.port.port, 0)
+            # The service's own port, unless another of our listeners has it: with workers
+            # every listener is a SO_REUSEPORT group, and a second group bound to the same
+            # port would silently join the first rather than fail.
+            own = () if pp.port.port in alloc.in_use else (pp.port.port,)
+            candidates: Iterable[int] = (*own, 0)
         else:
             candidates = alloc.candidates(_MAX_BIND_TRIES)
         last: OSError | None = None

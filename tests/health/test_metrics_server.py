@@ -97,7 +97,7 @@ def want_series(
     return {
         (fam.name, tuple(sorted(zip(fam.labelnames, values, strict=True)))): float(t.value)
         for values, t in fam.series()
-        if t.value or not t.sparse
+        if isinstance(t, metrics.Tally) and (t.value or not t.sparse)
     }
 
 

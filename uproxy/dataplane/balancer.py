@@ -162,5 +162,10 @@ class Balancer:
         return self._local_ips
 
     @property
+    def affinity(self) -> bool:
+        """ClientIP session affinity is on for this service port."""
+        return self._affinity_s is not None
+
+    @property
     def affinity_entries(self) -> int:
         return len(self._affinity)

@@ -134,6 +134,11 @@ class TcpListener:
         return self
 
     @property
+    def socket(self) -> socket.socket | None:
+        """The listening socket (None once closed)."""
+        return self._sock
+
+    @property
     def active(self) -> int:
         """Connections accepted and not yet closed (dialing or relaying)."""
         return len(self._conns)

@@ -188,6 +188,11 @@ class UdpListener:
         return self
 
     @property
+    def socket(self) -> socket.socket | None:
+        """The bound socket (None once closed)."""
+        return self.sock
+
+    @property
     def active(self) -> int:
         """Live UDP flows."""
         return len(self.flows)

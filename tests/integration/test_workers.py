@@ -1,0 +1,416 @@
+"""Data-plane workers: the whole proxy with 2 worker processes, real sockets on loopback.
+
+What is checked is what a user of a multi-core proxy relies on: connections spread over the
+workers, ClientIP affinity and UDP flows hold across them, /metrics adds them up exactly, a
+worker killed under load is replaced while the others' connections carry on intact, and a
+stop drains every listener at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hashlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import wait_for
+from tests.factories import endpoint, endpoint_slice, service
+from tests.integration.backends import NamedBackend, greet
+from uproxy.model import Protocol, ServicePortName
+from uproxy.proxy import Proxy
+from uproxy.settings import Settings
+
+WEB = ServicePortName("default", "web", "http", Protocol.TCP)
+DNS = ServicePortName("default", "dns", "dns", Protocol.UDP)
+
+
+def services_file(path: Path, backends: list[NamedBackend], **spec: Any) -> None:
+    docs: list[dict[str, Any]] = [
+        service(ports=[{"name": "http", "port": 1, "protocol": "TCP"}], **spec)
+    ]
+    for i, b in enumerate(backends):
+        docs.append(
+            endpoint_slice(
+                f"web-{i}",
+                endpoints=[endpoint(b.host)],
+                ports=[{"name": "http", "port": b.port, "protocol": "TCP"}],
+            )
+        )
+    path.write_text(yaml.safe_dump_all(docs))
+
+
+@pytest.fixture
+async def backends() -> AsyncIterator[list[NamedBackend]]:
+    started = [await NamedBackend(f"b{i}", f"127.0.0.{30 + i}").start() for i in range(1, 4)]
+    yield started
+    for b in started:
+        await b.close()
+
+
+async def start_proxy(path: Path, **overrides: Any) -> Proxy:
+    settings = Settings(
+        **{
+            "services": str(path),
+            "rules": "none",
+            "workers": 2,
+            "healthz_bind_address": "",
+            "metrics_bind_address": "127.0.0.1:0",
+            "iptables_min_sync_period": 0.05,
+            **overrides,
+        }
+    )
+    proxy = Proxy(settings)
+    await proxy.start()
+    await asyncio.wait_for(proxy.synced.wait(), 10)
+    return proxy
+
+
+@pytest.fixture
+async def proxies() -> AsyncIterator[list[Proxy]]:
+    started: list[Proxy] = []
+    yield started
+    for proxy in started:
+        await proxy.stop()
+
+
+def proxy_port(proxy: Proxy, name: ServicePortName = WEB) -> int:
+    listener = proxy.syncer.ports[name].cluster
+    assert listener is not None
+    return listener.port
+
+
+def per_worker(proxy: Proxy, family: str, labels: tuple[str, ...]) -> list[float]:
+    """One series as each live worker counts it in shared memory."""
+    assert proxy.workers is not None
+    out = []
+    for reader in proxy.workers.readers():
+        reader.refresh()
+        out.append(sum(v for f, ls, v in reader.items() if f == family and ls == labels))
+    return out
+
+
+async def test_connections_spread_over_the_workers(
+    tmp_path: Path, backends: list[NamedBackend], proxies: list[Proxy]
+) -> None:
+    path = tmp_path / "services.yaml"
+    services_file(path, backends)
+    proxy = await start_proxy(path)
+    proxies.append(proxy)
+    port = proxy_port(proxy)
+    n = 2000
+    for _ in range(n // 50):
+        names = await asyncio.gather(*(greet("127.0.0.1", port) for _ in range(50)))
+        assert set(names) <= {"b1", "b2", "b3"}
+    ok = ("default/web:http", "TCP", "ok")
+    await wait_for(lambda: sum(per_worker(proxy, "uproxy_connections_total", ok)) == n)
+    counts = per_worker(proxy, "uproxy_connections_total", ok)
+    assert all(0.35 * n <= c <= 0.65 * n for c in counts), counts
+
+
+async def test_client_ip_affinity_holds_across_workers(
+    tmp_path: Path, backends: list[NamedBackend], proxies: list[Proxy]
+) -> None:
+    path = tmp_path / "services.yaml"
+    services_file(path, backends, sessionAffinity="ClientIP")
+    proxy = await start_proxy(path)
+    proxies.append(proxy)
+    port = proxy_port(proxy)
+    # One client address, 60 connections: without steering by address they would spread
+    # over both workers, whose balancers would each pick (and remember) their own endpoint.
+    names = {await greet("127.0.0.1", port) for _ in range(60)}
+    assert len(names) == 1, names
+    # Other client addresses may land elsewhere; each still sticks to one endpoint.
+    for client in ("127.0.0.2", "127.0.0.3", "127.0.0.4"):
+        seen = set()
+        for _ in range(20):
+            reader, writer = await asyncio.open_connection(
+                "127.0.0.1", port, local_addr=(client, 0)
+            )
+            seen.add((await reader.readline()).strip())
+            writer.close()
+        assert len(seen) == 1, (client, seen)
+
+
+async def test_one_udp_client_is_one_flow(tmp_path: Path, proxies: list[Proxy]) -> None:
+    loop = asyncio.get_running_loop()
+    echoes = []
+    for ident in (b"u1", b"u2"):
+        transport, _ = await loop.create_datagram_endpoint(
+            functools.partial(_Echo, ident), local_addr=("127.0.0.1", 0)
+        )
+        echoes.append(transport)
+    path = tmp_path / "services.yaml"
+    docs: list[dict[str, Any]] = [
+        service("dns", ports=[{"name": "dns", "port": 1, "protocol": "UDP"}], cluster_ip=None)
+    ]
+    for i, t in enumerate(echoes):
+        docs.append(
+            endpoint_slice(
+                f"dns-{i}",
+                "dns",
+                endpoints=[endpoint("127.0.0.1")],
+                ports=[{"name": "dns", "port": t.get_extra_info("sockname")[1], "protocol": "UDP"}],
+            )
+        )
+    path.write_text(yaml.safe_dump_all(docs))
+    proxy = await start_proxy(path, udp_timeout=30.0)
+    proxies.append(proxy)
+    port = proxy_port(proxy, DNS)
+    try:
+        for _client in range(8):
+            c = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            c.setblocking(False)
+            try:
+                replies = set()
+                for i in range(20):
+                    c.sendto(b"q%d" % i, ("127.0.0.1", port))
+                    replies.add((await _reply(c))[:2])
+                assert len(replies) == 1, replies  # one endpoint: one flow, in one worker
+            finally:
+                c.close()
+        flows = per_worker(proxy, "uproxy_udp_flows", ("default/dns:dns",))
+        assert sum(flows) == 8, flows  # eight clients, eight flows, not one per worker each
+    finally:
+        for t in echoes:
+            t.close()
+
+
+async def _reply(sock: socket.socket) -> bytes:
+    """The next datagram (the echo backends run on this loop: never block it)."""
+    for _ in range(300):
+        try:
+            return sock.recv(100)
+        except BlockingIOError:
+            await asyncio.sleep(0.01)
+    raise AssertionError("no reply within 3 s")
+
+
+class _Echo(asyncio.DatagramProtocol):
+    def __init__(self, ident: bytes) -> None:
+        self.ident = ident
+        self.transport: asyncio.DatagramTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+        if self.transport is not None:
+            self.transport.sendto(self.ident + data, addr)
+
+
+async def test_metrics_add_up_the_workers_exactly(
+    tmp_path: Path, backends: list[NamedBackend], proxies: list[Proxy]
+) -> None:
+    path = tmp_path / "services.yaml"
+    services_file(path, backends)
+    proxy = await start_proxy(path)
+    proxies.append(proxy)
+    port = proxy_port(proxy)
+    sizes = [1, 1000, 70_000, 1 << 20, 5, 333_333] * 10
+    sent = 0
+    for size in sizes:
+        payload = os.urandom(size)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        await reader.readline()  # the greeting
+        writer.write(payload)
+        await writer.drain()
+        echoed = await reader.readexactly(size)
+        assert hashlib.sha256(echoed).digest() == hashlib.sha256(payload).digest()
+        writer.close()
+        await writer.wait_closed()
+        sent += size
+    assert proxy.metrics_server is not None
+    ok = ("default/web:http", "TCP", "ok")
+    await wait_for(lambda: min(per_worker(proxy, "uproxy_connections_total", ok)) > 0)
+    await wait_for(
+        lambda: sum(per_worker(proxy, "uproxy_open_connections", ok[:2])) == 0, timeout=5
+    )
+    got = await scrape(proxy.metrics_server.port)
+    assert got[("uproxy_connections_total", ok)] == len(sizes)
+    assert got[("uproxy_bytes_total", ("default/web:http", "to_endpoint"))] == sent
+    greetings = len(sizes) * 3  # b'bN\n' from the backend, before the echo
+    assert got[("uproxy_bytes_total", ("default/web:http", "to_client"))] == sent + greetings
+
+
+async def scrape(port: int) -> dict[tuple[str, tuple[str, ...]], float]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /metrics HTTP/1.0\r\n\r\n")
+    raw = await reader.read()
+    writer.close()
+    text = raw.partition(b"\r\n\r\n")[2].decode()
+    out: dict[tuple[str, tuple[str, ...]], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sample.labels.values()))] = sample.value
+    return out
+
+
+async def test_a_killed_worker_is_replaced_and_the_others_connections_carry_on(
+    tmp_path: Path, backends: list[NamedBackend], proxies: list[Proxy]
+) -> None:
+    path = tmp_path / "services.yaml"
+    services_file(path, backends)
+    proxy = await start_proxy(path)
+    proxies.append(proxy)
+    assert proxy.workers is not None
+    port = proxy_port(proxy)
+    streams = [await _Stream.open(port) for _ in range(12)]
+    for s in streams:
+        s.send(64 * 1024)
+    victim = proxy.workers.pids[0]
+    killed_at = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    await wait_for(lambda: proxy.workers is not None and victim not in proxy.workers.pids)
+    await wait_for(lambda: proxy.workers is not None and proxy.workers.restarts == 1)
+    # The replacement serves within 1 s: new connections reach a backend again, on any worker.
+    await wait_for(lambda: _all_ready(proxy), timeout=1.0 - (time.monotonic() - killed_at))
+    for _ in range(20):
+        assert await greet("127.0.0.1", port) in {"b1", "b2", "b3"}
+    # Each stream either was on the dead worker (reset, nothing corrupted) or carries on whole.
+    outcomes = await asyncio.gather(*(s.finish(2 << 20) for s in streams))
+    assert set(outcomes) <= {"intact", "reset"}, outcomes
+    assert "intact" in outcomes
+
+
+def _all_ready(proxy: Proxy) -> bool:
+    return proxy.workers is not None and all(
+        w.ready.is_set() for w in proxy.workers._workers.values()
+    )
+
+
+class _Stream:
+    """A connection to the echo backend that sends and checks a running sha256."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.sent = hashlib.sha256()
+        self.received = hashlib.sha256()
+        self.count = 0
+
+    @classmethod
+    async def open(cls, port: int) -> _Stream:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        await reader.readline()  # the greeting
+        return cls(reader, writer)
+
+    def send(self, n: int) -> None:
+        data = os.urandom(n)
+        self.sent.update(data)
+        self.count += n
+        self.writer.write(data)
+
+    async def finish(self, more: int) -> str:
+        try:
+            self.send(more)
+            await self.writer.drain()
+            self.writer.write_eof()
+            got = 0
+            while got < self.count:
+                chunk = await asyncio.wait_for(self.reader.read(1 << 20), 10)
+                if not chunk:
+                    return "reset"
+                self.received.update(chunk)
+                got += len(chunk)
+        except (ConnectionError, OSError):
+            return "reset"
+        finally:
+            self.writer.close()
+        return "intact" if self.received.digest() == self.sent.digest() else "corrupt"
+
+
+def test_a_stop_drains_every_listener_at_once_and_a_second_signal_exits_now(
+    tmp_path: Path,
+) -> None:
+    # Four services, each with a connection that never finishes: one drain deadline (5 s)
+    # for all of them, not one after another (20 s). Then a fresh start, stopped twice.
+    sink = socket.socket()
+    sink.bind(("127.0.0.40", 0))
+    sink.listen(16)
+    held: list[socket.socket] = []
+    docs: list[dict[str, Any]] = []
+    for i in range(4):
+        docs.append(service(f"s{i}", ports=[{"name": "http", "port": 1, "protocol": "TCP"}]))
+        docs.append(
+            endpoint_slice(
+                f"s{i}-1",
+                f"s{i}",
+                endpoints=[endpoint("127.0.0.40")],
+                ports=[{"name": "http", "port": sink.getsockname()[1], "protocol": "TCP"}],
+            )
+        )
+    path = tmp_path / "services.yaml"
+    path.write_text(yaml.safe_dump_all(docs))
+    argv = [
+        sys.executable, "-m", "uproxy.cli", "--services", str(path), "--rules", "none",
+        "--workers", "2", "--healthz-bind-address", "", "--metrics-bind-address", "", "-v", "2",
+    ]  # fmt: skip
+    clients: list[socket.socket] = []
+    try:
+        proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+        ports = _proxy_ports(proc, 4)
+        for p in ports:
+            c = socket.create_connection(("127.0.0.1", p), timeout=5)
+            c.sendall(b"busy")
+            clients.append(c)
+            held.append(sink.accept()[0])
+        for h in held:
+            h.settimeout(5)
+            assert h.recv(16) == b"busy"
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        # Draining, not dropping: the established connections still relay after the signal.
+        _wait_log(proc, "Stopping: draining connections")
+        for c, h in zip(clients, held, strict=True):
+            c.sendall(b"still here")
+            assert h.recv(16) == b"still here"
+        assert proc.wait(timeout=9) == 0  # one 5 s deadline for all four, plus start-up slack
+        assert time.monotonic() - started < 9
+        proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+        ports = _proxy_ports(proc, 4)
+        c = socket.create_connection(("127.0.0.1", ports[0]), timeout=5)
+        clients.append(c)
+        held.append(sink.accept()[0])
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)  # the first signal has started the drain
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=3) == 143  # at once, not after the drain deadline
+    finally:
+        for s in (*clients, *held, sink):
+            s.close()
+
+
+def _wait_log(proc: subprocess.Popen[str], text: str) -> None:
+    assert proc.stderr is not None
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        assert line, f"uproxy exited: {proc.wait()}"
+        if text in line:
+            return
+    raise AssertionError(f"uproxy never logged {text!r}")
+
+
+def _proxy_ports(proc: subprocess.Popen[str], n: int) -> list[int]:
+    """Read the proxy ports from the -v 2 log (bounded by the process's own progress)."""
+    assert proc.stderr is not None
+    ports: list[int] = []
+    deadline = time.monotonic() + 20
+    while len(ports) < n:
+        assert time.monotonic() < deadline, "uproxy did not open its ports"
+        line = proc.stderr.readline()
+        assert line, f"uproxy exited: {proc.wait()}"
+        if '"Opening proxy port"' in line:
+            ports.append(int(line.rsplit(":", 1)[1].strip().rstrip('"')))
+    return ports

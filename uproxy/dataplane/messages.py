@@ -1,0 +1,210 @@
+"""What the control process and a data-plane worker say to each other, and the channel.
+
+The control process owns everything that is not relaying (sources, tracker, syncer, rules,
+health, metrics); a worker only accepts, dials and relays. Between them is one narrow
+channel per worker, carrying the data-plane state as changes, in order:
+
+    control -> worker   Configure       once, first: settings and how to choose endpoints
+                        SetEndpoints    a service port's spec and endpoints (its balancer)
+                        OpenListener    + its listening socket (SCM_RIGHTS): start serving it
+                        CloseListener   stop accepting; established connections carry on
+                        Steer           ClientIP affinity switched on or off for a listener
+                        Forget          a service port is gone: drop its balancer
+    worker -> control   Ready           the worker runs and has applied everything so far
+
+A worker never parses Kubernetes objects, runs a subprocess or touches rules: everything it
+knows arrives here. Counters go the other way through shared memory (``counters``), and a
+worker is stopped by signals (SIGTERM drains, SIGKILL stops).
+
+The channel is a SOCK_SEQPACKET socket pair: message boundaries are kept and listening
+sockets ride along as ancillary data. Messages are batched (a sync of 10,000 new ports is a
+few dozen packets) and pickled: both ends are this same program, and a packet never comes
+from anywhere else (the pair is created by the control process before the worker starts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import pickle
+import socket
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from uproxy.dataplane.settings import DataplaneSettings
+from uproxy.model import Endpoint, LbAlgorithm, ServicePort, ServicePortName, Traffic
+
+log = logging.getLogger("uproxy.dataplane.messages")
+
+# A packet: at most this many messages, and at most SCM_MAX_FD (253) sockets.
+MESSAGES_PER_PACKET = 200
+MAX_PACKET = 1 << 20  # bytes a receiver accepts; packets are far smaller (~100 B/message)
+
+
+@dataclass(frozen=True, slots=True)
+class Configure:
+    settings: DataplaneSettings
+    node_name: str
+    default_algorithm: LbAlgorithm
+    drain_timeout_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class SetEndpoints:
+    name: ServicePortName
+    port: ServicePort
+    endpoints: tuple[Endpoint, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class OpenListener:
+    """Serve the socket that comes with this message (one per OpenListener, in order)."""
+
+    name: ServicePortName
+    traffic: Traffic
+
+
+@dataclass(frozen=True, slots=True)
+class CloseListener:
+    name: ServicePortName
+    traffic: Traffic
+
+
+@dataclass(frozen=True, slots=True)
+class Steer:
+    """Choose sockets in this listener's group by client address (``workers`` > 1), or not
+    (0); see ``sockets.steer``."""
+
+    name: ServicePortName
+    traffic: Traffic
+    workers: int
+
+
+@dataclass(frozen=True, slots=True)
+class Forget:
+    name: ServicePortName
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    pid: int
+
+
+Message = Configure | SetEndpoints | OpenListener | CloseListener | Steer | Forget | Ready
+
+
+class ChannelClosed(Exception):
+    """The other end is gone."""
+
+
+class Channel:
+    """One end of the socket pair: batched, ordered sends; received messages to a callback.
+
+    Sends never block the loop: what the socket cannot take now waits in a queue, flushed
+    when it is writable again. Each message is handed over in order; a listening socket sent
+    with an OpenListener is closed on this side once it is on its way.
+    """
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        *,
+        on_message: Callable[[Message, socket.socket | None], None],
+        on_closed: Callable[[], None],
+    ) -> None:
+        sock.setblocking(False)
+        self._sock = sock
+        self._on_message = on_message
+        self._on_closed = on_closed
+        self._loop = asyncio.get_running_loop()
+        self._pending: deque[tuple[Message, socket.socket | None]] = deque()
+        self._flush_soon = False
+        self._writing = False
+        self.closed = False
+        self._loop.add_reader(sock.fileno(), self._readable)
+
+    def send(self, message: Message, fd: socket.socket | None = None) -> None:
+        """Queue a message (and its socket); sent on the next pass of the loop, in order."""
+        if self.closed:
+            if fd is not None:
+                fd.close()
+            return
+        self._pending.append((message, fd))
+        if not self._flush_soon and not self._writing:
+            self._flush_soon = True
+            self._loop.call_soon(self._flush)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._loop.remove_reader(self._sock.fileno())
+        if self._writing:
+            self._loop.remove_writer(self._sock.fileno())
+        for _, fd in self._pending:
+            if fd is not None:
+                fd.close()
+        self._pending.clear()
+        self._sock.close()
+
+    def _flush(self) -> None:
+        self._flush_soon = False
+        while self._pending and not self.closed:
+            batch = [self._pending[i] for i in range(min(MESSAGES_PER_PACKET, len(self._pending)))]
+            data = pickle.dumps([m for m, _ in batch], protocol=pickle.HIGHEST_PROTOCOL)
+            fds = [fd.fileno() for _, fd in batch if fd is not None]
+            try:
+                socket.send_fds(self._sock, [data], fds)
+            except BlockingIOError:
+                if not self._writing:
+                    self._writing = True
+                    self._loop.add_writer(self._sock.fileno(), self._writable)
+                return
+            except OSError as exc:
+                self._lost(exc)
+                return
+            for _ in batch:
+                _, fd = self._pending.popleft()
+                if fd is not None:
+                    fd.close()  # the other end has its own copy now
+        if self._writing:
+            self._writing = False
+            self._loop.remove_writer(self._sock.fileno())
+
+    def _writable(self) -> None:
+        self._flush()
+
+    def _readable(self) -> None:
+        for _ in range(64):  # a burst of packets, then the loop's other work
+            try:
+                data, fds, flags, _ = socket.recv_fds(self._sock, MAX_PACKET, 253)
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                self._lost(exc)
+                return
+            if not data:
+                self._lost(None)
+                return
+            if flags & socket.MSG_TRUNC or flags & socket.MSG_CTRUNC:
+                for fd in fds:
+                    socket.close(fd)
+                self._lost(OSError(errno.EMSGSIZE, "channel packet truncated"))
+                return
+            self._deliver(pickle.loads(data), fds)
+
+    def _deliver(self, messages: list[Message], fds: list[int]) -> None:
+        sockets = iter(fds)
+        for message in messages:
+            sock = None
+            if isinstance(message, OpenListener):
+                sock = socket.socket(fileno=next(sockets))
+            self._on_message(message, sock)
+
+    def _lost(self, exc: BaseException | None) -> None:
+        if exc is not None and not self.closed:
+            log.debug("Channel lost", extra={"kv": {"err": str(exc)}})
+        self.close()
+        self._on_closed()

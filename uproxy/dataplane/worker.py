@@ -1,0 +1,200 @@
+"""A data-plane worker process: accept, dial and relay, nothing else.
+
+Started by the control process (``uproxy.workers``) as ``python -m uproxy.dataplane.worker``
+with three inherited fds: its end of the channel and the two memfds of its counters. It
+learns everything from the channel (``messages``): its settings, each service port's
+endpoints (one ``Balancer`` per service port, the same class the in-process data plane
+uses) and the listening sockets it serves, each one socket of a SO_REUSEPORT group whose
+other sockets belong to the other workers.
+
+Signals: SIGTERM drains (listeners close at once, established connections get up to the
+drain timeout, all listeners in parallel), then the worker exits. SIGINT is ignored: Ctrl-C
+in a terminal reaches the whole process group, and the control process decides how the
+workers stop. When the control process goes away (the channel closes, or the parent-death
+signal the kernel sends), the worker drains and exits too: it must not keep serving ports on
+its own, nor hold them against the next control process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import logging
+import os
+import signal
+import socket
+import sys
+from typing import TYPE_CHECKING
+
+from uproxy import metrics
+from uproxy.dataplane.balancer import Balancer
+from uproxy.dataplane.counters import CounterFiles, SlotWriter
+from uproxy.dataplane.messages import (
+    Channel,
+    CloseListener,
+    Configure,
+    Forget,
+    Message,
+    OpenListener,
+    Ready,
+    SetEndpoints,
+    Steer,
+)
+from uproxy.log import V2, kv
+from uproxy.model import ServicePortName, Traffic
+
+if TYPE_CHECKING:  # imported at run time only after metrics.share() (they bind label sets)
+    from uproxy.dataplane.tcp import TcpListener
+    from uproxy.dataplane.udp import UdpListener
+
+log = logging.getLogger("uproxy.dataplane.worker")
+
+_PR_SET_PDEATHSIG = 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m uproxy.dataplane.worker")
+    p.add_argument("--channel", type=int, required=True)
+    p.add_argument("--counters", type=int, nargs=2, required=True)
+    p.add_argument("--index", type=int, required=True)
+    p.add_argument("--event-loop", default="auto")
+    p.add_argument("-v", type=int, default=0, dest="verbosity")
+    p.add_argument("--logging-format", default="text")
+    args = p.parse_args(argv)
+    from uproxy.log import setup
+
+    setup(verbosity=args.verbosity, fmt=args.logging_format)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent()
+    # Before the data-plane modules bind their label sets: every tally lives in shared memory.
+    metrics.share(SlotWriter(CounterFiles(*args.counters)))
+    from uproxy.eventloop import run_loop
+
+    return run_loop(lambda: Worker(args.channel, args.index).run(), args.event_loop)
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel for a SIGTERM when the control process dies, however it dies."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # the closed channel stops us too
+
+
+class Worker:
+    def __init__(self, channel_fd: int, index: int) -> None:
+        from uproxy.dataplane.tcp import TcpListener
+        from uproxy.dataplane.udp import UdpListener
+
+        self._tcp = TcpListener
+        self._udp = UdpListener
+        self._channel_fd = channel_fd
+        self.index = index
+        self.config: Configure | None = None
+        self.balancers: dict[ServicePortName, Balancer] = {}
+        self.listeners: dict[tuple[ServicePortName, Traffic], TcpListener | UdpListener] = {}
+        # Closed (no longer accepting) but maybe still relaying: a stop drains them too.
+        self.closing: list[TcpListener | UdpListener] = []
+        self._stop = asyncio.Event()
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self._stop.set)
+        channel = Channel(
+            socket.socket(fileno=self._channel_fd),
+            on_message=self._on_message,
+            on_closed=self._stop.set,
+        )
+        channel.send(Ready(os.getpid()))
+        await self._stop.wait()
+        channel.close()
+        await self._drain()
+        return 0
+
+    async def _drain(self) -> None:
+        timeout = self.config.drain_timeout_s if self.config is not None else 1.0
+        listeners = [*self.listeners.values(), *self.closing]
+        self.listeners.clear()
+        self.closing.clear()
+        for listener in listeners:
+            listener.close()
+        await asyncio.gather(*(lst.shutdown(timeout) for lst in listeners))
+        log.log(V2, "Worker drained", extra=kv(worker=self.index, listeners=len(listeners)))
+
+    def _on_message(self, message: Message, sock: socket.socket | None) -> None:
+        try:
+            self._apply(message, sock)
+        except OSError as exc:
+            # One listener that cannot start must not take the others down.
+            log.error("Worker could not apply a change", extra=kv(worker=self.index, err=exc))
+            if sock is not None:
+                sock.close()
+
+    def _apply(self, message: Message, sock: socket.socket | None) -> None:
+        if isinstance(message, Configure):
+            self.config = message
+        elif isinstance(message, SetEndpoints):
+            self._set_endpoints(message)
+        elif isinstance(message, OpenListener) and sock is not None:
+            self._open(message, sock)
+        elif isinstance(message, CloseListener):
+            listener = self.listeners.pop((message.name, message.traffic), None)
+            if listener is not None:
+                listener.close()
+                self.closing = [lst for lst in self.closing if lst.active] + [listener]
+        elif isinstance(message, Steer):
+            self._steer(message)
+        elif isinstance(message, Forget):
+            self.balancers.pop(message.name, None)
+
+    def _set_endpoints(self, message: SetEndpoints) -> None:
+        config = self._configured()
+        balancer = self.balancers.get(message.name)
+        if balancer is None:
+            balancer = self.balancers[message.name] = Balancer(
+                message.name,
+                node_name=config.node_name,
+                default_algorithm=config.default_algorithm,
+                settings=config.settings,
+            )
+        balancer.update(message.port, message.endpoints)
+
+    def _open(self, message: OpenListener, sock: socket.socket) -> None:
+        config = self._configured()
+        balancer = self.balancers[message.name]
+        key = (message.name, message.traffic)
+        old = self.listeners.pop(key, None)
+        if old is not None:
+            old.close()
+            self.closing.append(old)
+        serve = self._tcp.serve if sock.type == socket.SOCK_STREAM else self._udp.serve
+        self.listeners[key] = serve(
+            sock,
+            name=message.name,
+            balancer=balancer,
+            traffic=message.traffic,
+            settings=config.settings,
+        )
+
+    def _steer(self, message: Steer) -> None:
+        from uproxy.dataplane.sockets import steer, unsteer
+
+        listener = self.listeners.get((message.name, message.traffic))
+        sock = listener.socket if listener is not None else None
+        if sock is None:
+            return
+        if message.workers > 1:
+            steer(sock, message.workers)
+        else:
+            unsteer(sock)
+
+    def _configured(self) -> Configure:
+        if self.config is None:
+            raise RuntimeError("the control process sent a change before Configure")
+        return self.config
+
+
+if __name__ == "__main__":
+    sys.exit(main())

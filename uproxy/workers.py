@@ -1,0 +1,380 @@
+"""The data-plane workers, seen from the control process: start, feed, watch, replace, stop.
+
+``WorkerPool`` is what the syncer talks to when uproxy relays in worker processes
+(``--workers N``): the syncer opens listeners and sets endpoints exactly as it does with the
+in-process data plane, and the pool turns that into messages (``dataplane.messages``):
+
+- A listener is a SO_REUSEPORT group bound here, one socket per worker (a port that is taken
+  fails here, at once, as it would in process), each sent to its worker; ClientIP affinity
+  steers the group by client address (``dataplane.sockets``).
+- Endpoint changes go to every worker as they come; each worker's balancer follows them.
+- The pool remembers the state it sent, so a worker that dies is replaced and brought up to
+  date: its death is logged and counted (``uproxy_worker_restarts_total``), the replacement
+  gets every balancer and a new socket in every group, typically within a few hundred ms.
+  The other workers never notice.
+- Counters come back through shared memory (``dataplane.counters``): ``add_up`` before every
+  scrape; a dead worker's counts are kept.
+- Stopping drains all workers at once, under one deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from uproxy import metrics
+from uproxy.dataplane.balancer import Balancer
+from uproxy.dataplane.counters import CounterFiles, SlotReader
+from uproxy.dataplane.messages import (
+    Channel,
+    CloseListener,
+    Configure,
+    Forget,
+    Message,
+    OpenListener,
+    Ready,
+    SetEndpoints,
+    Steer,
+)
+from uproxy.dataplane.settings import DataplaneSettings
+from uproxy.dataplane.sockets import bind_group
+from uproxy.log import kv
+from uproxy.model import Endpoint, LbAlgorithm, Protocol, ServicePort, ServicePortName, Traffic
+
+log = logging.getLogger("uproxy.workers")
+
+READY_TIMEOUT_S = 30.0  # a worker that does not answer by then is killed and replaced
+RESTART_BACKOFF_S = (0.0, 0.1, 0.5, 1.0, 5.0)  # after 0, 1, 2... deaths in a row
+CRASH_LOOP_WINDOW_S = 60.0  # a worker that lived longer than this starts the count afresh
+
+ListenerKey = tuple[ServicePortName, Traffic]
+
+
+def default_worker_count(*, laptop: bool) -> int:
+    """The CPUs this process may use (affinity mask and cgroup quota); 1 in laptop mode."""
+    if laptop:
+        return 1
+    cpus = len(os.sched_getaffinity(0))
+    quota = _cgroup_cpus()
+    return max(1, min(cpus, quota) if quota else cpus)
+
+
+def _cgroup_cpus(path: str = "/sys/fs/cgroup/cpu.max") -> int | None:
+    """CPUs the cgroup v2 quota allows (rounded up), None when unlimited or unknown."""
+    try:
+        with open(path) as f:
+            quota, period = f.read().split()
+    except (OSError, ValueError):
+        return None
+    if quota == "max":
+        return None
+    return -(-int(quota) // int(period))
+
+
+@dataclass(slots=True)
+class _Listener:
+    protocol: Protocol
+    host: str
+    port: int
+    steered: bool
+
+
+@dataclass(slots=True)
+class _Worker:
+    index: int
+    process: asyncio.subprocess.Process
+    channel: Channel
+    files: CounterFiles
+    reader: SlotReader
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    started_at: float = field(default_factory=time.monotonic)
+
+
+class RemoteListener:
+    """The control process's handle on a listener its workers serve."""
+
+    def __init__(self, pool: WorkerPool, key: ListenerKey, host: str, port: int) -> None:
+        self._pool = pool
+        self._key = key
+        self.host = host
+        self.port = port
+
+    def close(self) -> None:
+        self._pool.close_listener(self._key)
+
+    async def shutdown(self, timeout: float) -> None:
+        # The workers drain their connections when they stop (``WorkerPool.stop``).
+        self.close()
+
+    @property
+    def active(self) -> int:
+        return 0  # counted by the workers (uproxy_open_connections)
+
+
+class WorkerPool:
+    def __init__(
+        self,
+        count: int,
+        *,
+        settings: DataplaneSettings,
+        node_name: str,
+        default_algorithm: LbAlgorithm,
+        drain_timeout_s: float,
+        event_loop: str = "auto",
+        verbosity: int = 0,
+        logging_format: str = "text",
+    ) -> None:
+        if count < 1:
+            raise ValueError("a worker pool needs at least one worker")
+        self.count = count
+        self._configure = Configure(settings, node_name, default_algorithm, drain_timeout_s)
+        self._settings = settings
+        self._argv_extra = [
+            "--event-loop",
+            event_loop,
+            "-v",
+            str(verbosity),
+            "--logging-format",
+            logging_format,
+        ]
+        self._workers: dict[int, _Worker] = {}
+        self._endpoints: dict[ServicePortName, SetEndpoints] = {}
+        self._listeners: dict[ListenerKey, _Listener] = {}
+        self._totals = metrics.WorkerTotals()
+        self._supervisor: asyncio.Task[None] | None = None
+        self._stopping = False
+        self.restarts = 0
+
+    # ----- lifecycle -----
+
+    async def start(self) -> None:
+        """Start every worker and wait until each has said it is ready."""
+        for index in range(self.count):
+            self._workers[index] = await self._spawn(index)
+        await self._wait_ready(list(self._workers.values()))
+        self._supervisor = asyncio.create_task(self._supervise(), name="worker-supervisor")
+
+    async def stop(self, *, drain: bool = True, timeout: float | None = None) -> None:
+        """Drain every worker at once (SIGTERM) under one deadline; SIGKILL what is left."""
+        self._stopping = True
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._supervisor
+        workers = list(self._workers.values())
+        for w in workers:
+            _signal(w.process, signal.SIGTERM if drain else signal.SIGKILL)
+        deadline = (timeout if timeout is not None else self._configure.drain_timeout_s) + 2.0
+        waits = [asyncio.wait_for(w.process.wait(), deadline) for w in workers]
+        results = await asyncio.gather(*waits, return_exceptions=True)
+        for w, result in zip(workers, results, strict=True):
+            if isinstance(result, BaseException):
+                _signal(w.process, signal.SIGKILL)
+                await w.process.wait()
+            self._bury(w)
+        self._workers.clear()
+
+    def kill_now(self) -> None:
+        """A second stop signal: no draining, no waiting."""
+        self._stopping = True
+        for w in self._workers.values():
+            _signal(w.process, signal.SIGKILL)
+
+    # ----- what the syncer calls -----
+
+    async def open_listener(
+        self,
+        *,
+        name: ServicePortName,
+        balancer: Balancer,
+        traffic: Traffic,
+        host: str,
+        port: int,
+        settings: DataplaneSettings,
+    ) -> RemoteListener:
+        """Bind the group here (OSError when the port is taken) and hand it to the workers."""
+        steered = balancer.affinity and self.count > 1
+        socks = bind_group(
+            name.protocol,
+            host,
+            port,
+            self.count,
+            backlog=settings.listen_backlog,
+            receive_buffer=settings.udp_receive_buffer,
+            steer_by_client=steered,
+        )
+        bound_host, bound_port = socks[0].getsockname()[:2]
+        key = (name, traffic)
+        self._listeners[key] = _Listener(name.protocol, host, bound_port, steered)
+        for w, sock in zip(self._workers.values(), socks, strict=True):
+            w.channel.send(OpenListener(name, traffic), sock)
+        return RemoteListener(self, key, bound_host, bound_port)
+
+    def close_listener(self, key: ListenerKey) -> None:
+        if self._listeners.pop(key, None) is not None:
+            self._broadcast(CloseListener(*key))
+
+    def set_endpoints(
+        self, name: ServicePortName, port: ServicePort, endpoints: tuple[Endpoint, ...]
+    ) -> None:
+        message = SetEndpoints(name, port, endpoints)
+        if self._endpoints.get(name) == message:
+            return
+        affinity = port.affinity_timeout_s is not None
+        previous = self._endpoints.get(name)
+        self._endpoints[name] = message
+        self._broadcast(message)
+        if previous is not None and (previous.port.affinity_timeout_s is not None) != affinity:
+            self._restear(name, affinity)
+
+    def forget(self, name: ServicePortName) -> None:
+        if self._endpoints.pop(name, None) is not None:
+            self._broadcast(Forget(name))
+
+    # ----- metrics -----
+
+    def add_up(self) -> None:
+        """Before a scrape: every data-plane series = live workers + the dead's counts."""
+        self._totals.add_up(w.reader for w in self._workers.values())
+
+    def readers(self) -> Iterator[SlotReader]:
+        return (w.reader for w in self._workers.values())
+
+    @property
+    def pids(self) -> list[int]:
+        return [w.process.pid for w in self._workers.values()]
+
+    # ----- internals -----
+
+    def _broadcast(self, message: Message) -> None:
+        for w in self._workers.values():
+            w.channel.send(message)
+
+    def _restear(self, name: ServicePortName, affinity: bool) -> None:
+        if self.count < 2:
+            return
+        for key, listener in self._listeners.items():
+            if key[0] == name and listener.steered != affinity:
+                listener.steered = affinity
+                # Any one socket of a group sets its program; the first worker does it.
+                first = next(iter(self._workers.values()))
+                first.channel.send(Steer(*key, self.count if affinity else 0))
+
+    async def _spawn(self, index: int) -> _Worker:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        files = CounterFiles.create()
+        try:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "uproxy.dataplane.worker",
+                "--channel",
+                str(theirs.fileno()),
+                "--counters",
+                str(files.values_fd),
+                str(files.directory_fd),
+                "--index",
+                str(index),
+                *self._argv_extra,
+                pass_fds=(theirs.fileno(), files.values_fd, files.directory_fd),
+                stdin=asyncio.subprocess.DEVNULL,
+            )
+        except BaseException:
+            ours.close()
+            files.close()
+            raise
+        finally:
+            theirs.close()
+        worker: _Worker | None = None
+
+        def on_message(message: Message, sock: socket.socket | None) -> None:
+            if isinstance(message, Ready) and worker is not None:
+                worker.ready.set()
+
+        channel = Channel(ours, on_message=on_message, on_closed=lambda: None)
+        worker = _Worker(index, process, channel, files, SlotReader(files))
+        self._replay(worker)
+        log.info("Started data-plane worker", extra=kv(worker=index, pid=process.pid))
+        return worker
+
+    def _replay(self, w: _Worker) -> None:
+        """Bring a (new) worker up to date: settings, every balancer, every listener."""
+        w.channel.send(self._configure)
+        for message in self._endpoints.values():
+            w.channel.send(message)
+        for (name, traffic), listener in list(self._listeners.items()):
+            try:
+                (sock,) = bind_group(
+                    listener.protocol,
+                    listener.host,
+                    listener.port,
+                    1,
+                    backlog=self._settings.listen_backlog,
+                    receive_buffer=self._settings.udp_receive_buffer,
+                    steer_by_client=False,  # the group keeps its program
+                )
+            except OSError as exc:
+                log.error(
+                    "Worker cannot join a proxy port",
+                    extra=kv(worker=w.index, service=str(name), port=listener.port, err=exc),
+                )
+                continue
+            w.channel.send(OpenListener(name, traffic), sock)
+
+    async def _wait_ready(self, workers: list[_Worker]) -> None:
+        waits = [asyncio.wait_for(w.ready.wait(), READY_TIMEOUT_S) for w in workers]
+        results = await asyncio.gather(*waits, return_exceptions=True)
+        for w, result in zip(workers, results, strict=True):
+            if isinstance(result, BaseException):
+                raise RuntimeError(f"data-plane worker {w.index} did not start") from None
+
+    async def _supervise(self) -> None:
+        deaths_in_a_row: dict[int, int] = {}
+        while True:
+            waits = {asyncio.ensure_future(w.process.wait()): w for w in self._workers.values()}
+            done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for task in pending:
+                task.cancel()
+            for task in done:
+                dead = waits[task]
+                await self._replace(dead, deaths_in_a_row)
+
+    async def _replace(self, dead: _Worker, deaths: dict[int, int]) -> None:
+        code = dead.process.returncode
+        how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        log.error("Data-plane worker died, replacing it", extra=kv(worker=dead.index, how=how))
+        metrics.WORKER_RESTARTS.inc()
+        self.restarts += 1
+        self._bury(dead)
+        # Back off only when a worker keeps dying young (a crash loop), not after a long life.
+        lived = time.monotonic() - dead.started_at
+        n = 0 if lived > CRASH_LOOP_WINDOW_S else deaths.get(dead.index, 0)
+        deaths[dead.index] = n + 1
+        await asyncio.sleep(RESTART_BACKOFF_S[min(n, len(RESTART_BACKOFF_S) - 1)])
+        worker = await self._spawn(dead.index)
+        self._workers[dead.index] = worker
+        try:
+            await self._wait_ready([worker])
+        except RuntimeError as exc:
+            log.error("Replacement worker did not start", extra=kv(worker=dead.index, err=exc))
+            _signal(worker.process, signal.SIGKILL)  # the supervisor sees it exit, tries again
+
+    def _bury(self, w: _Worker) -> None:
+        """A worker is gone: keep its counts, free its channel and shared memory."""
+        w.channel.close()
+        self._totals.retire(w.reader)
+        w.reader.close()
+        w.files.close()
+
+
+def _signal(process: asyncio.subprocess.Process, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        process.send_signal(sig)
