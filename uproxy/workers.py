@@ -215,7 +215,7 @@ class WorkerPool:
         key = (name, traffic)
         self._listeners[key] = _Listener(name.protocol, host, bound_port, steered)
         for w, sock in zip(self._workers.values(), socks, strict=True):
-            w.channel.send(OpenListener(name, traffic), sock)
+            w.channel.send(OpenListener(name, traffic, sock.family), sock)
         return RemoteListener(self, key, bound_host, bound_port)
 
     def close_listener(self, key: ListenerKey) -> None:
@@ -327,7 +327,7 @@ class WorkerPool:
                     extra=kv(worker=w.index, service=str(name), port=listener.port, err=exc),
                 )
                 continue
-            w.channel.send(OpenListener(name, traffic), sock)
+            w.channel.send(OpenListener(name, traffic, sock.family), sock)
 
     async def _wait_ready(self, workers: list[_Worker]) -> None:
         waits = [asyncio.wait_for(w.ready.wait(), READY_TIMEOUT_S) for w in workers]

@@ -8,7 +8,7 @@ totals of the dead (``Retired``). /metrics then adds up every worker exactly, in
 those that were replaced.
 
 Which slot means what is written next to the values: a directory, an append-only log of
-``[slot, family, [label values]]`` records in a second memfd. The worker appends a record
+``slot, family, label values`` records in a second memfd. The worker appends a record
 when it first binds a label set (once per listener and label set, never per event), then
 publishes it by advancing the header's record count (one aligned 8-byte store: the control
 process never sees a half-written record). Only the worker writes; the control process only
@@ -20,7 +20,6 @@ space, and memory only for the pages written (about 8 bytes and 100 bytes per la
 
 from __future__ import annotations
 
-import json
 import mmap
 import os
 import struct
@@ -32,6 +31,7 @@ SLOTS = 1 << 20  # label sets one worker can bind (70,000 at 10,000 service port
 DIRECTORY_BYTES = 64 << 20
 _HEADER = struct.Struct("=QQ")  # records published, bytes used after the header
 _RECORD_LEN = struct.Struct("=I")
+_SEP = "\x1f"
 
 Labels = tuple[str, ...]
 
@@ -74,7 +74,9 @@ class SlotWriter:
     def new_slot(self, family: str, labels: Labels) -> int:
         """A fresh slot (at zero) for one label set of ``family``; CountersFull when out."""
         slot = self._count
-        record = json.dumps([slot, family, list(labels)], separators=(",", ":")).encode()
+        # Unit separators rather than JSON: 70,000 records at 10,000 service ports, where
+        # json.dumps was 10 % of a worker's start. Names and label values never hold \x1f.
+        record = _SEP.join((str(slot), family, *labels)).encode()
         start = _HEADER.size + self._used
         end = start + _RECORD_LEN.size + len(record)
         if slot >= SLOTS or end > DIRECTORY_BYTES:
@@ -106,8 +108,8 @@ class SlotReader:
             at = _HEADER.size + self._offset
             (length,) = _RECORD_LEN.unpack_from(self._directory, at)
             raw = self._directory[at + _RECORD_LEN.size : at + _RECORD_LEN.size + length]
-            slot, family, labels = json.loads(raw)
-            if slot != len(self._names):
+            slot, family, *labels = raw.decode().split(_SEP)
+            if int(slot) != len(self._names):
                 raise ValueError(f"counter directory out of order: slot {slot}")
             self._names.append((family, tuple(labels)))
             self._offset += _RECORD_LEN.size + length

@@ -25,16 +25,20 @@ from anywhere else (the pair is created by the control process before the worker
 from __future__ import annotations
 
 import asyncio
+import copyreg
+import dataclasses
 import errno
 import logging
+import operator
 import pickle
 import socket
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from uproxy.dataplane.settings import DataplaneSettings
-from uproxy.model import Endpoint, LbAlgorithm, ServicePort, ServicePortName, Traffic
+from uproxy.model import Endpoint, LbAlgorithm, Protocol, ServicePort, ServicePortName, Traffic
 
 log = logging.getLogger("uproxy.dataplane.messages")
 
@@ -64,6 +68,7 @@ class OpenListener:
 
     name: ServicePortName
     traffic: Traffic
+    family: int  # of the socket (its type follows from the protocol)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +98,39 @@ class Ready:
 
 
 Message = Configure | SetEndpoints | OpenListener | CloseListener | Steer | Forget | Ready
+
+
+def _fast_pickling(*classes: type) -> None:
+    """Pickle frozen, slotted dataclasses by their fields in order, without ``fields()``.
+
+    The dataclasses' own pickling looks their fields up for every object: a fifth of a
+    worker's start at 10,000 service ports went there. A reducer per class that reads the
+    fields with one ``attrgetter`` call builds the same object on the other side.
+    """
+    for cls in classes:
+        copyreg.pickle(cls, _reducer(cls))
+
+
+def _reducer(cls: type) -> Callable[[Any], tuple[type, tuple[Any, ...]]]:
+    names = [f.name for f in dataclasses.fields(cls)]
+    getter = operator.attrgetter(*names)
+    if len(names) == 1:
+        return lambda obj: (cls, (getter(obj),))
+    return lambda obj: (cls, getter(obj))
+
+
+_fast_pickling(
+    ServicePortName,
+    ServicePort,
+    Endpoint,
+    Configure,
+    SetEndpoints,
+    OpenListener,
+    CloseListener,
+    Steer,
+    Forget,
+    Ready,
+)
 
 
 class ChannelClosed(Exception):
@@ -200,7 +238,13 @@ class Channel:
         for message in messages:
             sock = None
             if isinstance(message, OpenListener):
-                sock = socket.socket(fileno=next(sockets))
+                # Family, type and protocol given: no getsockopt/getsockname to guess them.
+                kind = (
+                    socket.SOCK_STREAM
+                    if message.name.protocol is Protocol.TCP
+                    else socket.SOCK_DGRAM
+                )
+                sock = socket.socket(message.family, kind, 0, fileno=next(sockets))
             self._on_message(message, sock)
 
     def _lost(self, exc: BaseException | None) -> None:
