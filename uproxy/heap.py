@@ -31,17 +31,28 @@ _depth = 0
 @contextmanager
 def bulk(items: int) -> Iterator[None]:
     """Collector off while ``items`` long-lived objects are made; frozen afterwards."""
-    global _depth
     if items < BULK_MIN:
         yield
         return
-    if _depth == 0:
-        gc.disable()
-    _depth += 1
+    pause()
     try:
         yield
     finally:
-        _depth -= 1
-        gc.freeze()
-        if _depth == 0:
-            gc.enable()
+        resume()
+
+
+def pause() -> None:
+    """Collector off (for bulk work whose size is not known up front); pair with resume()."""
+    global _depth
+    if _depth == 0:
+        gc.disable()
+    _depth += 1
+
+
+def resume() -> None:
+    """End of a bulk: freeze what it made; the collector is back on once no bulk is left."""
+    global _depth
+    _depth -= 1
+    gc.freeze()
+    if _depth == 0:
+        gc.enable()

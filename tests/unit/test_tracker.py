@@ -250,3 +250,25 @@ async def test_replace_async_gives_the_loop_turns_and_marks_listed_at_the_end() 
     await t.replace_async(Kind.SERVICE, [service(f"s{i}") for i in range(20_000)])
     assert t.synced and len(t.snapshot()) == 20_000
     assert seen and not seen[0]  # the loop ran while the listing was applied, unsynced
+
+
+async def test_a_listing_applies_pages_and_deletes_only_when_complete() -> None:
+    t = Tracker()
+    t.replace(Kind.ENDPOINT_SLICE, [])
+    first = t.listing(Kind.SERVICE)
+    await first.add([service("a"), service("b")])
+    assert not t.synced  # half a first listing programs nothing
+    await first.add([service("c")])
+    await first.finish()
+    assert t.synced and {s.name for s in t.snapshot()} == {"a", "b", "c"}
+    # A relist whose continuation expires after one page: applied, nothing deleted...
+    broken = t.listing(Kind.SERVICE)
+    await broken.add([service("b"), service("d")])
+    broken.abandon()
+    assert {s.name for s in t.snapshot()} == {"a", "b", "c", "d"}
+    # ...until a listing completes: then what it did not contain goes.
+    again = t.listing(Kind.SERVICE)
+    await again.add([service("b")])
+    await again.add([service("d")])
+    await again.finish()
+    assert {s.name for s in t.snapshot()} == {"b", "d"}

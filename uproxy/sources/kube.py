@@ -35,9 +35,10 @@ import json
 import logging
 import os
 import random
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
+from typing import Protocol as TypingProtocol
 
 import aiohttp
 from kubernetes_asyncio import client, config
@@ -180,10 +181,37 @@ class _Feed:
     name: str
     list_fn: Callable[..., Awaitable[Any]]
     selector: dict[str, str]
-    on_list: Callable[[list[Obj]], Awaitable[None]]
+    listing: Callable[[], Listing]
     on_event: Callable[[str, Obj], None]
     rv: str | None = None
     listed_once: bool = False
+
+
+class Listing(TypingProtocol):
+    """Where a listing's pages go (``uproxy.tracker.Listing``, or the Node's)."""
+
+    async def add(self, objs: Iterable[Obj]) -> None: ...
+
+    async def finish(self) -> None: ...
+
+    def abandon(self) -> None: ...
+
+
+class _NodeListing:
+    """The Node feed lists one object: collect it, then hand it over."""
+
+    def __init__(self, done: Callable[[list[Obj]], None]) -> None:
+        self._done = done
+        self._objs: list[Obj] = []
+
+    async def add(self, objs: Iterable[Obj]) -> None:
+        self._objs.extend(objs)
+
+    async def finish(self) -> None:
+        self._done(self._objs)
+
+    def abandon(self) -> None:
+        return None
 
 
 class _Backoff:
@@ -230,21 +258,21 @@ class KubeSource:
                 Kind.SERVICE.value,
                 core.list_service_for_all_namespaces,
                 selector,
-                lambda objs: tracker.replace_async(Kind.SERVICE, objs),
+                lambda: tracker.listing(Kind.SERVICE),
                 self._object_handler(Kind.SERVICE),
             ),
             _Feed(
                 Kind.ENDPOINT_SLICE.value,
                 discovery.list_endpoint_slice_for_all_namespaces,
                 selector,
-                lambda objs: tracker.replace_async(Kind.ENDPOINT_SLICE, objs),
+                lambda: tracker.listing(Kind.ENDPOINT_SLICE),
                 self._object_handler(Kind.ENDPOINT_SLICE),
             ),
             _Feed(
                 "Node",
                 core.list_node,
                 {"field_selector": f"metadata.name={node_name}"},
-                self._node_listed,
+                lambda: _NodeListing(self._node_listed),
                 self._node_event,
             ),
         ]
@@ -316,36 +344,49 @@ class KubeSource:
                 gone_in_a_row = 0
 
     async def _list(self, feed: _Feed) -> str:
-        """A complete, consistent listing handed to the tracker at once; returns its version."""
-        items: list[Obj] = []
+        """A complete, consistent listing, handed to the tracker page by page (see
+        ``Tracker.listing``); returns its version."""
+        listing = feed.listing()
+        count = 0
         token: str | None = None
-        while True:
-            kwargs: dict[str, Any] = dict(feed.selector, limit=LIST_PAGE_SIZE)
-            if token:
-                kwargs["_continue"] = token
-            try:
-                body = await self._get_json(feed, kwargs)
-            except _ApiError as exc:
-                if exc.status == 410 and token:
-                    # The snapshot behind the continuation expired: start over, apply nothing.
-                    log.info("List continuation expired; relisting", extra=kv(resource=feed.name))
-                    items, token = [], None
-                    continue
-                raise
-            page = body.get("items")
-            meta = body.get("metadata")
-            if not isinstance(page, list) or not isinstance(meta, Mapping):
-                raise ValueError(f"malformed {feed.name} list: no items or metadata")
-            items.extend(o for o in page if isinstance(o, Mapping))
-            token = meta.get("continue") or None
-            if token is None:
-                rv = meta.get("resourceVersion")
-                if not isinstance(rv, str) or not rv:
-                    raise ValueError(f"malformed {feed.name} list: no resourceVersion")
-                break
-        await feed.on_list(items)  # applied in slices: 10,000 objects must not stall relays
+        try:
+            while True:
+                kwargs: dict[str, Any] = dict(feed.selector, limit=LIST_PAGE_SIZE)
+                if token:
+                    kwargs["_continue"] = token
+                try:
+                    body = await self._get_json(feed, kwargs)
+                except _ApiError as exc:
+                    if exc.status == 410 and token:
+                        # The snapshot behind the continuation expired: start over. What was
+                        # applied stays (true at its version); nothing is deleted until a
+                        # listing completes.
+                        log.info(
+                            "List continuation expired; relisting", extra=kv(resource=feed.name)
+                        )
+                        listing.abandon()
+                        listing, count, token = feed.listing(), 0, None
+                        continue
+                    raise
+                page = body.get("items")
+                meta = body.get("metadata")
+                if not isinstance(page, list) or not isinstance(meta, Mapping):
+                    raise ValueError(f"malformed {feed.name} list: no items or metadata")
+                objs = [o for o in page if isinstance(o, Mapping)]
+                del body, page  # one page of the API's objects alive at a time
+                await listing.add(objs)
+                count += len(objs)
+                token = meta.get("continue") or None
+                if token is None:
+                    rv = meta.get("resourceVersion")
+                    if not isinstance(rv, str) or not rv:
+                        raise ValueError(f"malformed {feed.name} list: no resourceVersion")
+                    break
+            await listing.finish()
+        finally:
+            listing.abandon()
         level = V2 if feed.listed_once else logging.INFO
-        log.log(level, "Listed objects", extra=kv(resource=feed.name, count=len(items), rv=rv))
+        log.log(level, "Listed objects", extra=kv(resource=feed.name, count=count, rv=rv))
         feed.listed_once = True
         return rv
 
@@ -446,7 +487,7 @@ class KubeSource:
 
         return handle
 
-    async def _node_listed(self, objs: list[Obj]) -> None:
+    def _node_listed(self, objs: list[Obj]) -> None:
         mine = [o for o in objs if _name(o) == self.node_name]
         if not mine:
             if self.tracker.node is not None or not self._node_missing_reported:
