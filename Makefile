@@ -1,6 +1,7 @@
 # Two entry points for a newcomer:
 #   make demo         install uproxy in .venv and run the self-contained demo (no root)
-#   sudo make test    install what the tests need and run lint, typing and the whole suite
+#   make test         as root (else sudo make test): install what the tests need and run
+#                     lint, typing and the whole suite
 # (without root, the tests that need network namespaces and iptables are skipped, visibly)
 
 PYTHON ?= python3
