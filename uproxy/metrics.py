@@ -109,6 +109,29 @@ SYNC_DURATION = Histogram(
     "SyncProxyRules latency in seconds",
     buckets=_SYNC_BUCKETS,
 )
+SYNC_FULL_DURATION = Histogram(
+    "kubeproxy_sync_full_proxy_rules_duration_seconds",
+    "SyncProxyRules latency in seconds for full resyncs",
+    buckets=_SYNC_BUCKETS,
+)
+SYNC_PARTIAL_DURATION = Histogram(
+    "kubeproxy_sync_partial_proxy_rules_duration_seconds",
+    "SyncProxyRules latency in seconds for partial resyncs",
+    buckets=_SYNC_BUCKETS,
+)
+NO_LOCAL_ENDPOINTS = Gauge(
+    "kubeproxy_sync_proxy_rules_no_local_endpoints_total",
+    "Number of services with a Local traffic policy and no endpoints",
+    ["traffic_policy"],
+)
+IPTABLES_RESTORE_FAILURES = Counter(
+    "kubeproxy_sync_proxy_rules_iptables_restore_failures_total",
+    "Cumulative proxy iptables restore failures",
+)
+NFTABLES_SYNC_FAILURES = Counter(
+    "kubeproxy_sync_proxy_rules_nftables_sync_failures_total",
+    "Cumulative proxy nftables sync failures",
+)
 SYNC_LAST_TIMESTAMP = Gauge(
     "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
     "The last time proxy rules were successfully synced",

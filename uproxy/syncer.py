@@ -34,6 +34,7 @@ from uproxy.model import (
     ServicePortName,
     ServiceState,
     Traffic,
+    categorize,
 )
 from uproxy.portrange import PortAllocator
 from uproxy.rules.base import Portal, PortalKind, RulesBackend, RulesError
@@ -194,6 +195,8 @@ class Syncer:
         self._skipped_ipv6: set[tuple[ServicePortName, str]] = set()
         self.syncs = 0
         self.last_changed = 0  # service ports the last sync looked at
+        self._no_local_internal: set[ServicePortName] = set()
+        self._no_local_external: set[ServicePortName] = set()
 
     def force_rules_sync(self) -> None:
         """The next sync rewrites the rules even if the portal set did not change."""
@@ -220,14 +223,16 @@ class Syncer:
                 await ts.tick()
         if opened or closed:
             log.info("Proxy ports changed", extra=kv(opened=opened, closed=closed))
-        await self._sync_rules()
+        full = await self._sync_rules() or self.syncs == 0
         for hook in self.options.extra_hooks:
             await hook(self.ports, todo)
         self._emit_table(todo)
         self.syncs += 1
         self.last_changed = len(todo)
         done = time.time()
-        metrics.SYNC_DURATION.observe(time.perf_counter() - started)
+        took = time.perf_counter() - started
+        metrics.SYNC_DURATION.observe(took)
+        (metrics.SYNC_FULL_DURATION if full else metrics.SYNC_PARTIAL_DURATION).observe(took)
         metrics.SYNC_LAST_TIMESTAMP.set(done)
         _observe_programming(changes.trigger_times, done)
         if self.options.on_synced is not None:
@@ -311,6 +316,37 @@ class Syncer:
         pp.balancer.update(state.port, state.endpoints)
         if self.options.link is not None:
             self.options.link.set_endpoints(spn, state.port, state.endpoints)
+        self._note_no_local(spn, pp, state)
+
+    def _note_no_local(
+        self, spn: ServicePortName, pp: ProxiedPort | None, state: ServiceState | None
+    ) -> None:
+        """kube-proxy's no-local-endpoints gauge: Local policy, endpoints, none of them here."""
+        internal = external = False
+        if pp is not None and state is not None:
+            port = state.port
+            if port.internal_policy_local or port.external_policy_local:
+                usable = categorize(state.endpoints, local_only=False, node_name="")
+                if usable:
+                    internal = port.internal_policy_local and not pp.balancer.endpoints(
+                        Traffic.CLUSTER
+                    )
+                    external = (
+                        port.external_policy_local
+                        and port.has_external
+                        and not pp.balancer.endpoints(Traffic.EXTERNAL)
+                    )
+        for policy, flag, flagged in (
+            ("internal", internal, self._no_local_internal),
+            ("external", external, self._no_local_external),
+        ):
+            before = len(flagged)
+            if flag:
+                flagged.add(spn)
+            else:
+                flagged.discard(spn)
+            if len(flagged) != before:
+                metrics.NO_LOCAL_ENDPOINTS.labels(policy).set(len(flagged))
 
     async def _remove(self, spn: ServicePortName) -> int:
         pp = self.ports.pop(spn)
@@ -324,6 +360,7 @@ class Syncer:
         self._set_portals(spn, frozenset())
         if self.options.link is not None:
             self.options.link.forget(spn)
+        self._note_no_local(spn, None, None)
         if spn.protocol is Protocol.UDP and not self.options.laptop:
             await _clear_conntrack(pp.port)
         log.log(V2, "Removed service port", extra=kv(service=str(spn)))
@@ -454,24 +491,31 @@ class Syncer:
             out.add(Portal(spn, PortalKind.NODE_PORT, None, sp.node_port, ext))
         return frozenset(out)
 
-    async def _sync_rules(self) -> None:
+    async def _sync_rules(self) -> bool:
         """Hand the portal set to the backend when it changed, or every full-sync period.
 
         The periodic call lets a backend repair what its cheap check cannot see; a backend
-        makes it cheap when nothing changed.
+        makes it cheap when nothing changed. Returns whether this was a full resync (forced
+        or periodic), as kube-proxy's full/partial sync metrics count them.
         """
         now = self._clock()
         stale = now - self._last_rules_sync >= self.options.full_sync_period_s
-        if not (self._rules_dirty or self._force_rules or stale):
-            return
+        full = self._force_rules or stale
+        if not (self._rules_dirty or full):
+            return False
         portals = frozenset(self._all_portals)
         try:
             await self.rules.sync(portals)
         except RulesError as e:
             self._rules_dirty = True
+            if self.rules.name == "iptables-restore":
+                metrics.IPTABLES_RESTORE_FAILURES.inc()
+            elif self.rules.name == "nftables":
+                metrics.NFTABLES_SYNC_FAILURES.inc()
             raise RulesError(f"programming rules with {self.rules.name} failed: {e}") from e
         self._rules_dirty = self._force_rules = False
         self._last_rules_sync = now
+        return full
 
     # ----- the laptop table -----
 

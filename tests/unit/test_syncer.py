@@ -12,10 +12,13 @@ import errno
 from collections.abc import Collection
 from typing import Any
 
+import pytest
+from prometheus_client import REGISTRY
+
 from tests.factories import endpoint, endpoint_slice, service
 from uproxy.dataplane.settings import DataplaneSettings
 from uproxy.model import LbAlgorithm, Protocol, ServicePortName, Traffic
-from uproxy.rules.base import Portal
+from uproxy.rules.base import Portal, RulesError
 from uproxy.syncer import Syncer, SyncerOptions
 from uproxy.tracker import Kind, Tracker
 
@@ -166,3 +169,44 @@ async def test_a_listener_that_could_not_open_is_retried_by_the_next_sync() -> N
     await syncer.sync()  # nothing changed in the tracker: the retry alone brings it up
     assert syncer.ports[spn("s1")].cluster is not None
     assert spn("s1") in {p.service for p in rules.syncs[-1]}
+
+
+def gauge(name: str, **labels: str) -> float:
+    value = REGISTRY.get_sample_value(name, labels)
+    return value if value is not None else 0.0
+
+
+async def test_kube_proxy_sync_metrics_follow_what_the_syncs_do() -> None:
+    tracker, syncer, _, _ = make(0)
+    no_local = "kubeproxy_sync_proxy_rules_no_local_endpoints_total"
+    full = "kubeproxy_sync_full_proxy_rules_duration_seconds_count"
+    partial = "kubeproxy_sync_partial_proxy_rules_duration_seconds_count"
+    before = {k: gauge(k) for k in (full, partial)}
+    tracker.upsert(Kind.SERVICE, service("local", internalTrafficPolicy="Local"))
+    remote = [endpoint("10.1.0.1", nodeName="node-b")]
+    tracker.upsert(Kind.ENDPOINT_SLICE, endpoint_slice("local-1", "local", endpoints=remote))
+    await syncer.sync()  # the first sync is a full one
+    assert gauge(full) == before[full] + 1
+    assert gauge(no_local, traffic_policy="internal") == 1  # endpoints, none on this node
+    mine = [*remote, endpoint("10.1.0.2", nodeName="node-a")]
+    tracker.upsert(Kind.ENDPOINT_SLICE, endpoint_slice("local-1", "local", endpoints=mine))
+    syncer.apply_endpoints()
+    assert gauge(no_local, traffic_policy="internal") == 0
+    tracker.upsert(Kind.SERVICE, service("other"))
+    await syncer.sync()
+    assert gauge(partial) == before[partial] + 1 and gauge(full) == before[full] + 1
+
+
+async def test_a_failed_restore_is_counted() -> None:
+    _, syncer, _, rules = make(1)
+    failures = "kubeproxy_sync_proxy_rules_iptables_restore_failures_total"
+    before = gauge(failures)
+
+    async def fail(portals: Collection[Portal]) -> None:
+        raise RulesError("iptables-restore: line 3 failed")
+
+    rules.name = "iptables-restore"
+    rules.sync = fail  # type: ignore[method-assign]
+    with pytest.raises(RulesError):
+        await syncer.sync()
+    assert gauge(failures) == before + 1
