@@ -79,8 +79,9 @@ class HealthCheckServers:
         proxy_health: ProxyHealth,
         retry_interval_s: float = _DEFAULT_RETRY_INTERVAL_S,
     ) -> None:
-        # kube-proxy listens on 0.0.0.0 unless --nodeport-addresses narrows it.
-        self._addresses = tuple(addresses) or ("0.0.0.0",)
+        # kube-proxy listens on 0.0.0.0 unless --nodeport-addresses narrows it; when none of
+        # the node's addresses is in those CIDRs, nowhere (the caller passes no address).
+        self._addresses = tuple(addresses)
         self._health = proxy_health
         self._retry_interval_s = retry_interval_s
         self._desired: dict[ServiceKey, HealthCheckSpec] = {}

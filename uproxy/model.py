@@ -115,6 +115,7 @@ class NodeInfo:
     zone: str | None = None
     deleting: bool = False
     taints: tuple[str, ...] = field(default=())  # "key:effect"
+    pod_cidrs: tuple[str, ...] = ()  # spec.podCIDRs: --detect-local-mode NodeCIDR
 
     @property
     def eligible(self) -> bool:

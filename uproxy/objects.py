@@ -435,4 +435,21 @@ def node_info(obj: Obj) -> NodeInfo:
         zone=zone if isinstance(zone, str) else None,
         deleting=meta.get("deletionTimestamp") is not None,
         taints=tuple(taints),
+        pod_cidrs=_pod_cidrs(c, spec),
     )
+
+
+def _pod_cidrs(c: _Checker, spec: Obj) -> tuple[str, ...]:
+    """``spec.podCIDRs`` (``spec.podCIDR`` first when an older writer set only that)."""
+    values = [
+        (f"spec.podCIDRs[{i}]", v)
+        for i, v in enumerate(c.seq(spec.get("podCIDRs"), "spec.podCIDRs"))
+    ]
+    if spec.get("podCIDR"):
+        values.insert(0, ("spec.podCIDR", spec.get("podCIDR")))
+    out: list[str] = []
+    for field, value in values:
+        cidr = _cidr(c, value, field)
+        if cidr not in out:
+            out.append(cidr)
+    return tuple(out)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import os
 import signal
@@ -21,7 +20,7 @@ import time
 from collections.abc import Callable, Collection, Coroutine, Mapping
 from typing import Any
 
-from uproxy import metrics
+from uproxy import localnet, metrics
 from uproxy.dataplane.limits import raise_nofile_limit
 from uproxy.dataplane.settings import DataplaneSettings
 from uproxy.health import HealthzServer, ProxyHealth
@@ -29,7 +28,7 @@ from uproxy.healthcheck import HealthCheckServers, HealthCheckSpec
 from uproxy.log import V2, kv
 from uproxy.metrics_server import MetricsServer
 from uproxy.model import ServicePortName
-from uproxy.nodeip import is_unspecified, local_ipv4_addresses, primary_ipv4
+from uproxy.nodeip import is_unspecified, primary_ipv4
 from uproxy.portrange import parse_port_range
 from uproxy.rules.base import RulesBackend
 from uproxy.rules.nodeports import NodePortReservations
@@ -72,6 +71,11 @@ class Proxy:
             on_change=self._queue_sync,
             on_endpoints=self._endpoints_changed,
         )
+        try:  # --nodeport-addresses and --detect-local-mode, as they apply on this node
+            self.nodeport_addresses = localnet.nodeport_addresses_at_start(s)
+            self.local_traffic = localnet.local_traffic_at_start(s)
+        except ValueError as e:
+            raise StartupError(str(e)) from None
         self.rules: RulesBackend = rules or self._make_rules()
         dataplane = DataplaneSettings(
             udp_timeout_s=s.udp_timeout,
@@ -110,7 +114,9 @@ class Proxy:
                 dataplane=dataplane,
                 full_sync_period_s=s.iptables_sync_period,
                 drain_timeout_s=DRAIN_TIMEOUT_S,
-                nodeports=None if s.laptop else NodePortReservations(),
+                nodeports=None
+                if s.laptop
+                else NodePortReservations(bind_ips=self.nodeport_addresses.bind),
                 on_table=on_table,
                 on_synced=self._synced,
                 extra_hooks=[self._sync_healthchecks],
@@ -214,6 +220,8 @@ class Proxy:
                 iptables_mode=s.iptables_mode,
                 listen_ip=s.listen_host,
                 dial_mark=self._dial_mark(),
+                nodeport_cidrs=self.nodeport_addresses.cidrs,
+                local=self.local_traffic,
             )
         except RulesError as e:
             raise StartupError(str(e)) from None
@@ -236,16 +244,19 @@ class Proxy:
         return mark
 
     def _nodeport_addresses(self) -> list[str]:
+        """Where health-check node ports listen: as NodePorts, or the laptop's address."""
         if self.settings.laptop:
             return [self.settings.listen_host]
-        if not self.settings.nodeport_addresses:
-            return ["0.0.0.0"]
-        nets = [ipaddress.ip_network(c) for c in self.settings.nodeport_addresses]
-        out = []
-        for ip in local_ipv4_addresses(global_only=False):
-            if any(ipaddress.ip_address(ip) in n for n in nets):
-                out.append(ip)
-        return out
+        return list(self.nodeport_addresses.bind)
+
+    def _follow_node_cidrs(self) -> None:
+        """NodeCIDR: the pods' CIDRs are this Node's spec.podCIDRs, known (and changed) only
+        through the API server; the next rules sync follows them."""
+        local = localnet.local_traffic_of(self.settings, self.tracker.node, self.local_traffic)
+        if local != self.local_traffic:
+            self.local_traffic = local
+            self.rules.set_local_traffic(local)
+            self.syncer.force_rules_sync()
 
     def _healthz_server(self) -> HealthzServer | None:
         addr = parse_hostport(self.settings.healthz_bind_address)
@@ -335,6 +346,7 @@ class Proxy:
     def _queue_sync(self) -> None:
         node = self.tracker.node
         self.health.set_node_eligible(node is None or node.eligible)
+        self._follow_node_cidrs()
         # Before every source has listed, a sync does nothing: requesting one would only
         # spend the rate limiter's burst and delay the first real sync by a min period.
         if not self.tracker.synced:

@@ -38,6 +38,8 @@ def opt(
 
 
 RULES_BACKENDS = ("auto", "iptables-restore", "nftables", "iptables", "none")
+LOCAL_MODES = ("ClusterCIDR", "NodeCIDR", "BridgeInterface", "InterfaceNamePrefix")
+PRIMARY = "primary"  # --nodeport-addresses: the node's primary address
 
 
 @dataclass(slots=True, kw_only=True)
@@ -181,8 +183,40 @@ class Settings:
         flag="--nodeport-addresses",
         config="nodePortAddresses",
         kind="cidrs",
-        help="CIDRs of the node addresses NodePorts and health-check node ports accept on; "
-        "default: all",
+        help="CIDRs of the node addresses NodePorts answer on (their rules, the sockets "
+        "holding the ports, and the health-check node ports), or 'primary': the node's "
+        "primary IPv4 address; default: every address",
+    )
+    detect_local_mode: str = opt(
+        "ClusterCIDR",
+        flag="--detect-local-mode",
+        config="detectLocalMode",
+        choices=LOCAL_MODES,
+        help="How traffic from this cluster's pods is told apart, so that it reaches every "
+        "endpoint of an externalTrafficPolicy: Local service through its externalIPs, "
+        "LoadBalancer IPs and node ports, as the node's own traffic always does: sources in "
+        "--cluster-cidr (nothing without it), sources in this Node's spec.podCIDRs, packets "
+        "from --pod-bridge-interface, or from interfaces named --pod-interface-name-prefix*",
+    )
+    cluster_cidr: tuple[str, ...] = opt(
+        (),
+        flag="--cluster-cidr",
+        config="clusterCIDR",
+        kind="cidrs",
+        help="The pods' CIDR, one per IP family, for --detect-local-mode ClusterCIDR",
+    )
+    pod_bridge_interface: str = opt(
+        "",
+        flag="--pod-bridge-interface",
+        config="detectLocal.bridgeInterface",
+        help="The bridge the pods are on, for --detect-local-mode BridgeInterface",
+    )
+    pod_interface_name_prefix: str = opt(
+        "",
+        flag="--pod-interface-name-prefix",
+        config="detectLocal.interfaceNamePrefix",
+        help="The name prefix of the pods' interfaces on the node (veth, cali...), for "
+        "--detect-local-mode InterfaceNamePrefix",
     )
     cleanup_on_exit: bool = opt(
         False,
@@ -321,6 +355,25 @@ def _parse_mark(value: Any) -> int:
     return mark
 
 
+def _parse_cidrs(value: Any, *, primary: bool) -> tuple[str, ...]:
+    """A list of CIDRs (a comma-separated string, or a list); ``primary`` alone if allowed."""
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, list):
+        raise ValueError(f"expected a list of CIDRs, got {value!r}")
+    texts = [str(c).strip() for c in items if str(c).strip()]
+    if primary and PRIMARY in texts:
+        if texts != [PRIMARY]:
+            raise ValueError(f"'{PRIMARY}' cannot be combined with CIDRs, got {value!r}")
+        return (PRIMARY,)
+    out: list[str] = []
+    for text in texts:
+        try:
+            out.append(str(ipaddress.ip_network(text, strict=False)))
+        except ValueError:
+            raise ValueError(f"not a CIDR: {text!r}") from None
+    return tuple(out)
+
+
 def convert(f: Any, value: Any) -> Any:
     """Parse one raw value (a flag's string, or a config file's YAML value) for field ``f``."""
     kind = f.metadata["kind"]
@@ -344,10 +397,7 @@ def convert(f: Any, value: Any) -> Any:
         elif kind == "mark":
             out = _parse_mark(value)
         elif kind == "cidrs":
-            items = value.split(",") if isinstance(value, str) else value
-            if not isinstance(items, list):
-                raise ValueError(f"expected a list of CIDRs, got {value!r}")
-            out = tuple(str(ipaddress.ip_network(str(c).strip(), strict=False)) for c in items if c)
+            out = _parse_cidrs(value, primary=f.name == "nodeport_addresses")
         else:
             if not isinstance(value, str):
                 raise ValueError(f"expected a string, got {value!r}")
@@ -388,3 +438,28 @@ def validate(s: Settings) -> None:
         )
     if s.services and not os.path.exists(s.services):
         raise SettingsError(f"--services: no such file: {s.services}")
+    _validate_detect_local(s)
+
+
+def _validate_detect_local(s: Settings) -> None:
+    """kube-proxy's rules for --detect-local-mode and the settings each mode reads."""
+    versions = [ipaddress.ip_network(c).version for c in s.cluster_cidr]
+    if len(versions) != len(set(versions)):
+        given = ",".join(s.cluster_cidr)
+        raise SettingsError(f"invalid --cluster-cidr: at most one CIDR per IP family, got {given}")
+    mode = s.detect_local_mode
+    for wanted, flag, value in (
+        ("BridgeInterface", "--pod-bridge-interface", s.pod_bridge_interface),
+        ("InterfaceNamePrefix", "--pod-interface-name-prefix", s.pod_interface_name_prefix),
+    ):
+        if mode != wanted:
+            continue
+        if not value:
+            raise SettingsError(f"--detect-local-mode {mode} needs {flag}")
+        if len(value) > 15 or any(ch in value for ch in "/: \t\n"):
+            raise SettingsError(f"invalid {flag}: not an interface name: {value!r}")
+    if mode == "NodeCIDR" and s.services:
+        raise SettingsError(
+            "--detect-local-mode NodeCIDR reads this Node's spec.podCIDRs from the API server: "
+            "not available with --services; use ClusterCIDR with --cluster-cidr"
+        )

@@ -463,22 +463,32 @@ class Syncer:
         The IPv6 addresses of a dual-stack service would need ip6 rules (and the proxy ports
         listen on IPv4): they are left out, with one line per address, and never reach a
         backend, where one of them would fail the whole commit for every service.
+
+        With ``externalTrafficPolicy: Local`` and a listener of its own for external traffic,
+        the external portals also carry the cluster listener's port: traffic from the cluster
+        (the node itself, and pods as ``--detect-local-mode`` tells them) goes there, to every
+        endpoint, as kube-proxy short-circuits it. LoadBalancer IPs carry the service's IPv4
+        ``loadBalancerSourceRanges`` (kube-proxy filters them by family too).
         """
         if self.options.laptop:
             return frozenset()  # no rules on a laptop: service addresses are not used
         sp = pp.port
         ext = pp.external_port
+        short = 0
+        if sp.external_policy_local and pp.external is not None and pp.cluster is not None:
+            short = pp.cluster.port
+        ranges = tuple(r for r in sp.lb_source_ranges if ":" not in r)
         out: set[Portal] = set()
-        addresses: list[tuple[PortalKind, tuple[str, ...], int]] = []
+        addresses: list[tuple[PortalKind, tuple[str, ...], int, int, tuple[str, ...]]] = []
         if pp.cluster is not None:
-            addresses.append((PortalKind.CLUSTER_IP, sp.cluster_ips, pp.cluster.port))
+            addresses.append((PortalKind.CLUSTER_IP, sp.cluster_ips, pp.cluster.port, 0, ()))
         if ext is not None:
-            addresses.append((PortalKind.EXTERNAL_IP, sp.external_ips, ext))
-            addresses.append((PortalKind.LB_INGRESS, sp.lb_ingress_ips, ext))
-        for kind, ips, proxy_port in addresses:
+            addresses.append((PortalKind.EXTERNAL_IP, sp.external_ips, ext, short, ()))
+            addresses.append((PortalKind.LB_INGRESS, sp.lb_ingress_ips, ext, short, ranges))
+        for kind, ips, proxy_port, cluster_port, allowed in addresses:
             for ip in ips:
                 if ":" not in ip:
-                    out.add(Portal(spn, kind, ip, sp.port, proxy_port))
+                    out.add(Portal(spn, kind, ip, sp.port, proxy_port, cluster_port, allowed))
                 elif (spn, ip) not in self._skipped_ipv6:
                     self._skipped_ipv6.add((spn, ip))
                     log.warning(
@@ -488,7 +498,7 @@ class Syncer:
         reserved = self.options.nodeports
         held = reserved is None or reserved.owner(spn.protocol, sp.node_port) == spn
         if ext is not None and sp.node_port and held:
-            out.add(Portal(spn, PortalKind.NODE_PORT, None, sp.node_port, ext))
+            out.add(Portal(spn, PortalKind.NODE_PORT, None, sp.node_port, ext, short))
         return frozenset(out)
 
     async def _sync_rules(self) -> bool:

@@ -20,7 +20,7 @@ import yaml
 from tests.conftest import wait_for
 from tests.factories import service
 from uproxy.proxy import Proxy
-from uproxy.rules.base import Portal
+from uproxy.rules.base import LocalTraffic, Portal
 from uproxy.settings import Settings
 from uproxy.testing import ApiServerDouble
 
@@ -39,6 +39,9 @@ class BlockingRules:
         if not self.gate.is_set():
             self.blocked.set()
         await self.gate.wait()
+
+    def set_local_traffic(self, local: LocalTraffic) -> None:
+        return None
 
     async def check(self) -> bool:
         return True

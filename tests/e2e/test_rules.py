@@ -59,6 +59,10 @@ NODEPORTS_JUMP = (
     '"handle service NodePorts; NOTE: this must be the last rule in the chain" -j {chain}'
 )
 NON_LOCAL_JUMP = '-m comment --comment "Ensure that non-local NodePort traffic can flow" -j {chain}'
+FIREWALL_JUMP = (
+    "-m conntrack --ctstate NEW -m comment --comment "
+    '"drop LoadBalancer traffic from outside its loadBalancerSourceRanges" -j KUBE-PORTALS-FIREWALL'
+)
 # First in both host chains: uproxy's own dials (--dial-mark, 0x1000 by default) leave at once.
 MARK_RETURN = (
     '-m mark --mark 0x1000/0x1000 -m comment --comment "uproxy dials to endpoints skip the portals" '
@@ -116,10 +120,15 @@ def expected_tables(node_ip: str, *, web: int | None, dns_port: int | None) -> T
             "KUBE-NODEPORT-HOST": np_host,
         },
         "filter": {
-            "INPUT": [*policy, NON_LOCAL_JUMP.format(chain="KUBE-NODEPORT-NON-LOCAL")],
-            "FORWARD": policy,
+            "INPUT": [
+                *policy,
+                FIREWALL_JUMP,
+                NON_LOCAL_JUMP.format(chain="KUBE-NODEPORT-NON-LOCAL"),
+            ],
+            "FORWARD": [*policy, FIREWALL_JUMP],
             "OUTPUT": policy,
             "KUBE-NODEPORT-NON-LOCAL": non_local,
+            "KUBE-PORTALS-FIREWALL": [],
         },
     }
 
@@ -257,8 +266,13 @@ def test_flushed_nat_table_is_repaired_within_5s(
 # ----- --rules nftables ------------------------------------------------------------------------
 
 NFT_CHAINS = """\
+chain portals-firewall {
+type filter hook prerouting priority dstnat - 10; policy accept;
+ip daddr . meta l4proto . th dport @firewalled-lb-ips ip daddr . meta l4proto . th dport . ip saddr != @lb-source-ranges drop
+}
 chain portals-container {
 type nat hook prerouting priority dstnat - 1; policy accept;
+PODS
 meta l4proto { tcp, udp } redirect to :ip daddr . meta l4proto . th dport map @cluster-ips
 meta iifkind != "bridge" meta l4proto { tcp, udp } redirect to :ip daddr . meta l4proto . th dport map @external-ips
 fib daddr type local meta l4proto { tcp, udp } redirect to :ip daddr . meta l4proto . th dport map @external-ips
@@ -266,23 +280,44 @@ fib daddr type local meta l4proto { tcp, udp } redirect to :ip daddr . meta l4pr
 chain portals-host {
 type nat hook output priority -101; policy accept;
 meta mark & 0x00001000 == 0x00001000 return comment "uproxy dials to endpoints skip the portals"
+meta l4proto { tcp, udp } dnat to NODE_IP:ip daddr . meta l4proto . th dport map @short-circuit-lb-ips
 meta l4proto { tcp, udp } dnat to NODE_IP:ip daddr . meta l4proto . th dport map @cluster-ips
+fib daddr type local meta l4proto { tcp, udp } dnat to NODE_IP:ip daddr . meta l4proto . th dport map @short-circuit-external-ips
 fib daddr type local meta l4proto { tcp, udp } dnat to NODE_IP:ip daddr . meta l4proto . th dport map @external-ips
 }
 chain node-ports-container {
 type nat hook prerouting priority dstnat + 1; policy accept;
-fib daddr type local meta l4proto { tcp, udp } redirect to :meta l4proto . th dport map @node-ports
+NODE_PORT_PODS
+NPfib daddr type local meta l4proto { tcp, udp } redirect to :meta l4proto . th dport map @node-ports
 }
 chain node-ports-host {
 type nat hook output priority -99; policy accept;
 meta mark & 0x00001000 == 0x00001000 return comment "uproxy dials to endpoints skip the portals"
-fib daddr type local meta l4proto { tcp, udp } dnat to NODE_IP:meta l4proto . th dport map @node-ports
+NPfib daddr type local meta l4proto { tcp, udp } dnat to NODE_IP:meta l4proto . th dport map @short-circuit-node-ports
+NPfib daddr type local meta l4proto { tcp, udp } dnat to NODE_IP:meta l4proto . th dport map @node-ports
 }
 chain node-ports-filter {
 type filter hook input priority filter; policy accept;
 ct state new meta l4proto . th dport @node-port-proxy-ports accept
 }
 """
+PODS_RULES = """\
+PODmeta l4proto { tcp, udp } redirect to :ip daddr . meta l4proto . th dport map @short-circuit-lb-ips
+PODmeta iifkind != "bridge" meta l4proto { tcp, udp } redirect to :ip daddr . meta l4proto . th dport map @short-circuit-external-ips
+PODfib daddr type local meta l4proto { tcp, udp } redirect to :ip daddr . meta l4proto . th dport map @short-circuit-external-ips"""
+NODE_PORT_PODS_RULE = "NPPODfib daddr type local meta l4proto { tcp, udp } redirect to :meta l4proto . th dport map @short-circuit-node-ports"
+
+
+def nft_chains(node_ip: str, *, pods: str = "", nodeports: str = "") -> str:
+    """The chains as ``nft list`` prints them; ``pods`` and ``nodeports`` are the matches of
+    --detect-local-mode and --nodeport-addresses (each "" or ending in a space)."""
+    text = NFT_CHAINS.replace("NODE_IP", node_ip)
+    pod_rule = NODE_PORT_PODS_RULE.replace("POD", pods)
+    text = text.replace("NODE_PORT_PODS\n", pod_rule + "\n" if pods else "")
+    text = text.replace("PODS\n", PODS_RULES.replace("POD", pods) + "\n" if pods else "")
+    return text.replace("NP", nodeports)
+
+
 ADDR_MAP = "ipv4_addr . inet_proto . inet_service : inet_service"
 PORT_MAP = "inet_proto . inet_service : inet_service"
 
@@ -301,18 +336,39 @@ def expected_nft(node_ip: str, *, web: int | None, dns_port: int | None) -> str:
         external.append(f"{EXTERNAL_IP} . tcp . 80 {c} : {web}")
         node_ports.append(f"tcp . {WEB_NODE_PORT} {c} : {web}")
         proxy_ports.append(f"tcp . {web} {c}")
+    elements = {
+        "cluster-ips": cluster,
+        "external-ips": external,
+        "node-ports": node_ports,
+        "node-port-proxy-ports": proxy_ports,
+    }
+    return nft_listing(elements, nft_chains(node_ip))
+
+
+STORES = (
+    ("map", "cluster-ips", ADDR_MAP),
+    ("map", "external-ips", ADDR_MAP),
+    ("map", "node-ports", PORT_MAP),
+    ("set", "node-port-proxy-ports", "inet_proto . inet_service"),
+    ("map", "short-circuit-lb-ips", ADDR_MAP),
+    ("map", "short-circuit-external-ips", ADDR_MAP),
+    ("map", "short-circuit-node-ports", PORT_MAP),
+    ("set", "firewalled-lb-ips", "ipv4_addr . inet_proto . inet_service"),
+    ("set", "lb-source-ranges", "ipv4_addr . inet_proto . inet_service . ipv4_addr"),
+)
+
+
+def nft_listing(elements: dict[str, list[str]], chains: str) -> str:
+    """A whole normalised table: every map and set (with ``elements``), then ``chains``."""
     out = ["table ip uproxy {"]
-    for kind, name, type_, members in (
-        ("map", "cluster-ips", ADDR_MAP, cluster),
-        ("map", "external-ips", ADDR_MAP, external),
-        ("map", "node-ports", PORT_MAP, node_ports),
-        ("set", "node-port-proxy-ports", "inet_proto . inet_service", proxy_ports),
-    ):
+    for kind, name, type_ in STORES:
         out += [f"{kind} {name} {{", f"type {type_}"]
-        if members:
-            out.append("elements = { " + ", ".join(members) + " }")
+        if name == "lb-source-ranges":
+            out.append("flags interval")
+        if elements.get(name):
+            out.append("elements = { " + ", ".join(elements[name]) + " }")
         out.append("}")
-    out.append(NFT_CHAINS.replace("NODE_IP", node_ip).rstrip("\n"))
+    out.append(chains.rstrip("\n"))
     out.append("}")
     return nft_normalised("\n".join(out))
 

@@ -14,7 +14,15 @@ import sys
 from typing import Any
 
 from uproxy.model import Protocol, ServicePortName
-from uproxy.rules import RulesBackend, RulesError, cleanup_all, command, conntrack, make_backend
+from uproxy.rules import (
+    LocalTraffic,
+    RulesBackend,
+    RulesError,
+    cleanup_all,
+    command,
+    conntrack,
+    make_backend,
+)
 from uproxy.rules.base import Portal, PortalKind
 from uproxy.rules.restore import detect_mode
 
@@ -27,6 +35,8 @@ def portal_to_json(p: Portal) -> dict[str, Any]:
         "ip": p.ip,
         "port": p.port,
         "proxy_port": p.proxy_port,
+        "cluster_proxy_port": p.cluster_proxy_port,
+        "source_ranges": list(p.source_ranges),
     }
 
 
@@ -38,6 +48,8 @@ def portal_from_json(d: dict[str, Any]) -> Portal:
         d["ip"],
         d["port"],
         d["proxy_port"],
+        d.get("cluster_proxy_port", 0),
+        tuple(d.get("source_ranges", ())),
     )
 
 
@@ -91,6 +103,9 @@ async def _op(backend: RulesBackend, op: dict[str, Any]) -> Any:
         return None
     if kind == "cleanup_all":
         return await cleanup_all()
+    if kind == "set_local_traffic":
+        backend.set_local_traffic(LocalTraffic(**op["local"]))
+        return None
     if kind == "detect_mode":
         return await detect_mode()
     if kind == "clear_udp":
@@ -112,6 +127,8 @@ async def main() -> int:
         host_ip=spec["host_ip"],
         iptables_mode=spec["mode"],
         dial_mark=spec.get("dial_mark", 0),
+        nodeport_cidrs=spec.get("nodeport_cidrs", ()),
+        local=LocalTraffic(**spec.get("local", {})),
     )
     results: list[Any] = []
     try:

@@ -56,9 +56,22 @@ def run_ops(
     *,
     ns: str | None = None,
     dial_mark: int = DIAL_MARK,
+    nodeport_cidrs: tuple[str, ...] = (),
+    local: dict[str, Any] | None = None,
 ) -> list[Any]:
-    """Run ``ops`` with one backend instance inside the node; fail on any error."""
-    spec = {"name": backend, "mode": mode, "host_ip": topo.node_ip, "dial_mark": dial_mark}
+    """Run ``ops`` with one backend instance inside the node; fail on any error.
+
+    ``nodeport_cidrs`` and ``local`` (LocalTraffic's fields) configure the backend as
+    --nodeport-addresses and --detect-local-mode would.
+    """
+    spec = {
+        "name": backend,
+        "mode": mode,
+        "host_ip": topo.node_ip,
+        "dial_mark": dial_mark,
+        "nodeport_cidrs": list(nodeport_cidrs),
+        "local": local or {},
+    }
     script = {"backend": spec, "ops": ops}
     done = subprocess.run(
         topo.python_argv(ns or topo.node, "tests.netns.driver"),

@@ -48,6 +48,26 @@ set node-port-proxy-ports {
 type inet_proto . inet_service
 elements = { tcp . 40002 comment "default/web:http", udp . 40003 comment "kube-system/dns:dns" }
 }
+map short-circuit-lb-ips {
+type ipv4_addr . inet_proto . inet_service : inet_service
+}
+map short-circuit-external-ips {
+type ipv4_addr . inet_proto . inet_service : inet_service
+}
+map short-circuit-node-ports {
+type inet_proto . inet_service : inet_service
+}
+set firewalled-lb-ips {
+type ipv4_addr . inet_proto . inet_service
+}
+set lb-source-ranges {
+type ipv4_addr . inet_proto . inet_service . ipv4_addr
+flags interval
+}
+chain portals-firewall {
+type filter hook prerouting priority dstnat - 10; policy accept;
+ip daddr . meta l4proto . th dport @firewalled-lb-ips ip daddr . meta l4proto . th dport . ip saddr != @lb-source-ranges drop
+}
 chain portals-container {
 type nat hook prerouting priority dstnat - 1; policy accept;
 meta l4proto { tcp, udp } redirect to :ip daddr . meta l4proto . th dport map @cluster-ips
@@ -57,7 +77,9 @@ fib daddr type local meta l4proto { tcp, udp } redirect to :ip daddr . meta l4pr
 chain portals-host {
 type nat hook output priority -101; policy accept;
 meta mark & 0x00001000 == 0x00001000 return comment "uproxy dials to endpoints skip the portals"
+meta l4proto { tcp, udp } dnat to 10.200.3.1:ip daddr . meta l4proto . th dport map @short-circuit-lb-ips
 meta l4proto { tcp, udp } dnat to 10.200.3.1:ip daddr . meta l4proto . th dport map @cluster-ips
+fib daddr type local meta l4proto { tcp, udp } dnat to 10.200.3.1:ip daddr . meta l4proto . th dport map @short-circuit-external-ips
 fib daddr type local meta l4proto { tcp, udp } dnat to 10.200.3.1:ip daddr . meta l4proto . th dport map @external-ips
 }
 chain node-ports-container {
@@ -67,6 +89,7 @@ fib daddr type local meta l4proto { tcp, udp } redirect to :meta l4proto . th dp
 chain node-ports-host {
 type nat hook output priority -99; policy accept;
 meta mark & 0x00001000 == 0x00001000 return comment "uproxy dials to endpoints skip the portals"
+fib daddr type local meta l4proto { tcp, udp } dnat to 10.200.3.1:meta l4proto . th dport map @short-circuit-node-ports
 fib daddr type local meta l4proto { tcp, udp } dnat to 10.200.3.1:meta l4proto . th dport map @node-ports
 }
 chain node-ports-filter {

@@ -27,9 +27,12 @@ PORTALS = [
 pytestmark = [pytest.mark.root, pytest.mark.parametrize(("backend", "mode"), BACKENDS)]
 
 
-def assert_installed(before: str, after: str, portals: list[Portal], node_ip: str) -> None:
-    """``after`` is ``before`` plus exactly uproxy's chains, rules and jumps."""
-    ruleset = build_rules(portals, host_ip=node_ip, dial_mark=DIAL_MARK)
+def assert_installed(
+    before: str, after: str, portals: list[Portal], node_ip: str, **config: Any
+) -> None:
+    """``after`` is ``before`` plus exactly uproxy's chains, rules and jumps (``config``:
+    build_rules' nodeport_cidrs and local)."""
+    ruleset = build_rules(portals, host_ip=node_ip, dial_mark=DIAL_MARK, **config)
     old, new = parse_save(before), parse_save(after)
     for table in TABLES:
         expected = ruleset.save_lines(table)
@@ -172,5 +175,5 @@ def test_idle_checks_and_syncs_spawn_nothing(topo: Topology, backend: str, mode:
     assert (results[15], results[16]) == (spawns + own, commits + 1)
     # Somebody else committed: the next check looks once, the one after is free again.
     assert results[18:20] == [True, True]
-    look = ["iptables-legacy-save"] if backend == "iptables" else [f"iptables-{mode}"] * 3
+    look = ["iptables-legacy-save"] if backend == "iptables" else [f"iptables-{mode}"] * 4
     assert (results[20], results[21]) == (spawns + own + look, commits + 1)

@@ -13,13 +13,18 @@ import pytest
 from tests.rules.test_portals import DNS, HOST_IP, PORTALS, WEB
 from uproxy.model import Protocol, ServicePortName
 from uproxy.rules import NftablesBackend, RulesError, command, make_backend, nftables
-from uproxy.rules.base import Portal, PortalKind
+from uproxy.rules.base import LocalTraffic, Portal, PortalKind
 from uproxy.rules.nftables import (
     CLUSTER_IPS,
     EXTERNAL_IPS,
+    FIREWALLED_LB_IPS,
     IPV6,
+    LB_SOURCE_RANGES,
     NODE_PORT_PROXY_PORTS,
     NODE_PORTS,
+    SHORT_CIRCUIT_EXTERNAL_IPS,
+    SHORT_CIRCUIT_LB_IPS,
+    SHORT_CIRCUIT_NODE_PORTS,
     Element,
     ElementBuilder,
     Layout,
@@ -58,6 +63,26 @@ table ip uproxy {
 		type inet_proto . inet_service
 		elements = { tcp . 40002 comment "default/web:http" }
 	}
+	map short-circuit-lb-ips {
+		type ipv4_addr . inet_proto . inet_service : inet_service
+	}
+	map short-circuit-external-ips {
+		type ipv4_addr . inet_proto . inet_service : inet_service
+	}
+	map short-circuit-node-ports {
+		type inet_proto . inet_service : inet_service
+	}
+	set firewalled-lb-ips {
+		type ipv4_addr . inet_proto . inet_service
+	}
+	set lb-source-ranges {
+		type ipv4_addr . inet_proto . inet_service . ipv4_addr
+		flags interval
+	}
+	chain portals-firewall {
+		type filter hook prerouting priority -110; policy accept;
+		ip daddr . meta l4proto . th dport @firewalled-lb-ips ip daddr . meta l4proto . th dport . ip saddr != @lb-source-ranges drop
+	}
 	chain portals-container {
 		type nat hook prerouting priority -101; policy accept;
 		meta l4proto { tcp, udp } redirect to :ip daddr . meta l4proto . th dport map @cluster-ips
@@ -67,7 +92,9 @@ table ip uproxy {
 	chain portals-host {
 		type nat hook output priority -101; policy accept;
 		meta mark & 0x1000 == 0x1000 return comment "uproxy dials to endpoints skip the portals"
+		meta l4proto { tcp, udp } dnat to 192.168.7.1:ip daddr . meta l4proto . th dport map @short-circuit-lb-ips
 		meta l4proto { tcp, udp } dnat to 192.168.7.1:ip daddr . meta l4proto . th dport map @cluster-ips
+		fib daddr type local meta l4proto { tcp, udp } dnat to 192.168.7.1:ip daddr . meta l4proto . th dport map @short-circuit-external-ips
 		fib daddr type local meta l4proto { tcp, udp } dnat to 192.168.7.1:ip daddr . meta l4proto . th dport map @external-ips
 	}
 	chain node-ports-container {
@@ -77,6 +104,7 @@ table ip uproxy {
 	chain node-ports-host {
 		type nat hook output priority -99; policy accept;
 		meta mark & 0x1000 == 0x1000 return comment "uproxy dials to endpoints skip the portals"
+		fib daddr type local meta l4proto { tcp, udp } dnat to 192.168.7.1:meta l4proto . th dport map @short-circuit-node-ports
 		fib daddr type local meta l4proto { tcp, udp } dnat to 192.168.7.1:meta l4proto . th dport map @node-ports
 	}
 	chain node-ports-filter {
@@ -105,7 +133,7 @@ def test_order_and_duplicates_do_not_change_the_text() -> None:
 def test_listen_address_dnats_from_containers_too() -> None:
     text = render_table(Layout(host_ip=HOST_IP, listen_ip="192.168.7.2"), elements(PORTALS))
     assert "redirect" not in text
-    assert text.count("dnat to 192.168.7.2:") == 7  # 4 container + 3 host rules
+    assert text.count("dnat to 192.168.7.2:") == 10  # 4 container + 6 host rules
     assert HOST_IP not in text  # the host's traffic goes to the listen address as well
 
 
@@ -276,13 +304,14 @@ def test_layout_skeleton_matches_its_own_listing_shape() -> None:
     layout = Layout(host_ip=HOST_IP, dial_mark=MARK)
     counts = {c.name: len(c.rules) for c in layout.chains}
     assert counts == {
+        "portals-firewall": 1,
         "portals-container": 3,
-        "portals-host": 3,
+        "portals-host": 5,
         "node-ports-container": 1,
-        "node-ports-host": 2,
+        "node-ports-host": 3,
         "node-ports-filter": 1,
     }
-    assert len(layout.skeleton().stores) == 4
+    assert len(layout.skeleton().stores) == 9
 
 
 # ----- the backend, with nft replaced by a recorder ------------------------------------------
@@ -466,3 +495,154 @@ async def test_cleanup_without_nft_installed_does_nothing(
     monkeypatch.setattr(shutil, "which", lambda name: None)
     assert await nftables.cleanup_tables() is False
     assert nft.calls == []
+
+
+# ----- source ranges, --nodeport-addresses, traffic from the cluster -----------------------
+
+SPLIT = [
+    Portal(WEB, PortalKind.EXTERNAL_IP, "203.0.113.5", 80, 40002, 40001),
+    Portal(WEB, PortalKind.LB_INGRESS, "198.51.100.9", 80, 40002, 40001, ("10.0.0.0/8",)),
+    Portal(WEB, PortalKind.NODE_PORT, None, 30080, 40002, 40001),
+]
+
+
+def test_local_policy_and_source_ranges_fill_their_maps_and_sets() -> None:
+    found = elements(SPLIT)
+    c = "default/web:http"
+    lb, ext = ("198.51.100.9", "tcp", 80), ("203.0.113.5", "tcp", 80)
+    assert found[CLUSTER_IPS] == {lb: Element(lb, 40002, c)}
+    assert found[EXTERNAL_IPS] == {ext: Element(ext, 40002, c)}
+    assert found[SHORT_CIRCUIT_LB_IPS] == {lb: Element(lb, 40001, c)}
+    assert found[SHORT_CIRCUIT_EXTERNAL_IPS] == {ext: Element(ext, 40001, c)}
+    assert found[SHORT_CIRCUIT_NODE_PORTS] == {("tcp", 30080): Element(("tcp", 30080), 40001, c)}
+    assert set(found[NODE_PORT_PROXY_PORTS]) == {("tcp", 40001), ("tcp", 40002)}
+    assert found[FIREWALLED_LB_IPS] == {lb: Element(lb, None, c)}
+    assert list(found[LB_SOURCE_RANGES]) == [(*lb, "10.0.0.0/8")]
+    text = render_delta(V4, {}, {LB_SOURCE_RANGES: list(found[LB_SOURCE_RANGES].values())})
+    assert text == (
+        "add element ip uproxy lb-source-ranges "
+        '{ 198.51.100.9 . tcp . 80 . 10.0.0.0/8 comment "default/web:http" }\n'
+    )
+
+
+def test_source_ranges_of_hosts_are_bare_and_everyone_is_no_firewall() -> None:
+    hosts = Portal(WEB, PortalKind.LB_INGRESS, "198.51.100.9", 80, 40002, 0, ("192.0.2.7/32",))
+    assert list(elements([hosts])[LB_SOURCE_RANGES]) == [("198.51.100.9", "tcp", 80, "192.0.2.7")]
+    everyone = Portal(WEB, PortalKind.LB_INGRESS, "198.51.100.9", 80, 40002, 0, ("0.0.0.0/0",))
+    assert elements([everyone])[FIREWALLED_LB_IPS] == {}
+
+
+def test_firewall_of_a_contested_lb_ip_is_its_owners() -> None:
+    other = ServicePortName("default", "other", "http", Protocol.TCP)
+    first = Portal(other, PortalKind.LB_INGRESS, "198.51.100.9", 80, 40005)  # no ranges
+    second = Portal(WEB, PortalKind.LB_INGRESS, "198.51.100.9", 80, 40002, 0, ("10.0.0.0/8",))
+    found = elements([first, second])
+    assert found[CLUSTER_IPS][("198.51.100.9", "tcp", 80)].value == 40005
+    assert found[FIREWALLED_LB_IPS] == {} and found[LB_SOURCE_RANGES] == {}
+
+
+@pytest.mark.parametrize(
+    ("local", "match"),
+    [
+        (LocalTraffic(cidrs=("10.244.0.0/16", "fd00::/48")), "ip saddr 10.244.0.0/16 "),
+        (LocalTraffic(cidrs=("10.244.0.0/16", "10.245.0.0/16")), "ip saddr 10.244.0.0/15 "),
+        (
+            LocalTraffic(cidrs=("10.244.0.0/16", "10.250.0.0/16")),
+            "ip saddr { 10.244.0.0/16, 10.250.0.0/16 } ",
+        ),
+        (LocalTraffic(interface="cbr0"), 'iifname "cbr0" '),
+        (LocalTraffic(interface="veth", prefix=True), 'iifname "veth*" '),
+    ],
+)
+def test_pods_go_to_the_short_circuit_maps_first(local: LocalTraffic, match: str) -> None:
+    layout = Layout(host_ip=HOST_IP, local=local, nodeport_cidrs=("192.168.7.1/32",))
+    rules = {c.name: c.rules for c in layout.chains}
+    to = "redirect to :ip daddr . meta l4proto . th dport map"
+    assert rules["portals-container"][:3] == (
+        f"{match}meta l4proto {{ tcp, udp }} {to} @short-circuit-lb-ips",
+        f'{match}meta iifkind != "bridge" meta l4proto {{ tcp, udp }} {to} @short-circuit-external-ips',
+        f"{match}fib daddr type local meta l4proto {{ tcp, udp }} {to} @short-circuit-external-ips",
+    )
+    assert rules["node-ports-container"] == (
+        f"ip daddr 192.168.7.1 {match}fib daddr type local meta l4proto {{ tcp, udp }} "
+        "redirect to :meta l4proto . th dport map @short-circuit-node-ports",
+        "ip daddr 192.168.7.1 fib daddr type local meta l4proto { tcp, udp } "
+        "redirect to :meta l4proto . th dport map @node-ports",
+    )
+
+
+def test_without_detection_pods_are_not_short_circuited() -> None:
+    for local in (LocalTraffic(), LocalTraffic(cidrs=("fd00::/48",))):
+        rules = {c.name: c.rules for c in Layout(host_ip=HOST_IP, local=local).chains}
+        assert not any("short-circuit" in r for r in rules["portals-container"])
+        assert not any("short-circuit" in r for r in rules["node-ports-container"])
+        assert any("short-circuit" in r for r in rules["portals-host"])
+
+
+@pytest.mark.parametrize(
+    ("cidrs", "match"),
+    [
+        ((), ""),
+        (("10.0.0.0/8", "192.168.0.0/16"), "ip daddr { 10.0.0.0/8, 192.168.0.0/16 } "),
+        (("fd00::/64",), ""),  # no IPv4 CIDR: every IPv4 address, as kube-proxy
+    ],
+)
+def test_nodeport_addresses_narrow_the_node_port_rules(cidrs: tuple[str, ...], match: str) -> None:
+    layout = Layout(host_ip=HOST_IP, nodeport_cidrs=cidrs)
+    rules = [r for c in layout.chains if c.name.startswith("node-ports-") for r in c.rules]
+    nat = [r for r in rules if "fib daddr" in r]
+    assert len(nat) == 3 and all(r.startswith(f"{match}fib daddr type local") for r in nat)
+
+
+def test_listing_with_prefixes_parses_to_the_keys_uproxy_writes() -> None:
+    listing = json.dumps(
+        {
+            "nftables": [
+                {
+                    "set": {
+                        "name": LB_SOURCE_RANGES,
+                        "elem": [
+                            {
+                                "elem": {
+                                    "val": {
+                                        "concat": [
+                                            "198.51.100.9",
+                                            "tcp",
+                                            80,
+                                            {"prefix": {"addr": "10.0.0.0", "len": 8}},
+                                        ]
+                                    },
+                                    "comment": "a/b:c",
+                                }
+                            },
+                            {
+                                "elem": {
+                                    "val": {"concat": ["198.51.100.9", "tcp", 80, "192.0.2.7"]},
+                                    "comment": "a/b:c",
+                                }
+                            },
+                        ],
+                    }
+                }
+            ]
+        }
+    )
+    assert set(parse_elements(listing)[LB_SOURCE_RANGES]) == {
+        ("198.51.100.9", "tcp", 80, "10.0.0.0/8"),
+        ("198.51.100.9", "tcp", 80, "192.0.2.7"),
+    }
+
+
+async def test_new_pod_detection_reloads_the_table_whole(nft: FakeNft) -> None:
+    b = backend(FakeGen(), Clock())
+    await b.sync(SPLIT)
+    await b.sync(SPLIT)
+    assert len(nft.loads()) == 1
+    b.set_local_traffic(LocalTraffic(cidrs=("10.244.0.0/16",)))
+    assert await b.check() is True  # not damage: nothing to report
+    await b.sync(SPLIT)
+    assert len(nft.loads()) == 2 and "ip saddr 10.244.0.0/16" in nft.loads()[1]
+    assert b.full_loads == 2
+    b.set_local_traffic(LocalTraffic(cidrs=("10.244.0.0/16",)))  # the same: nothing
+    await b.sync(SPLIT)
+    assert len(nft.loads()) == 2

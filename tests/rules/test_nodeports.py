@@ -16,7 +16,7 @@ DNS = ServicePortName("kube-system", "dns", "dns", Protocol.UDP)
 
 @pytest.fixture
 def reservations() -> Iterator[NodePortReservations]:
-    held = NodePortReservations(bind_ip="127.0.0.1")
+    held = NodePortReservations(bind_ips=("127.0.0.1",))
     yield held
     held.close()
 
@@ -75,3 +75,43 @@ def test_sync_by_difference_reports_failures(reservations: NodePortReservations)
     assert reservations.owner(Protocol.TCP, a) == DNS  # same port, new owner: kept open
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as other:
         other.bind(("127.0.0.1", b))  # released by the sync
+
+
+def test_each_address_is_held_and_the_others_stay_free() -> None:
+    # --nodeport-addresses: only the node's addresses in its CIDRs hold the port.
+    held = NodePortReservations(bind_ips=("127.0.0.2", "127.0.0.3"))
+    port = free_port(socket.SOCK_STREAM)
+    try:
+        held.reserve(WEB, Protocol.TCP, port)
+        for ip in ("127.0.0.2", "127.0.0.3"):
+            with socket.socket() as other, pytest.raises(OSError):
+                other.bind((ip, port))
+        with socket.socket() as other:  # another address of the node: free for others
+            other.bind(("127.0.0.4", port))
+    finally:
+        held.close()
+
+
+def test_a_taken_address_releases_the_others_and_is_named() -> None:
+    port = free_port(socket.SOCK_STREAM)
+    held = NodePortReservations(bind_ips=("127.0.0.2", "127.0.0.3"))
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.3", port))
+        squatter.listen(1)
+        with pytest.raises(NodePortError, match=rf"node port {port}/TCP .* on 127\.0\.0\.3"):
+            held.reserve(WEB, Protocol.TCP, port)
+    assert (Protocol.TCP, port) not in held
+    with socket.socket() as other:  # the first address was let go again
+        other.bind(("127.0.0.2", port))
+    held.close()
+
+
+def test_no_address_records_the_owner_without_a_socket() -> None:
+    # No node address in --nodeport-addresses: the port is the service's, bound nowhere.
+    held = NodePortReservations(bind_ips=())
+    port = free_port(socket.SOCK_STREAM)
+    held.reserve(WEB, Protocol.TCP, port)
+    assert held.owner(Protocol.TCP, port) == WEB
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", port))
+    held.close()

@@ -5,15 +5,19 @@ from __future__ import annotations
 import pytest
 
 from uproxy.model import Protocol, ServicePortName
-from uproxy.rules.base import Portal, PortalKind
+from uproxy.rules.base import LocalTraffic, Portal, PortalKind
 from uproxy.rules.portals import (
     CHAINS,
     FILTER,
     NAT,
+    RuleSet,
+    Source,
     build_rules,
+    insert_positions,
     mark_match,
     quote,
     restore_payload,
+    within,
 )
 
 WEB = ServicePortName("default", "web", "http", Protocol.TCP)
@@ -55,7 +59,10 @@ COMMIT
 EXPECTED_FILTER = """\
 *filter
 :KUBE-NODEPORT-NON-LOCAL - [0:0]
--I INPUT 1 -m comment --comment "Ensure that non-local NodePort traffic can flow" -j KUBE-NODEPORT-NON-LOCAL
+:KUBE-PORTALS-FIREWALL - [0:0]
+-I INPUT 1 -m conntrack --ctstate NEW -m comment --comment "drop LoadBalancer traffic from outside its loadBalancerSourceRanges" -j KUBE-PORTALS-FIREWALL
+-I FORWARD 1 -m conntrack --ctstate NEW -m comment --comment "drop LoadBalancer traffic from outside its loadBalancerSourceRanges" -j KUBE-PORTALS-FIREWALL
+-I INPUT 2 -m comment --comment "Ensure that non-local NodePort traffic can flow" -j KUBE-NODEPORT-NON-LOCAL
 -A KUBE-NODEPORT-NON-LOCAL -p tcp -m comment --comment "default/web:http" -m tcp --dport 40002 -m state --state NEW -j ACCEPT
 COMMIT
 """
@@ -142,3 +149,179 @@ def test_dial_mark_returns_first_in_both_host_chains() -> None:
 )
 def test_mark_match_is_canonical(mark: int, text: str) -> None:
     assert mark_match(mark) == text
+
+
+# ----- source ranges, --nodeport-addresses, traffic from the cluster -----------------------
+
+LB = "198.51.100.9"
+C = '-p tcp -m comment --comment "default/web:http" -m tcp --dport'
+
+
+def lines(ruleset: RuleSet, chain: str) -> list[str]:
+    return [r.save_line().removeprefix(f"-A {chain} ") for r in ruleset.rules_in_chain(chain)]
+
+
+def test_source_ranges_redirect_only_allowed_sources_and_drop_the_rest() -> None:
+    portal = Portal(WEB, PortalKind.LB_INGRESS, LB, 80, 40002, 0, ("10.1.0.0/16", "192.0.2.7/32"))
+    ruleset = build_rules([portal], host_ip=HOST_IP)
+    assert lines(ruleset, "KUBE-PORTALS-CONTAINER") == [
+        f"-s 10.1.0.0/16 -d {LB}/32 {C} 80 -j REDIRECT --to-ports 40002",
+        f"-s 192.0.2.7/32 -d {LB}/32 {C} 80 -j REDIRECT --to-ports 40002",
+    ]
+    # The node itself is always let in (its host portal ignores the source).
+    assert lines(ruleset, "KUBE-PORTALS-HOST") == [
+        f"-d {LB}/32 {C} 80 -j DNAT --to-destination {HOST_IP}:40002"
+    ]
+    assert lines(ruleset, "KUBE-PORTALS-FIREWALL") == [f"-d {LB}/32 {C} 80 -j DROP"]
+    assert {(j.chain, j.ct_new) for j in ruleset.jumps if j.target == "KUBE-PORTALS-FIREWALL"} == {
+        ("INPUT", True),
+        ("FORWARD", True),
+    }
+
+
+@pytest.mark.parametrize(
+    ("ranges", "expected"),
+    [
+        pytest.param(("0.0.0.0/0",), [None], id="everyone"),
+        pytest.param(("10.1.0.0/16", "10.1.2.0/24", "10.0.0.0/16"), ["10.0.0.0/15"], id="merged"),
+        pytest.param(("fd00::/8",), [None], id="ipv6-only"),
+    ],
+)
+def test_source_ranges_are_merged_and_everyone_means_no_firewall(
+    ranges: tuple[str, ...], expected: list[str | None]
+) -> None:
+    ruleset = build_rules(
+        [Portal(WEB, PortalKind.LB_INGRESS, LB, 80, 40002, 0, ranges)], host_ip=HOST_IP
+    )
+    assert [r.src for r in ruleset.rules_in_chain("KUBE-PORTALS-CONTAINER")] == expected
+    assert bool(ruleset.rules_in_chain("KUBE-PORTALS-FIREWALL")) == (expected != [None])
+
+
+def test_nodeport_addresses_become_one_jump_per_cidr() -> None:
+    ruleset = build_rules(PORTALS, host_ip=HOST_IP, nodeport_cidrs=("10.0.0.0/8", "192.168.7.1/32"))
+    jumps = [j.save_line() for j in ruleset.jumps if j.target == "KUBE-NODEPORT-CONTAINER"]
+    comment = '-m comment --comment "handle service NodePorts; NOTE: this must be the last rule in the chain"'
+    assert jumps == [
+        f"-A PREROUTING -d 10.0.0.0/8 -m addrtype --dst-type LOCAL {comment} -j KUBE-NODEPORT-CONTAINER",
+        f"-A PREROUTING -d 192.168.7.1/32 -m addrtype --dst-type LOCAL {comment} -j KUBE-NODEPORT-CONTAINER",
+    ]
+    assert [j.dst for j in ruleset.jumps if j.target == "KUBE-NODEPORT-HOST"] == [
+        "10.0.0.0/8",
+        "192.168.7.1/32",
+    ]
+    # The node-port rules themselves do not change: the jumps choose the addresses.
+    assert ruleset.rules == build_rules(PORTALS, host_ip=HOST_IP).rules
+
+
+SPLIT = [
+    Portal(WEB, PortalKind.EXTERNAL_IP, "203.0.113.5", 80, 40002, 40001),
+    Portal(WEB, PortalKind.LB_INGRESS, LB, 80, 40002, 40001, ("10.0.0.0/8", "192.0.2.0/24")),
+    Portal(WEB, PortalKind.NODE_PORT, None, 30080, 40002, 40001),
+]
+
+
+def test_local_policy_without_detection_short_circuits_the_node_only() -> None:
+    ruleset = build_rules(SPLIT, host_ip=HOST_IP)
+    to = f"-j DNAT --to-destination {HOST_IP}:40001"
+    assert lines(ruleset, "KUBE-PORTALS-HOST") == [
+        f"-d 203.0.113.5/32 {C} 80 -m addrtype --dst-type LOCAL {to}",
+        f"-d {LB}/32 {C} 80 {to}",
+    ]
+    assert lines(ruleset, "KUBE-NODEPORT-HOST") == [f"{C} 30080 {to}"]
+    # From containers everything goes to the external port, as without the policy.
+    container = lines(ruleset, "KUBE-PORTALS-CONTAINER") + lines(ruleset, "KUBE-NODEPORT-CONTAINER")
+    assert all(line.endswith("--to-ports 40002") for line in container)
+    # Both proxy ports are accepted behind a default-deny INPUT.
+    assert [r.dport for r in ruleset.rules_in_chain("KUBE-NODEPORT-NON-LOCAL")] == [40002, 40001]
+
+
+def test_cluster_cidr_sends_pods_to_the_cluster_port_first() -> None:
+    local = LocalTraffic(cidrs=("10.244.0.0/16", "fd00:244::/48"))
+    ruleset = build_rules(SPLIT, host_ip=HOST_IP, local=local)
+    cluster, external = "-j REDIRECT --to-ports 40001", "-j REDIRECT --to-ports 40002"
+    ext = "-d 203.0.113.5/32"
+    assert lines(ruleset, "KUBE-PORTALS-CONTAINER") == [
+        f"-s 10.244.0.0/16 {ext} {C} 80 -m physdev ! --physdev-is-in {cluster}",
+        f"-s 10.244.0.0/16 {ext} {C} 80 -m addrtype --dst-type LOCAL {cluster}",
+        f"{ext} {C} 80 -m physdev ! --physdev-is-in {external}",
+        f"{ext} {C} 80 -m addrtype --dst-type LOCAL {external}",
+        # Pods within each source range: 10.244.0.0/16 is inside 10.0.0.0/8, outside the other.
+        f"-s 10.244.0.0/16 -d {LB}/32 {C} 80 {cluster}",
+        f"-s 10.0.0.0/8 -d {LB}/32 {C} 80 {external}",
+        f"-s 192.0.2.0/24 -d {LB}/32 {C} 80 {external}",
+    ]
+    assert lines(ruleset, "KUBE-NODEPORT-CONTAINER") == [
+        f"-s 10.244.0.0/16 {C} 30080 {cluster}",
+        f"{C} 30080 {external}",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("local", "match"),
+    [
+        (LocalTraffic(interface="cbr0"), "-i cbr0"),
+        (LocalTraffic(interface="veth", prefix=True), "-i veth+"),
+    ],
+)
+def test_interface_modes_match_the_input_interface(local: LocalTraffic, match: str) -> None:
+    ruleset = build_rules(SPLIT[1:], host_ip=HOST_IP, local=local)
+    assert lines(ruleset, "KUBE-PORTALS-CONTAINER")[0] == (
+        f"-s 10.0.0.0/8 -d {LB}/32 {match} {C} 80 -j REDIRECT --to-ports 40001"
+    )
+    assert lines(ruleset, "KUBE-NODEPORT-CONTAINER")[0] == (
+        f"{match} {C} 30080 -j REDIRECT --to-ports 40001"
+    )
+
+
+def test_pods_are_not_matched_for_portals_without_a_cluster_port() -> None:
+    local = LocalTraffic(cidrs=("10.244.0.0/16",))
+    assert build_rules(PORTALS, host_ip=HOST_IP, local=local) == build_rules(
+        PORTALS, host_ip=HOST_IP
+    )
+
+
+@pytest.mark.parametrize(
+    ("allowed", "pods", "expected"),
+    [
+        ("10.0.0.0/8", "10.244.0.0/16", ["10.244.0.0/16"]),
+        ("10.244.1.0/24", "10.244.0.0/16", ["10.244.1.0/24"]),
+        ("192.0.2.0/24", "10.244.0.0/16", []),
+        ("192.0.2.0/24", None, ["192.0.2.0/24"]),
+        (None, "10.244.0.0/16", ["10.244.0.0/16"]),
+    ],
+)
+def test_pods_within_a_range_is_the_smaller_cidr(
+    allowed: str | None, pods: str | None, expected: list[str]
+) -> None:
+    source = Source(pods, None if pods else "cbr0")
+    assert [s.src for s in within(allowed, [source])] == expected
+
+
+def test_stale_jumps_are_deleted_in_the_same_commit() -> None:
+    ruleset = build_rules(PORTALS, host_ip=HOST_IP, nodeport_cidrs=("10.0.0.0/8",))
+    old = build_rules(PORTALS, host_ip=HOST_IP).jumps
+    stale = [j.save_line() for j in old if j.dst_local]  # the node-port jumps without -d
+    payload = restore_payload(ruleset, NAT, stale_jumps=stale)
+    assert "-D PREROUTING -m addrtype --dst-type LOCAL" in payload
+    assert "-D OUTPUT -m addrtype --dst-type LOCAL" in payload
+    assert "-D " not in restore_payload(ruleset, FILTER, stale_jumps=stale)
+
+
+def test_jumps_inserted_together_keep_their_order() -> None:
+    ruleset = build_rules(PORTALS, host_ip=HOST_IP)
+    inputs = [j for j in ruleset.jumps if j.chain == "INPUT"]
+    assert [p for _, p in insert_positions(ruleset.jumps, ruleset.jumps) if _.chain == "INPUT"] == [
+        1,
+        2,
+    ]
+    # Only the second missing: it goes on top (the first is somewhere in the chain already).
+    assert insert_positions(ruleset.jumps, inputs[1:]) == [(inputs[1], 1)]
+
+
+def test_cidrs_of_every_address_narrow_nothing() -> None:
+    # iptables-save leaves "-d 0.0.0.0/0" out: such a jump would never compare as installed.
+    everywhere = build_rules(PORTALS, host_ip=HOST_IP, nodeport_cidrs=("0.0.0.0/0", "10.0.0.0/8"))
+    assert everywhere.jumps == build_rules(PORTALS, host_ip=HOST_IP).jumps
+    every_pod = build_rules(SPLIT, host_ip=HOST_IP, local=LocalTraffic(cidrs=("0.0.0.0/0",)))
+    first = every_pod.rules_in_chain("KUBE-NODEPORT-CONTAINER")[0]
+    assert (first.src, first.to_ports) == (None, "40001")

@@ -32,9 +32,11 @@ def installed_text() -> str:
     filt = ruleset.save_lines(FILTER)
     return (
         "*filter\n:INPUT ACCEPT [0:0]\n:FORWARD DROP [0:0]\n:OUTPUT ACCEPT [0:0]\n:OTHER - [0:0]\n"
-        ":KUBE-NODEPORT-NON-LOCAL - [0:0]\n"
+        ":KUBE-NODEPORT-NON-LOCAL - [0:0]\n:KUBE-PORTALS-FIREWALL - [0:0]\n"
         + "\n".join(filt["INPUT"])
         + "\n-A INPUT -j OTHER\n"
+        + "\n".join(filt["FORWARD"])
+        + "\n"
         + "\n".join(filt["KUBE-NODEPORT-NON-LOCAL"])
         + "\nCOMMIT\n*nat\n:PREROUTING ACCEPT [0:0]\n:INPUT ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\n"
         ":POSTROUTING ACCEPT [0:0]\n"
@@ -58,7 +60,10 @@ def test_flushed_nat_table_does_not_match() -> None:
     flushed = "\n".join(
         line
         for line in installed_text().splitlines()
-        if not (line.startswith("-A ") and "KUBE-PORTALS" in line)
+        if not (
+            line.startswith("-A ")
+            and ("KUBE-PORTALS-CONTAINER" in line or "KUBE-PORTALS-HOST" in line)
+        )
     )
     tables = parse_save(flushed)
     assert not matches(tables, ruleset)
@@ -79,8 +84,8 @@ def test_cleanup_payload_removes_only_ours() -> None:
     assert payload is not None
     assert "OTHER" not in payload
     assert "MASQUERADE" not in payload
-    assert payload.count("\n-D ") == 5
-    assert payload.count("\n-X ") == 5
+    assert payload.count("\n-D ") == 7  # four nat jumps, three filter jumps
+    assert payload.count("\n-X ") == 6
     assert "-D INPUT -m comment" in payload
 
 
@@ -93,3 +98,23 @@ def test_strip_save_drops_comments_and_counters() -> None:
     assert "#" not in stripped
     assert ":INPUT ACCEPT\n" in stripped
     assert "[10:20]" not in stripped
+
+
+def test_cleanup_deletes_builtin_chains_it_emptied_in_nft_only() -> None:
+    ruleset = build_rules(PORTALS, host_ip=HOST_IP)
+    text = installed_text().replace(":FORWARD DROP [0:0]", ":FORWARD ACCEPT [0:0]")
+    nft = cleanup_payload(parse_save(text), delete_emptied_builtins=True)
+    assert nft is not None
+    # FORWARD, and nat's PREROUTING and OUTPUT, held only uproxy's jumps; filter's INPUT holds
+    # someone else's rule too, and nat's POSTROUTING none of uproxy's.
+    assert [line for line in nft.splitlines() if line.startswith("-X ") and "KUBE" not in line] == [
+        "-X PREROUTING",
+        "-X OUTPUT",
+        "-X FORWARD",
+    ]
+    legacy = cleanup_payload(parse_save(text))
+    assert legacy is not None and "-X FORWARD" not in legacy
+    # A built-in chain with policy DROP stays, empty or not.
+    dropping = cleanup_payload(parse_save(installed_text()), delete_emptied_builtins=True)
+    assert dropping is not None and "-X FORWARD" not in dropping
+    assert ruleset.jumps  # the jumps it removes are the ones a sync installs

@@ -18,7 +18,7 @@ from prometheus_client import REGISTRY
 from tests.factories import endpoint, endpoint_slice, service
 from uproxy.dataplane.settings import DataplaneSettings
 from uproxy.model import LbAlgorithm, Protocol, ServicePortName, Traffic
-from uproxy.rules.base import Portal, RulesError
+from uproxy.rules.base import LocalTraffic, Portal, RulesError
 from uproxy.syncer import Syncer, SyncerOptions
 from uproxy.tracker import Kind, Tracker
 
@@ -60,6 +60,9 @@ class RecordingRules:
 
     async def sync(self, portals: Collection[Portal]) -> None:
         self.syncs.append(frozenset(portals))
+
+    def set_local_traffic(self, local: LocalTraffic) -> None:
+        return None
 
     async def check(self) -> bool:
         return True

@@ -8,8 +8,16 @@ chains in either iptables variant, and nothing else.
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 
-from uproxy.rules.base import Portal, PortalKind, RulesBackend, RulesError
+from uproxy.rules.base import (
+    NO_LOCAL_TRAFFIC,
+    LocalTraffic,
+    Portal,
+    PortalKind,
+    RulesBackend,
+    RulesError,
+)
 from uproxy.rules.nftables import NftablesBackend, cleanup_tables
 from uproxy.rules.none import NoRules
 from uproxy.rules.portals import ANY_IPV4
@@ -19,6 +27,7 @@ from uproxy.rules.restore import MODES, RestoreBackend, cleanup_mode
 __all__ = [
     "BACKEND_NAMES",
     "IptcBackend",
+    "LocalTraffic",
     "NftablesBackend",
     "NoRules",
     "Portal",
@@ -42,21 +51,33 @@ def make_backend(
     iptables_mode: str = "auto",
     listen_ip: str = ANY_IPV4,
     dial_mark: int = 0,
+    nodeport_cidrs: Collection[str] = (),
+    local: LocalTraffic = NO_LOCAL_TRAFFIC,
 ) -> RulesBackend:
     """The backend for ``--rules NAME``; RulesError naming the choices for an unknown one.
 
     ``dial_mark`` is the packet mark on uproxy's own dials (``--dial-mark``): the host portal
-    chains return on it first thing. 0: no such rule.
+    chains return on it first thing. 0: no such rule. ``nodeport_cidrs`` limit node ports to
+    local addresses in them (``--nodeport-addresses``; empty: every local address);
+    ``local`` tells traffic from pods apart (``--detect-local-mode``).
     """
-    if name in ("auto", "iptables-restore"):
-        return RestoreBackend(
-            host_ip=host_ip, mode=iptables_mode, listen_ip=listen_ip, dial_mark=dial_mark
+    if name in ("auto", "iptables-restore", "iptables"):
+        cls = IptcBackend if name == "iptables" else RestoreBackend
+        return cls(
+            host_ip=host_ip,
+            mode=iptables_mode,
+            listen_ip=listen_ip,
+            dial_mark=dial_mark,
+            nodeport_cidrs=nodeport_cidrs,
+            local=local,
         )
     if name == "nftables":
-        return NftablesBackend(host_ip=host_ip, listen_ip=listen_ip, dial_mark=dial_mark)
-    if name == "iptables":
-        return IptcBackend(
-            host_ip=host_ip, mode=iptables_mode, listen_ip=listen_ip, dial_mark=dial_mark
+        return NftablesBackend(
+            host_ip=host_ip,
+            listen_ip=listen_ip,
+            dial_mark=dial_mark,
+            nodeport_cidrs=nodeport_cidrs,
+            local=local,
         )
     if name == "none":
         return NoRules()

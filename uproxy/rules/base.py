@@ -25,17 +25,66 @@ class PortalKind(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True, order=True)
 class Portal:
-    """One service address that must land on one uproxy proxy port."""
+    """One service address that must land on one uproxy proxy port.
+
+    ``cluster_proxy_port`` is set on the external portals (externalIP, LoadBalancer IP, node
+    port) of an ``externalTrafficPolicy: Local`` service whose external traffic has its own
+    listener: traffic that comes from the cluster (a pod, as ``--detect-local-mode`` tells
+    them, or the node itself) goes there, to every endpoint, as kube-proxy short-circuits it;
+    only traffic from outside goes to ``proxy_port`` and the node's local endpoints.
+    ``source_ranges`` (LoadBalancer IPs only) are the allowed clients; others are dropped.
+    """
 
     service: ServicePortName
     kind: PortalKind
-    ip: str | None  # None for a NodePort: every local address (or --nodeport-addresses)
+    ip: str | None  # None for a NodePort: the node's addresses (--nodeport-addresses)
     port: int  # the service port, or the node port
     proxy_port: int  # where uproxy listens for this traffic
+    cluster_proxy_port: int = 0  # where traffic from the cluster goes instead; 0: proxy_port
+    source_ranges: tuple[str, ...] = ()  # CIDRs allowed to reach a LoadBalancer IP; (): all
 
     @property
     def protocol(self) -> Protocol:
         return self.service.protocol
+
+    @property
+    def short_circuit(self) -> bool:
+        """Whether traffic from the cluster goes to another proxy port than outside traffic."""
+        return self.cluster_proxy_port not in (0, self.proxy_port)
+
+    @property
+    def from_cluster_port(self) -> int:
+        """The proxy port for traffic from the cluster (pods and the node)."""
+        return self.cluster_proxy_port if self.short_circuit else self.proxy_port
+
+
+@dataclass(frozen=True, slots=True)
+class LocalTraffic:
+    """How the rules tell traffic from this cluster's pods (kube-proxy's --detect-local-mode).
+
+    ``cidrs``: pods are sources in these CIDRs (ClusterCIDR, NodeCIDR); ``interface``: pods
+    are packets that came in on this interface (BridgeInterface), or on any interface whose
+    name starts with it when ``prefix`` (InterfaceNamePrefix). Neither: pods are not told
+    apart, and only the node's own traffic counts as coming from the cluster.
+    """
+
+    cidrs: tuple[str, ...] = ()
+    interface: str = ""
+    prefix: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cidrs or self.interface)
+
+    def describe(self) -> str:
+        if self.cidrs:
+            return "sources " + ",".join(self.cidrs)
+        if self.interface:
+            return f"interfaces {self.interface}*" if self.prefix else f"interface {self.interface}"
+        return "none"
+
+
+NO_LOCAL_TRAFFIC = LocalTraffic()
 
 
 class RulesError(Exception):
@@ -47,6 +96,9 @@ class RulesBackend(TypingProtocol):
 
     async def sync(self, portals: Collection[Portal]) -> None:
         """Make the installed rules exactly ``portals``; raise RulesError on failure."""
+
+    def set_local_traffic(self, local: LocalTraffic) -> None:
+        """Tell pods apart this way from the next sync on (the Node's podCIDRs can change)."""
 
     async def check(self) -> bool:
         """Cheap check that the installed rules are still in place (False: resync now)."""

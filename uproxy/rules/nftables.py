@@ -14,6 +14,13 @@ The table (the ``ip`` family; an ``ip6`` twin differs only in the ``Family`` par
       map external-ips  the same type (externalIPs -> the external proxy port)
       map node-ports    inet_proto . inet_service : inet_service (node port -> proxy port)
       set node-port-proxy-ports  inet_proto . inet_service (the proxy ports of node ports)
+      map short-circuit-lb-ips, short-circuit-external-ips, short-circuit-node-ports
+                        the same types as above: where traffic from the cluster goes instead,
+                        for externalTrafficPolicy: Local (the cluster proxy port)
+      set firewalled-lb-ips  ipv4_addr . inet_proto . inet_service (LB IPs with source ranges)
+      set lb-source-ranges   ipv4_addr . inet_proto . inet_service . ipv4_addr, flags interval
+                        (each LB IP and port with each of its allowed source CIDRs)
+      chain portals-firewall      filter prerouting, priority dstnat - 10 (-110)
       chain portals-container     nat prerouting, priority dstnat - 1 (-101)
       chain portals-host          nat output, priority -101; uproxy's dials return first
       chain node-ports-container  nat prerouting, priority dstnat + 1 (-99)
@@ -40,6 +47,19 @@ node ports apply to local destinations only, and externalIPs get kube-proxy's th
   rules exclude the same packets. Without br_netfilter iptables' match is true for every packet
   (no bridge information), while this one still excludes traffic from a bridge: pods on a
   bridge then reach an externalIP only when it is a local address (the second rule).
+- **Source ranges.** ``portals-firewall`` drops packets to a LoadBalancer IP and port of
+  ``firewalled-lb-ips`` whose (address, port, source) is not in ``lb-source-ranges``, before
+  any NAT and in prerouting only: pods and other hosts are checked, the node itself (output)
+  never is. A ``drop`` is final in nftables, whichever table says it. One lookup in an
+  interval set of concatenations, whatever the number of services and ranges.
+- **Traffic from the cluster** (``externalTrafficPolicy: Local``). The ``short-circuit-*``
+  maps hold the cluster proxy port of such a service's externalIPs, LoadBalancer IPs and node
+  ports. The host chains look them up before the usual maps, so the node's own traffic always
+  reaches every endpoint; the container chains do so only for traffic from pods, as
+  ``--detect-local-mode`` tells them (``ip saddr CIDR``, ``iifname BRIDGE``,
+  ``iifname "PREFIX*"``), and not at all without it.
+- **Node-port addresses.** With ``--nodeport-addresses`` the node-port rules also match
+  ``ip daddr`` in its CIDRs (besides being local), evaluated per packet.
 - **The filter accept.** ``node-ports-filter`` accepts new connections to the proxy ports of
   node ports, like ``KUBE-NODEPORT-NON-LOCAL``. But in nft an ``accept`` only ends its own
   chain: a drop in another table's input chain (an nft firewall, or iptables' INPUT) still
@@ -77,8 +97,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from uproxy.rules import command
-from uproxy.rules.base import Portal, PortalKind, RulesError
-from uproxy.rules.portals import ANY_IPV4, DIAL_MARK_COMMENT, check_host_ip, portal_key
+from uproxy.rules.base import NO_LOCAL_TRAFFIC, LocalTraffic, Portal, PortalKind, RulesError
+from uproxy.rules.portals import (
+    ANY_IPV4,
+    DIAL_MARK_COMMENT,
+    check_host_ip,
+    collapse,
+    narrowing,
+    portal_key,
+    source_ranges,
+)
 from uproxy.rules.restore import MODES, cleanup_mode
 from uproxy.rules.watch import FULL_SYNC_PERIOD_S, GenerationWatch, Token, Watch
 
@@ -92,7 +120,24 @@ CLUSTER_IPS = "cluster-ips"
 EXTERNAL_IPS = "external-ips"
 NODE_PORTS = "node-ports"
 NODE_PORT_PROXY_PORTS = "node-port-proxy-ports"
+SHORT_CIRCUIT_LB_IPS = "short-circuit-lb-ips"
+SHORT_CIRCUIT_EXTERNAL_IPS = "short-circuit-external-ips"
+SHORT_CIRCUIT_NODE_PORTS = "short-circuit-node-ports"
+FIREWALLED_LB_IPS = "firewalled-lb-ips"
+LB_SOURCE_RANGES = "lb-source-ranges"
+STORE_NAMES = (
+    CLUSTER_IPS,
+    EXTERNAL_IPS,
+    NODE_PORTS,
+    NODE_PORT_PROXY_PORTS,
+    SHORT_CIRCUIT_LB_IPS,
+    SHORT_CIRCUIT_EXTERNAL_IPS,
+    SHORT_CIRCUIT_NODE_PORTS,
+    FIREWALLED_LB_IPS,
+    LB_SOURCE_RANGES,
+)
 
+FIREWALL_PRIORITY = -110  # before any NAT (dstnat - 10, as kube-proxy's firewall)
 PORTALS_PRIORITY = -101  # before nat chains at the usual dstnat priority (-100)
 NODE_PORTS_PRIORITY = -99  # after them
 FILTER_PRIORITY = 0
@@ -106,6 +151,8 @@ class Family:
     addr_type: str  # "ipv4_addr" | "ipv6_addr"
     daddr: str  # "ip daddr" | "ip6 daddr"
     af: int  # socket family of the addresses
+    saddr: str  # "ip saddr" | "ip6 saddr"
+    version: int  # 4 | 6
 
     def address(self, ip: str) -> str:
         """``ip`` as nft prints it; ValueError when it is not an address of this family."""
@@ -121,9 +168,27 @@ class Family:
         text = self.address(ip)
         return f"[{text}]:" if self.af == socket.AF_INET6 else f"{text}:"
 
+    def networks(self, cidrs: Iterable[str]) -> list[str]:
+        """The CIDRs of this family, merged and sorted, as nft prints them (a host bare);
+        nothing when they cover every address."""
+        return [network_text(n) for n in narrowing(cidrs, self.version)]
 
-IPV4 = Family("ip", "ipv4_addr", "ip daddr", socket.AF_INET)
-IPV6 = Family("ip6", "ipv6_addr", "ip6 daddr", socket.AF_INET6)
+    def match(self, selector: str, cidrs: Iterable[str]) -> str:
+        """``ip saddr 10.0.0.0/8 `` (or a set of them); "" when no CIDR is of this family."""
+        nets = self.networks(cidrs)
+        if not nets:
+            return ""
+        value = nets[0] if len(nets) == 1 else "{ " + ", ".join(nets) + " }"
+        return f"{selector} {value} "
+
+
+def network_text(net: ipaddress.IPv4Network | ipaddress.IPv6Network) -> str:
+    """A network as nft prints it: a host as a bare address."""
+    return str(net.network_address) if net.prefixlen == net.max_prefixlen else str(net)
+
+
+IPV4 = Family("ip", "ipv4_addr", "ip daddr", socket.AF_INET, "ip saddr", 4)
+IPV6 = Family("ip6", "ipv6_addr", "ip6 daddr", socket.AF_INET6, "ip6 saddr", 6)
 FAMILIES = (IPV4, IPV6)  # what cleanup removes
 
 Key = tuple[str | int, ...]
@@ -161,6 +226,7 @@ class Store:
     kind: str  # "map" | "set"
     name: str
     type: str
+    flags: str = ""  # "interval" for sets of ranges
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,20 +259,31 @@ class Layout:
         host_ip: str,
         listen_ip: str = ANY_IPV4,
         dial_mark: int = 0,
+        nodeport_cidrs: Collection[str] = (),
+        local: LocalTraffic = NO_LOCAL_TRAFFIC,
     ) -> None:
         check_host_ip(host_ip)
         self.family = family
         addr = f"{family.addr_type} . inet_proto . inet_service"
+        port = "inet_proto . inet_service"
         self.stores = (
             Store("map", CLUSTER_IPS, f"{addr} : inet_service"),
             Store("map", EXTERNAL_IPS, f"{addr} : inet_service"),
-            Store("map", NODE_PORTS, "inet_proto . inet_service : inet_service"),
-            Store("set", NODE_PORT_PROXY_PORTS, "inet_proto . inet_service"),
+            Store("map", NODE_PORTS, f"{port} : inet_service"),
+            Store("set", NODE_PORT_PROXY_PORTS, port),
+            Store("map", SHORT_CIRCUIT_LB_IPS, f"{addr} : inet_service"),
+            Store("map", SHORT_CIRCUIT_EXTERNAL_IPS, f"{addr} : inet_service"),
+            Store("map", SHORT_CIRCUIT_NODE_PORTS, f"{port} : inet_service"),
+            Store("set", FIREWALLED_LB_IPS, addr),
+            Store("set", LB_SOURCE_RANGES, f"{addr} . {family.addr_type}", "interval"),
         )
         any_address = _is_unspecified(listen_ip)
         container = "redirect to :" if any_address else f"dnat to {family.nat_to(listen_ip)}"
         host = f"dnat to {family.nat_to(host_ip if any_address else listen_ip)}"
-        self.chains = _chains(family, container, host, dial_mark)
+        matches = _Matches(
+            nodeports=family.match(family.daddr, nodeport_cidrs), pods=_pods(family, local)
+        )
+        self.chains = _chains(family, container, host, dial_mark, matches)
 
     def skeleton(self) -> Skeleton:
         return Skeleton(
@@ -220,35 +297,80 @@ def _is_unspecified(ip: str) -> bool:
     return ipaddress.ip_address(ip).is_unspecified
 
 
-def _chains(family: Family, container: str, host: str, dial_mark: int) -> tuple[Chain, ...]:
-    """The five chains; ``container``/``host`` are the translation up to the port map."""
+@dataclass(frozen=True, slots=True)
+class _Matches:
+    """Configuration-dependent matches, each "" or ending in a space."""
+
+    nodeports: str  # the destinations node ports answer on (--nodeport-addresses)
+    pods: str  # traffic from pods (--detect-local-mode); "": not told apart
+
+
+def _pods(family: Family, local: LocalTraffic) -> str:
+    if local.interface:
+        return f'iifname "{local.interface}{"*" if local.prefix else ""}" '
+    if any(n.prefixlen == 0 for n in collapse(local.cidrs, family.version)):
+        return f"meta nfproto ipv{family.version} "  # every source is a pod: always true
+    return family.match(family.saddr, local.cidrs)
+
+
+def _pod_rules(
+    to: str, by_address: str, by_port: str, m: _Matches
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The container rules sending pods to the short-circuit maps first (portals, node ports);
+    none when pods are not told apart. ``to`` is the protocols and the translation."""
+    if not m.pods:
+        return (), ()
+    local = "fib daddr type local"
+    portals = (
+        f"{m.pods}{to}{by_address} @{SHORT_CIRCUIT_LB_IPS}",
+        f'{m.pods}meta iifkind != "bridge" {to}{by_address} @{SHORT_CIRCUIT_EXTERNAL_IPS}',
+        f"{m.pods}{local} {to}{by_address} @{SHORT_CIRCUIT_EXTERNAL_IPS}",
+    )
+    node_ports = (f"{m.nodeports}{m.pods}{local} {to}{by_port} @{SHORT_CIRCUIT_NODE_PORTS}",)
+    return portals, node_ports
+
+
+def _chains(
+    family: Family, container: str, host: str, dial_mark: int, m: _Matches
+) -> tuple[Chain, ...]:
+    """The six chains; ``container``/``host`` are the translation up to the port map."""
     l4 = "meta l4proto { tcp, udp }"
     local = "fib daddr type local"
-    by_address = f"{family.daddr} . meta l4proto . th dport map"
+    key = f"{family.daddr} . meta l4proto . th dport"
+    by_address = f"{key} map"
     by_port = "meta l4proto . th dport map"
     mark_return: tuple[str, ...] = ()
     if dial_mark:
         mark_return = (
             f'meta mark & {dial_mark:#x} == {dial_mark:#x} return comment "{DIAL_MARK_COMMENT}"',
         )
-    nat, prerouting, output = "nat", "prerouting", "output"
+    pods, pod_node_ports = _pod_rules(f"{l4} {container}", by_address, by_port, m)
+    nat, prerouting, output, np = "nat", "prerouting", "output", m.nodeports
     return (
+        Chain("portals-firewall", "filter", prerouting, FIREWALL_PRIORITY, (
+            f"{key} @{FIREWALLED_LB_IPS} {key} . {family.saddr} != @{LB_SOURCE_RANGES} drop",
+        )),
         Chain("portals-container", nat, prerouting, PORTALS_PRIORITY, (
+            *pods,
             f"{l4} {container}{by_address} @{CLUSTER_IPS}",
             f'meta iifkind != "bridge" {l4} {container}{by_address} @{EXTERNAL_IPS}',
             f"{local} {l4} {container}{by_address} @{EXTERNAL_IPS}",
         )),
         Chain("portals-host", nat, output, PORTALS_PRIORITY, (
             *mark_return,
+            f"{l4} {host}{by_address} @{SHORT_CIRCUIT_LB_IPS}",
             f"{l4} {host}{by_address} @{CLUSTER_IPS}",
+            f"{local} {l4} {host}{by_address} @{SHORT_CIRCUIT_EXTERNAL_IPS}",
             f"{local} {l4} {host}{by_address} @{EXTERNAL_IPS}",
         )),
         Chain("node-ports-container", nat, prerouting, NODE_PORTS_PRIORITY, (
-            f"{local} {l4} {container}{by_port} @{NODE_PORTS}",
+            *pod_node_ports,
+            f"{np}{local} {l4} {container}{by_port} @{NODE_PORTS}",
         )),
         Chain("node-ports-host", nat, output, NODE_PORTS_PRIORITY, (
             *mark_return,
-            f"{local} {l4} {host}{by_port} @{NODE_PORTS}",
+            f"{np}{local} {l4} {host}{by_port} @{SHORT_CIRCUIT_NODE_PORTS}",
+            f"{np}{local} {l4} {host}{by_port} @{NODE_PORTS}",
         )),
         Chain("node-ports-filter", "filter", "input", FILTER_PRIORITY, (
             f"ct state new meta l4proto . th dport @{NODE_PORT_PROXY_PORTS} accept",
@@ -264,19 +386,39 @@ def portal_elements(portal: Portal, family: Family) -> tuple[tuple[str, Element]
     proto = portal.protocol.value.lower()
     comment = element_comment(str(portal.service))
     if portal.kind is PortalKind.NODE_PORT:
-        return (
-            (NODE_PORTS, Element((proto, portal.port), portal.proxy_port, comment)),
-            (NODE_PORT_PROXY_PORTS, Element((proto, portal.proxy_port), None, comment)),
-        )
+        return _node_port_elements(portal, proto, comment)
     if portal.ip is None:
         raise ValueError(f"portal of kind {portal.kind} for {portal.service} has no address")
-    name = EXTERNAL_IPS if portal.kind is PortalKind.EXTERNAL_IP else CLUSTER_IPS
+    external = portal.kind is PortalKind.EXTERNAL_IP
     key = (family.address(portal.ip), proto, portal.port)
-    return ((name, Element(key, portal.proxy_port, comment)),)
+    out = [(EXTERNAL_IPS if external else CLUSTER_IPS, Element(key, portal.proxy_port, comment))]
+    if portal.short_circuit:
+        name = SHORT_CIRCUIT_EXTERNAL_IPS if external else SHORT_CIRCUIT_LB_IPS
+        out.append((name, Element(key, portal.cluster_proxy_port, comment)))
+    allowed = source_ranges(portal, family.version) if portal.kind is PortalKind.LB_INGRESS else []
+    if allowed:
+        out.append((FIREWALLED_LB_IPS, Element(key, None, comment)))
+        for net in allowed:
+            out.append((LB_SOURCE_RANGES, Element((*key, network_text(net)), None, comment)))
+    return tuple(out)
+
+
+def _node_port_elements(
+    portal: Portal, proto: str, comment: str
+) -> tuple[tuple[str, Element], ...]:
+    out = [
+        (NODE_PORTS, Element((proto, portal.port), portal.proxy_port, comment)),
+        (NODE_PORT_PROXY_PORTS, Element((proto, portal.proxy_port), None, comment)),
+    ]
+    if portal.short_circuit:
+        cluster = portal.cluster_proxy_port
+        out.append((SHORT_CIRCUIT_NODE_PORTS, Element((proto, portal.port), cluster, comment)))
+        out.append((NODE_PORT_PROXY_PORTS, Element((proto, cluster), None, comment)))
+    return tuple(out)
 
 
 def empty_elements() -> Elements:
-    return {name: {} for name in (CLUSTER_IPS, EXTERNAL_IPS, NODE_PORTS, NODE_PORT_PROXY_PORTS)}
+    return {name: {} for name in STORE_NAMES}
 
 
 class ElementBuilder:
@@ -310,6 +452,8 @@ class ElementBuilder:
                 pairs = portal_elements(portal, self.family)
             by_portal[portal] = pairs
             for name, element in pairs:
+                if name in _FIREWALL and not _owns(out, element):
+                    continue  # another service has this LB IP and port: its ranges apply
                 first = out[name].setdefault(element.key, element)
                 if first.value != element.value:
                     conflicts.append(
@@ -319,6 +463,15 @@ class ElementBuilder:
         self._by_portal = by_portal
         self.conflicts = conflicts
         return out
+
+
+_FIREWALL = frozenset({FIREWALLED_LB_IPS, LB_SOURCE_RANGES})
+
+
+def _owns(out: Elements, element: Element) -> bool:
+    """Whether the portal of a firewall element is the one that has its LB IP and port."""
+    owner = out[CLUSTER_IPS].get(element.key[:3])
+    return owner is not None and owner.comment == element.comment
 
 
 def diff(have: Elements, want: Elements) -> tuple[dict[str, list[Element]], ...]:
@@ -367,6 +520,8 @@ def render_table(layout: Layout, elements: Elements) -> str:
     lines = [f"table {layout.family.table} {TABLE} {{"]
     for store in layout.stores:
         lines += [f"\t{store.kind} {store.name} {{", f"\t\ttype {store.type}"]
+        if store.flags:
+            lines.append(f"\t\tflags {store.flags}")
         members = sorted(elements.get(store.name, {}).values(), key=lambda e: e.key)
         if members:
             body = ",\n\t\t\t".join(e.text() for e in members)
@@ -427,8 +582,16 @@ def _element(item: Any, is_map: bool) -> Element:
     if isinstance(item, dict) and "elem" in item:
         comment = str(item["elem"].get("comment", ""))
         item = item["elem"]["val"]
-    key = tuple(item["concat"]) if isinstance(item, dict) and "concat" in item else (item,)
-    return Element(key, value, comment)
+    parts = item["concat"] if isinstance(item, dict) and "concat" in item else [item]
+    return Element(tuple(_key_part(part) for part in parts), value, comment)
+
+
+def _key_part(part: Any) -> str | int:
+    """One component of an element's key as uproxy writes it (a prefix as ``addr/len``)."""
+    if isinstance(part, dict) and "prefix" in part:
+        prefix = part["prefix"]
+        return f"{prefix.get('addr')}/{prefix.get('len')}"
+    return part if isinstance(part, int) else str(part)
 
 
 def parse_elements(listing: str) -> Elements:
@@ -487,14 +650,20 @@ class NftablesBackend:
         host_ip: str,
         listen_ip: str = ANY_IPV4,
         dial_mark: int = 0,
+        nodeport_cidrs: Collection[str] = (),
+        local: LocalTraffic = NO_LOCAL_TRAFFIC,
         family: Family = IPV4,
         watch: Watch | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        try:
-            self.layout = Layout(family, host_ip=host_ip, listen_ip=listen_ip, dial_mark=dial_mark)
-        except ValueError as exc:
-            raise RulesError(str(exc)) from None
+        self._options: dict[str, Any] = {
+            "host_ip": host_ip,
+            "listen_ip": listen_ip,
+            "dial_mark": dial_mark,
+            "nodeport_cidrs": tuple(nodeport_cidrs),
+        }
+        self.layout = _layout(family, self._options, local)
+        self.local = local
         self.family = family
         self.host_ip = host_ip
         self.listen_ip = listen_ip
@@ -504,10 +673,18 @@ class NftablesBackend:
         self._lock = asyncio.Lock()
         self._installed: Elements | None = None  # None: nothing of ours installed (as far as known)
         self._damaged = False  # the table does not hold _installed: the next sync loads it whole
+        self._reload = False  # the layout changed: the next sync loads the table whole
         self._last_full = float("-inf")
         self._conflicts: frozenset[str] = frozenset()
         self.transactions = 0  # nft -f runs, failed ones included
         self.full_loads = 0
+
+    def set_local_traffic(self, local: LocalTraffic) -> None:
+        """A new layout (its pod rules change): the next sync loads the table whole."""
+        if local != self.local:
+            self.layout = _layout(self.family, self._options, local)
+            self.local = local
+            self._reload = True
 
     @property
     def _where(self) -> str:
@@ -539,7 +716,7 @@ class NftablesBackend:
             await self._load(want)
 
     async def _full_due(self) -> bool:
-        if self._installed is None or self._damaged:
+        if self._installed is None or self._damaged or self._reload:
             return True
         if self._clock() - self._last_full >= FULL_SYNC_PERIOD_S:
             return True
@@ -555,7 +732,7 @@ class NftablesBackend:
         if self._damaged:
             log.info("Reloaded the nft table", extra={"kv": {"table": self._where}})
         self._installed = want
-        self._damaged = False
+        self._damaged = self._reload = False
         self._last_full = self._clock()
         self.full_loads += 1
 
@@ -623,3 +800,10 @@ class NftablesBackend:
 
     async def close(self) -> None:
         return None
+
+
+def _layout(family: Family, options: dict[str, Any], local: LocalTraffic) -> Layout:
+    try:
+        return Layout(family, **options, local=local)
+    except ValueError as exc:
+        raise RulesError(str(exc)) from None

@@ -5,13 +5,19 @@ reservation another program could bind the same port and silently lose all its t
 worse, receive it when the rules are flushed). As kube-proxy did, uproxy binds each node port
 itself; a TCP reservation also listens so that ``ss -ltn`` shows who owns the port. A port that
 is already taken is reported with the service and the port, and the sync goes on.
+
+With ``--nodeport-addresses`` node ports answer on some of the node's addresses only, so the
+reservation binds each of those addresses rather than 0.0.0.0: the port stays free for other
+programs on the other addresses, and a client reaching one of those finds nothing listening
+(a reservation listening on 0.0.0.0 would complete its handshake and then never answer).
+When no address of the node is in those CIDRs, ownership is still recorded, with no socket.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from uproxy.model import Protocol, ServicePortName
@@ -26,17 +32,17 @@ class NodePortError(Exception):
 @dataclass(slots=True)
 class _Reservation:
     owner: ServicePortName
-    sock: socket.socket
+    socks: list[socket.socket]
 
 
 Key = tuple[Protocol, int]
 
 
 class NodePortReservations:
-    """One bound socket per (protocol, node port)."""
+    """Bound sockets per (protocol, node port): one per address in ``bind_ips``."""
 
-    def __init__(self, *, bind_ip: str = "0.0.0.0") -> None:
-        self.bind_ip = bind_ip
+    def __init__(self, *, bind_ips: Sequence[str] = ("0.0.0.0",)) -> None:
+        self.bind_ips = tuple(bind_ips)
         self._held: dict[Key, _Reservation] = {}
 
     def __len__(self) -> int:
@@ -49,21 +55,18 @@ class NodePortReservations:
         held = self._held.get((protocol, port))
         return held.owner if held is not None else None
 
-    def _open(self, protocol: Protocol, port: int) -> socket.socket:
-        family = socket.AF_INET6 if ":" in self.bind_ip else socket.AF_INET
-        kind = socket.SOCK_STREAM if protocol is Protocol.TCP else socket.SOCK_DGRAM
-        sock = socket.socket(family, kind)
+    def _open(self, protocol: Protocol, port: int) -> list[socket.socket]:
+        """One socket per address, or none at all (OSError naming the address)."""
+        socks: list[socket.socket] = []
         try:
-            if protocol is Protocol.TCP:
-                # Lets us re-take a port with TIME_WAIT leftovers; still fails on a live listener.
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((self.bind_ip, port))
-            if protocol is Protocol.TCP:
-                sock.listen(1)
-        except OSError:
-            sock.close()
-            raise
-        return sock
+            for ip in self.bind_ips:
+                socks.append(_bind(ip, protocol, port))
+        except OSError as exc:
+            for sock in socks:
+                sock.close()
+            where = f" on {self.bind_ips[len(socks)]}" if len(self.bind_ips) > 1 else ""
+            raise OSError(exc.errno, f"{exc.strerror or exc}{where}") from None
+        return socks
 
     def reserve(self, service: ServicePortName, protocol: Protocol, port: int) -> None:
         """Hold ``port`` for ``service``; idempotent; NodePortError when it is taken."""
@@ -78,13 +81,13 @@ class NodePortReservations:
                 held.owner = service
             return
         try:
-            sock = self._open(protocol, port)
+            socks = self._open(protocol, port)
         except OSError as exc:
             raise NodePortError(
                 f"node port {port}/{protocol.value} for service {service} is not available: "
                 f"{exc.strerror or exc}"
             ) from None
-        self._held[key] = _Reservation(service, sock)
+        self._held[key] = _Reservation(service, socks)
         log.debug(
             "Reserved node port",
             extra={"kv": {"service": str(service), "port": port, "protocol": protocol.value}},
@@ -94,7 +97,8 @@ class NodePortReservations:
         """Close the reservation for ``port`` (no-op when not held)."""
         held = self._held.pop((protocol, port), None)
         if held is not None:
-            held.sock.close()
+            for sock in held.socks:
+                sock.close()
 
     def sync(self, desired: Mapping[Key, ServicePortName]) -> list[NodePortError]:
         """Reserve and release by difference; returns the ports that could not be reserved."""
@@ -111,3 +115,20 @@ class NodePortReservations:
     def close(self) -> None:
         for key in list(self._held):
             self.release(*key)
+
+
+def _bind(ip: str, protocol: Protocol, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    kind = socket.SOCK_STREAM if protocol is Protocol.TCP else socket.SOCK_DGRAM
+    sock = socket.socket(family, kind)
+    try:
+        if protocol is Protocol.TCP:
+            # Lets us re-take a port with TIME_WAIT leftovers; still fails on a live listener.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((ip, port))
+        if protocol is Protocol.TCP:
+            sock.listen(1)
+    except OSError:
+        sock.close()
+        raise
+    return sock

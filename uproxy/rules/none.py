@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from uproxy.rules.base import Portal
+from uproxy.rules.base import LocalTraffic, Portal
 
 
 class NoRules:
@@ -17,6 +17,9 @@ class NoRules:
 
     async def sync(self, portals: Collection[Portal]) -> None:
         self.portals = frozenset(portals)
+
+    def set_local_traffic(self, local: LocalTraffic) -> None:
+        return None
 
     async def check(self) -> bool:
         return True

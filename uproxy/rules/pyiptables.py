@@ -39,7 +39,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from uproxy.rules import command
-from uproxy.rules.base import Portal, RulesError
+from uproxy.rules.base import NO_LOCAL_TRAFFIC, LocalTraffic, Portal, RulesError
 from uproxy.rules.portals import (
     ALL_CHAINS,
     ANY_IPV4,
@@ -49,6 +49,7 @@ from uproxy.rules.portals import (
     PortalRule,
     RuleBuilder,
     RuleSet,
+    insert_positions,
     mark_match,
 )
 from uproxy.rules.saved import matches, parse_save
@@ -141,8 +142,12 @@ class _Worker:
     def _build(self, rule: PortalRule) -> Any:
         # Match.parse directly: attribute assignment does the same plus a dir() per call.
         r = self.iptc.Rule()
+        if rule.src is not None:
+            r.src = rule.src
         if rule.dst is not None:
             r.dst = rule.dst
+        if rule.in_interface is not None:
+            r.in_interface = rule.in_interface
         if rule.protocol is not None:
             r.protocol = rule.protocol
         if rule.mark is not None:
@@ -165,6 +170,10 @@ class _Worker:
 
     def _jump(self, jump: JumpRule) -> Any:
         r = self.iptc.Rule()
+        if jump.dst is not None:
+            r.dst = jump.dst
+        if jump.ct_new:
+            r.create_match("conntrack").ctstate = "NEW"
         if jump.dst_local:
             r.create_match("addrtype").dst_type = "LOCAL"
         r.create_match("comment").comment = jump.comment
@@ -246,14 +255,30 @@ class _Worker:
                 chain.flush()
                 have = []
             self._edit(chain, have, want)
-        for jump in ruleset.jumps_in(name):
-            chain = iptc.Chain(table, jump.chain)
-            if any(r.target.name == jump.target for r in chain.rules):
+        jumps = ruleset.jumps_in(name)
+        for chain_name in sorted({j.chain for j in jumps}):
+            self._sync_jumps(
+                iptc.Chain(table, chain_name), [j for j in jumps if j.chain == chain_name]
+            )
+
+    def _sync_jumps(self, chain: Any, jumps: list[JumpRule]) -> None:
+        """Add the missing jumps of one built-in chain, and delete jumps into uproxy's chains
+        that are not wanted (another configuration's, e.g. an old --nodeport-addresses)."""
+        built = {jump: self._jump(jump) for jump in jumps}
+        present = []
+        for r in chain.rules:
+            if r.target.name not in ALL_CHAINS:
                 continue
-            if jump.first:
-                chain.insert_rule(self._jump(jump))
+            if any(r == b for b in built.values()):
+                present.append(r)
             else:
-                chain.append_rule(self._jump(jump))
+                chain.delete_rule(r)
+        missing = [j for j, b in built.items() if not any(b == r for r in present)]
+        for jump, position in insert_positions(jumps, missing):
+            if jump.first:
+                chain.insert_rule(built[jump], position=position - 1)
+            else:
+                chain.append_rule(built[jump])
 
     def _edit(self, chain: Any, have: list[PortalRule], want: list[PortalRule]) -> None:
         """Turn the chain's rules from ``have`` into ``want`` with the fewest edits.
@@ -329,14 +354,20 @@ class IptcBackend:
         mode: str = "auto",
         listen_ip: str = ANY_IPV4,
         dial_mark: int = 0,
+        nodeport_cidrs: Collection[str] = (),
+        local: LocalTraffic = NO_LOCAL_TRAFFIC,
         watch: Watch | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         del mode  # legacy tables only; accepted for a uniform constructor
-        try:
-            self._builder = RuleBuilder(host_ip=host_ip, listen_ip=listen_ip, dial_mark=dial_mark)
-        except ValueError as exc:
-            raise RulesError(str(exc)) from None
+        self._options: dict[str, Any] = {
+            "host_ip": host_ip,
+            "listen_ip": listen_ip,
+            "dial_mark": dial_mark,
+            "nodeport_cidrs": tuple(nodeport_cidrs),
+        }
+        self._builder = _builder(self._options, local)
+        self.local = local
         self.host_ip = host_ip
         self.listen_ip = listen_ip
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="uproxy-iptc")
@@ -350,6 +381,11 @@ class IptcBackend:
         self._last_full = float("-inf")
         self.commits = 0
         self.saves = 0  # iptables-legacy-save runs by check
+
+    def set_local_traffic(self, local: LocalTraffic) -> None:
+        if local != self.local:
+            self._builder = _builder(self._options, local)
+            self.local = local
 
     async def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         def call() -> Any:
@@ -439,3 +475,10 @@ class IptcBackend:
     async def close(self) -> None:
         async with self._lock:
             self._executor.shutdown(wait=True)
+
+
+def _builder(options: dict[str, Any], local: LocalTraffic) -> RuleBuilder:
+    try:
+        return RuleBuilder(**options, local=local)
+    except ValueError as exc:
+        raise RulesError(str(exc)) from None

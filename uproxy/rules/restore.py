@@ -4,14 +4,15 @@ Why restore and not one ``iptables`` call per rule: a sync of 10,000 portal rule
 0.1 s (legacy) / 0.3 s (nft) this way, against minutes rule by rule. The input names only
 uproxy's chains (``--noflush``), and declaring a chain flushes it, so each table's share is
 replaced in a single commit and nobody else's rules are touched. Jumps from the built-in chains
-are read (``-S`` on the three built-in chains) and added in the same commit when missing, so a
-sync also repairs a flushed table.
+are read (``-S`` on the four built-in chains) and added in the same commit when missing, so a
+sync also repairs a flushed table; jumps into uproxy's chains that the configuration no longer
+has (an earlier ``--nodeport-addresses``) are deleted in that commit.
 
 nft or legacy: chosen the way kube-proxy's image does it (iptables-wrappers' DetectMode), so
 uproxy writes to the same variant as the kubelet; ``mode`` overrides it.
 
 Reading rules costs processes, so a change detector (``watch``: the nf_tables generation, or
-the shape of the legacy tables) decides when to read: ``check`` reads the three built-in
+the shape of the legacy tables) decides when to read: ``check`` reads the four built-in
 chains only when somebody committed something since uproxy last looked, a sync skips that
 read when nothing changed since uproxy's own last commit, and a sync of the very rules that
 commit installed, with nothing changed since, does nothing at all. At least once an hour a
@@ -25,19 +26,27 @@ import logging
 import shutil
 import time
 from collections.abc import Callable, Collection
+from typing import Any
 
 from uproxy.rules import command
-from uproxy.rules.base import Portal, RulesError
+from uproxy.rules.base import NO_LOCAL_TRAFFIC, LocalTraffic, Portal, RulesError
 from uproxy.rules.portals import (
     ANY_IPV4,
-    JUMPS,
+    JUMP_CHAINS,
     TABLES,
     JumpRule,
     RuleBuilder,
     RuleSet,
     restore_payload,
 )
-from uproxy.rules.saved import SavedTable, cleanup_payload, matches, missing_jumps, parse_save
+from uproxy.rules.saved import (
+    SavedTable,
+    cleanup_payload,
+    matches,
+    missing_jumps,
+    parse_save,
+    stale_jumps,
+)
 from uproxy.rules.watch import FULL_SYNC_PERIOD_S, Token, Watch, watch_for
 
 log = logging.getLogger("uproxy.rules.restore")
@@ -79,7 +88,7 @@ async def builtin_rules(mode: str) -> dict[str, SavedTable]:
     ``iptables-nft-save`` of 20,000 rules takes 0.7 s.
     """
     tables: dict[str, SavedTable] = {}
-    for table, chain in sorted({(j.table, j.chain) for j in JUMPS}):
+    for table, chain in JUMP_CHAINS:
         argv = [f"iptables-{mode}", "-w", str(LOCK_WAIT_S), "-t", table, "-S", chain]
         out = (await command.run(argv)).stdout
         lines = [line for line in out.splitlines() if line.startswith("-A ")]
@@ -97,7 +106,7 @@ async def cleanup_mode(mode: str) -> bool:
     """Remove uproxy's jumps and chains from one variant; False when nothing was installed."""
     if not shutil.which(f"iptables-{mode}-save"):
         return False
-    payload = cleanup_payload(parse_save(await save(mode)))
+    payload = cleanup_payload(parse_save(await save(mode)), delete_emptied_builtins=mode == "nft")
     if payload is None:
         return False
     await restore(mode, payload)
@@ -117,15 +126,21 @@ class RestoreBackend:
         mode: str = "auto",
         listen_ip: str = ANY_IPV4,
         dial_mark: int = 0,
+        nodeport_cidrs: Collection[str] = (),
+        local: LocalTraffic = NO_LOCAL_TRAFFIC,
         watch_factory: Callable[[str], Watch] = watch_for,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if mode not in ("auto", *MODES):
             raise RulesError(f"unknown iptables mode {mode!r}: use auto, nft or legacy")
-        try:
-            self._builder = RuleBuilder(host_ip=host_ip, listen_ip=listen_ip, dial_mark=dial_mark)
-        except ValueError as exc:
-            raise RulesError(str(exc)) from None
+        self._options = {
+            "host_ip": host_ip,
+            "listen_ip": listen_ip,
+            "dial_mark": dial_mark,
+            "nodeport_cidrs": tuple(nodeport_cidrs),
+        }
+        self._builder = _builder(self._options, local)
+        self.local = local
         self.host_ip = host_ip
         self.listen_ip = listen_ip
         self._requested_mode = mode
@@ -138,7 +153,7 @@ class RestoreBackend:
         self._clock = clock
         self._last_full = float("-inf")
         self.restores = 0
-        self.reads = 0  # reads of the built-in chains (each is three processes)
+        self.reads = 0  # reads of the built-in chains (each is four processes)
 
     async def mode(self) -> str:
         """The variant in use (detected once, on first use)."""
@@ -146,6 +161,11 @@ class RestoreBackend:
             self._mode = await detect_mode()
             log.info("Using iptables mode", extra={"kv": {"mode": self._mode}})
         return self._mode
+
+    def set_local_traffic(self, local: LocalTraffic) -> None:
+        if local != self.local:
+            self._builder = _builder(self._options, local)
+            self.local = local
 
     async def _read_jumps(self, mode: str) -> dict[str, SavedTable]:
         self.reads += 1
@@ -169,18 +189,22 @@ class RestoreBackend:
             full = self._clock() - self._last_full >= FULL_SYNC_PERIOD_S
             if not full and ruleset == self._installed and self._untouched(watch):
                 return  # exactly what our last restore left, and nobody committed since
+            stale: list[str] = []
             if full or watch.changed():
                 before = watch.read()
-                missing = missing_jumps(await self._read_jumps(mode), ruleset)
+                builtin = await self._read_jumps(mode)
+                missing = missing_jumps(builtin, ruleset)
+                stale = stale_jumps(builtin, ruleset)
             else:  # the jumps are as our last commit or check left them
                 before, missing = watch.marked, []
-            await self._restore(mode, ruleset, missing, before)
+            await self._restore(mode, ruleset, missing, before, stale)
             if full:
                 self._last_full = self._clock()
 
-    def _payload(self, ruleset: RuleSet, missing: list[JumpRule]) -> str:
+    def _payload(self, ruleset: RuleSet, missing: list[JumpRule], stale: list[str]) -> str:
+        lines = self._builder.lines
         return "".join(
-            restore_payload(ruleset, t, missing_jumps=missing, lines=self._builder.lines)
+            restore_payload(ruleset, t, missing_jumps=missing, stale_jumps=stale, lines=lines)
             for t in TABLES
         )
 
@@ -188,9 +212,14 @@ class RestoreBackend:
         return self._committed is not None and watch.read() == self._committed
 
     async def _restore(
-        self, mode: str, ruleset: RuleSet, missing: list[JumpRule], before: Token | None
+        self,
+        mode: str,
+        ruleset: RuleSet,
+        missing: list[JumpRule],
+        before: Token | None,
+        stale: list[str],
     ) -> None:
-        payload = await asyncio.to_thread(self._payload, ruleset, missing)
+        payload = await asyncio.to_thread(self._payload, ruleset, missing, stale)
         watch = self.watch(mode)
         self._committed = None  # unknown until the commit is through
         try:
@@ -206,12 +235,17 @@ class RestoreBackend:
                 "Installed jumps into uproxy chains",
                 extra={"kv": {"mode": mode, "count": len(missing)}},
             )
+        if stale:
+            log.info(
+                "Removed jumps of another configuration",
+                extra={"kv": {"mode": mode, "count": len(stale)}},
+            )
 
     async def check(self) -> bool:
         """Whether the jumps into uproxy's chains are all in place.
 
         Free unless somebody committed a change since uproxy last looked (see ``watch``);
-        then three short built-in chains are read. That notices what actually happens to
+        then four short built-in chains are read. That notices what actually happens to
         nodes: a flushed table, a firewall reload, deleted chains (a chain cannot be deleted
         while a jump refers to it). A rule deleted by hand from inside uproxy's chains is not
         looked for: the watch saw a change, so the next sync rewrites those chains whole.
@@ -225,7 +259,9 @@ class RestoreBackend:
             if not watch.changed():
                 return True
             token = watch.read()
-            ok = not missing_jumps(await self._read_jumps(mode), self._installed)
+            builtin = await self._read_jumps(mode)
+            ok = not missing_jumps(builtin, self._installed)
+            ok = ok and not stale_jumps(builtin, self._installed)
             if ok:
                 watch.mark(token)
             return ok
@@ -248,3 +284,10 @@ class RestoreBackend:
 
     async def close(self) -> None:
         return None
+
+
+def _builder(options: dict[str, Any], local: LocalTraffic) -> RuleBuilder:
+    try:
+        return RuleBuilder(**options, local=local)
+    except ValueError as exc:
+        raise RulesError(str(exc)) from None

@@ -17,6 +17,7 @@ BUILTIN_CHAINS = frozenset({"PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROU
 class SavedTable:
     name: str
     chains: dict[str, list[str]] = field(default_factory=dict)  # chain -> its "-A" lines
+    policies: dict[str, str] = field(default_factory=dict)  # built-in chain -> its policy
 
 
 def parse_save(text: str) -> dict[str, SavedTable]:
@@ -32,7 +33,10 @@ def parse_save(text: str) -> dict[str, SavedTable]:
         elif current is None or line == "COMMIT":
             continue
         elif line.startswith(":"):
-            current.chains.setdefault(line[1:].split(" ", 1)[0], [])
+            name, _, rest = line[1:].partition(" ")
+            current.chains.setdefault(name, [])
+            if rest.split(" ", 1)[0] not in ("", "-"):
+                current.policies[name] = rest.split(" ", 1)[0]
         elif line.startswith("-A "):
             chain = line.split(" ", 2)[1]
             current.chains.setdefault(chain, []).append(line)
@@ -70,13 +74,30 @@ def missing_jumps(tables: dict[str, SavedTable], ruleset: RuleSet) -> list[JumpR
     return missing
 
 
+def stale_jumps(tables: dict[str, SavedTable], ruleset: RuleSet) -> list[str]:
+    """Jumps into uproxy's chains that ``ruleset`` does not have (``-A`` lines).
+
+    They are left by another configuration: node-port jumps of an earlier
+    ``--nodeport-addresses`` would keep node ports open on addresses no longer meant to.
+    """
+    wanted = {j.save_line() for j in ruleset.jumps}
+    return [
+        line
+        for table in tables.values()
+        for chain, lines in table.chains.items()
+        if chain not in ALL_CHAINS
+        for line in lines
+        if jump_target(line) in ALL_CHAINS and line not in wanted
+    ]
+
+
 def matches(tables: dict[str, SavedTable], ruleset: RuleSet) -> bool:
     """Whether every chain, jump and rule of ``ruleset`` is installed, and nothing else of ours.
 
     Rule *counts* per chain are compared (not the text): cheap, and enough to notice a flush,
     a deleted chain or a lost table; the next sync rewrites the text anyway.
     """
-    if missing_jumps(tables, ruleset):
+    if missing_jumps(tables, ruleset) or stale_jumps(tables, ruleset):
         return False
     counts = ruleset.count_by_chain()
     for table_name, chains in ruleset.chains.items():
@@ -90,10 +111,16 @@ def matches(tables: dict[str, SavedTable], ruleset: RuleSet) -> bool:
     return True
 
 
-def cleanup_payload(tables: dict[str, SavedTable]) -> str | None:
+def cleanup_payload(
+    tables: dict[str, SavedTable], *, delete_emptied_builtins: bool = False
+) -> str | None:
     """``iptables-restore --noflush`` input deleting every jump to, and every one of, our chains.
 
-    None when nothing of uproxy's is installed.
+    None when nothing of uproxy's is installed. ``delete_emptied_builtins`` (iptables-nft): a
+    built-in chain left empty with policy ACCEPT by removing our jumps is deleted too. nf_tables
+    creates a base chain when its first rule is added, so uproxy's jump from ``FORWARD`` may
+    have created it; left behind it changes nothing, but ``nft list ruleset`` would not be
+    what it was. An empty ACCEPT base chain filters nothing, whoever made it.
     """
     blocks: list[str] = []
     for name in TABLES:
@@ -113,6 +140,20 @@ def cleanup_payload(tables: dict[str, SavedTable]) -> str | None:
         lines = [f"*{name}", *deletes]
         lines.extend(f":{chain} - [0:0]" for chain in ours)
         lines.extend(f"-X {chain}" for chain in ours)
+        if delete_emptied_builtins:
+            lines.extend(f"-X {chain}" for chain in _emptied(table))
         lines.append("COMMIT")
         blocks.append("\n".join(lines) + "\n")
     return "".join(blocks) or None
+
+
+def _emptied(table: SavedTable) -> list[str]:
+    """Built-in chains that hold uproxy's jumps and nothing else, with policy ACCEPT."""
+    return [
+        chain
+        for chain, lines in table.chains.items()
+        if chain in BUILTIN_CHAINS
+        and lines
+        and all(jump_target(line) in ALL_CHAINS for line in lines)
+        and table.policies.get(chain) == "ACCEPT"
+    ]
