@@ -1,32 +1,52 @@
 """A relayed TCP pair: the client's socket, the dial to an endpoint, and the bytes between.
 
-The relay is two ``asyncio.Protocol`` objects with ``__slots__``; bytes go straight from
-``data_received`` to the peer transport's ``write`` (uvloop tries the send inline), with no
-task or future per chunk. Backpressure uses the transports' own write-buffer limits:
-``pause_writing`` on one side pauses reading on the other, and a side paused that way is
-peeked at now and then, so a reset on it is not missed.
+The relay works on raw non-blocking sockets registered once, edge-triggered, in the loop's
+``EdgePoller`` (see there why not the loop's own ``add_reader``), not on asyncio transports.
+Bytes are read with ``recv_into`` into one buffer per loop and written on at once with
+``send``; what the other socket does not take is copied aside and that side is no longer
+read until it is written (bounded memory: one read per direction, ``high_water``). EOF is
+passed on with ``shutdown(SHUT_WR)``, a reset with a RST, under a bounded half-close linger.
+There is no task or future per connection: the dial (retries, deadlines, the dial mark) is a
+chain of callbacks, and a task exists only while a dial waits for a free fd.
 
-Everything that needs the loop runs in one task per connection (wrap the accepted socket in
-a transport, then dial with retries): the accept callback never waits for a dial. Dials use
-numeric addresses only (uvloop resolves them without the resolver thread pool), and carry
-the dial mark when there are portal rules to skip (``dial_marked``).
+Why not transports (measured here, A/B interleaved in one session, medians; nginx behind the
+proxy, ``wrk -c16 -H "Connection: close"``, proxy pinned to one core, load on the other; the
+machine was shared, so figures move by about +-10 % between runs):
 
-Connection-setup pass (py-spy profile of ``wrk -c16``, ``Connection: close``; A/B in one
-session, proxy and load pinned to separate cores, medians of 6-8 interleaved runs; the
-machine was shared, so figures move by +-10 % from run to run): together the changes
-below took the proxy from ~200-240 to ~155-200 us of CPU per connection (about -18 %).
+* System calls per proxied connection (``strace -f -c``, 2,000 sequential connections):
+  37.0 through uvloop's transports, 48.0 with the dial mark (connect_accepted_socket and
+  create_connection(sock=) probe each socket with getsockname x3, getpeername x2, FIONBIO,
+  SO_ERROR and re-register it with epoll), against 23.0 and 24.1 here: accept, the wrap's
+  getsockname, TCP_NODELAY, one epoll registration per socket, socket/[SO_MARK]/connect,
+  3 reads, 2 writes, one shutdown, 2 closes, and the polls.
+* Proxy CPU per connection: 129 us (128-131) through transports, 140 (137-143) with the
+  mark; 94 (91-100) and 93 (91-100) here, 6 runs each. User time went from 41 to 21 us,
+  system time from 96 to 83 us. A relay on raw sockets driven by the loop's
+  ``add_reader``/``add_writer`` made 45 system calls and cost 126 us (5 runs).
+* What makes the count low: no EAGAIN read where a short read already says the queue is
+  empty, and no read for an EOF whose FIN the event announced (EPOLLRDHUP); the accepted
+  socket stays blocking and is read with MSG_DONTWAIT (no FIONBIO); a connect is complete
+  when its socket reports "writable" without an error (no SO_ERROR); the last direction to
+  finish closes both sockets without a shutdown first (close sends that FIN).
+* Client bytes that arrive while the dial is in flight stay in the kernel's socket buffer,
+  read once the pair is linked: nothing to hold, and every retry still has them all.
+* Kept from the transport relay's setup pass (py-spy profiles): dial deadlines and the
+  linger are ``FixedDelayTimers`` (start+cancel 1.3 us against 3.4 us for call_later), a
+  closed pair leaves no reference cycle (``_Side``), and nothing is logged or formatted
+  per connection (metric tallies are bound once per listener, ``Stats``).
 
-* Dial deadlines and the half-close linger are ``FixedDelayTimers`` (one loop timer per
-  delay, a FIFO behind it) instead of ``asyncio.timeout``/``call_later``: start+cancel
-  1.3 us against 3.4 us for uvloop's call_later+cancel; the ``asyncio.timeout`` context
-  (7 % of the profile, with a getpid() per get_running_loop()) is gone.
-* A closed pair leaves no reference cycle (``_Side``): six objects less per connection for
-  the cyclic GC (1.4-2.8 % of the profile, 0 % after).
-* Nothing is logged and no metric label is formatted per connection: label sets are bound
-  once per listener (``Stats``), and counts are plain additions read at scrape time
-  (``uproxy.metrics.Tally``; prometheus_client's locked ``inc()`` was 6 % of the profile).
-* Tried and dropped: closing without ``write_eof()`` when the peer had already sent its FIN
-  (one shutdown() less; no measurable difference, the FIN costs the same in close()).
+Bulk transfers: once a direction has moved ``splice_threshold`` bytes it switches to
+splice(2) through a pipe of its own (``splice``); the pipe is the direction's buffer and is
+closed as soon as the direction is over. ``iperf3`` through the proxy, 1 stream (proxy CPU
+per GB moved, medians of 5): 0.39 through transports, 0.39 on the copy path here, 0.20-0.23
+spliced (1 MiB pipes; 0.25 with the default 64 KiB pipe, 0.23 with 256 KiB). Throughput was
+bound by the other core (iperf3 and the kernel's loopback work), not by the proxy, and the
+machine was shared: 12-16 Gb/s spliced or not, against 23-24 Gb/s for kernel DNAT.
+Threshold: proxy CPU per ``Connection: close`` download (copy / spliced from the first
+byte): 16 KiB 107 / 130 us (a pipe costs ~12 us: pipe2, F_SETPIPE_SZ, FIONBIO, 2 closes),
+64 KiB 142 / 139, 128 KiB 191 / 163, 512 KiB 421 / 280, 1 MiB 693 / 509, 4 MiB 2432 / 968.
+Splicing pays from about 64 KiB; thresholds of 64, 128 and 256 KiB were within the noise
+of each other at 64-512 KiB, and 128 KiB opens no pipe for the many replies below it.
 """
 
 from __future__ import annotations
@@ -36,18 +56,34 @@ import errno
 import os
 import socket
 import struct
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Self, cast
+from typing import TYPE_CHECKING, Any
 
 from uproxy import metrics
-from uproxy.dataplane.fdreserve import FD_RESERVE, RESOURCE_ERRNOS, wake
-from uproxy.dataplane.timers import Deadline, shared_timers
+from uproxy.dataplane import splice
+from uproxy.dataplane.fdreserve import FD_RESERVE, RESOURCE_ERRNOS
+from uproxy.dataplane.poller import (
+    ALL_EVENTS,
+    ERR,
+    HUP,
+    IN,
+    OUT,
+    RDHUP,
+    READ_EVENTS,
+    EdgePoller,
+    poller_for,
+)
+from uproxy.dataplane.splice import SPLICE_FLAGS, Pipe
+from uproxy.dataplane.timers import Deadline
 from uproxy.model import Endpoint, ServicePortName, Traffic
 
 if TYPE_CHECKING:
     from uproxy.dataplane.tcp import TcpListener
 
 _LINGER_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends a RST
+_NOWAIT = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL  # the accepted socket stays blocking
+_TCP_ESTABLISHED = 1  # linux/tcp_states.h
+_NEVER = 1 << 62  # bytes to go before splicing, when it is off or was tried
+_INPUT = IN | RDHUP | HUP
 
 _DIAL_OK = metrics.DIAL_ATTEMPTS.labels("ok")
 _DIAL_FAILED = metrics.DIAL_ATTEMPTS.labels("failed")
@@ -88,196 +124,375 @@ def reset_socket(sock: socket.socket) -> None:
     sock.close()
 
 
-async def dial_marked(
-    loop: asyncio.AbstractEventLoop,
-    protocol_factory: Callable[[], asyncio.Protocol],
-    ip: str,
-    port: int,
-    mark: int,
-) -> None:
-    """Connect to ``ip:port`` from a socket carrying ``mark`` (SO_MARK), then wrap it.
+class _Side:
+    """One socket of a relayed pair, and the direction that reads it: this side to ``peer``.
 
-    The mark has to be on the socket before the SYN leaves (the NAT decision is taken on the
-    first packet), and ``create_connection`` makes its own socket: so the socket and the
-    non-blocking connect are ours, and the connected socket is handed to the loop. Raises
-    OSError like ``create_connection`` (EMFILE included); a cancelled dial closes its socket.
-    """
-    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, mark)
-        sock.setblocking(False)
-        err = sock.connect_ex((ip, port))
-        if err == errno.EINPROGRESS:
-            fd = sock.fileno()
-            writable: asyncio.Future[None] = loop.create_future()
-            loop.add_writer(fd, wake, writable)
-            try:
-                await writable
-            finally:
-                loop.remove_writer(fd)
-            err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-        if err:
-            raise OSError(err, os.strerror(err))
-        await loop.create_connection(protocol_factory, sock=sock)
-    except BaseException:
-        sock.close()
-        raise
-
-
-_TCP_CLOSE = 7  # linux/tcp_states.h: where a reset leaves a socket
-
-
-def _was_reset(transport: asyncio.Transport) -> bool:
-    """Whether the peer reset this (paused, unread) socket: its TCP state is CLOSE."""
-    sock = transport.get_extra_info("socket")
-    if sock is None:
-        return False
-    try:
-        return bool(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] == _TCP_CLOSE)
-    except OSError:
-        return True
-
-
-def _reset_transport(transport: asyncio.Transport) -> None:
-    sock = transport.get_extra_info("socket")
-    if sock is not None:
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
-        except OSError:
-            pass
-    transport.abort()
-
-
-class _Side(asyncio.Protocol):
-    """One socket of a relayed pair: what it reads is written to ``peer``.
+    Its socket is in the loop's ``EdgePoller``: an event says once that there is input (or
+    room), so what was not used is remembered in ``readable`` and acted on later. Reading
+    stops while ``out`` (copy path) or the pipe (splice path) holds bytes the peer has not
+    taken; the peer's "writable" event flushes them and reading goes on. The kernel's
+    socket buffers do the rest of the buffering, so a slow reader throttles its sender.
 
     The pair's state lives on the client side (``Connection``); ``_pair()`` finds it. The
-    client side answers itself rather than holding a reference to itself, and the two sides
-    forget each other once both sockets are closed (``Connection.side_lost``): a relayed
-    pair leaves no reference cycle, so it is freed by reference counting. With the cycles,
-    every connection left six objects (the pair, its task, coroutine and context) for the
-    cyclic GC: 2.8 % of the proxy's CPU in the connection-rate profile.
+    two sides forget each other when the pair finishes: a relayed pair leaves no reference
+    cycle, so it is freed by reference counting (with cycles, every connection left six
+    objects for the cyclic GC: 2.8 % of the proxy's CPU in the connection-rate profile).
     """
 
-    __slots__ = ("counter", "eof", "peer", "transport", "write_paused")
+    __slots__ = (
+        "chunk",
+        "counter",
+        "done",
+        "eof",
+        "fd",
+        "out",
+        "peer",
+        "pipe",
+        "poller",
+        "rdhup",
+        "readable",
+        "sock",
+        "until_splice",
+        "writes_watched",
+    )
 
-    def __init__(self, counter: metrics.AnyTally) -> None:
+    def __init__(self, poller: EdgePoller, counter: metrics.AnyTally, chunk: int) -> None:
+        self.poller = poller
         self.counter = counter
-        self.transport: asyncio.Transport | None = None
+        self.chunk = chunk  # bytes per read (settings.high_water)
+        self.sock: socket.socket | None = None
+        self.fd = -1
         self.peer: _Side | None = None
-        self.eof = False
-        self.write_paused = False
-
-    def _self(self) -> Self:
-        return self
+        self.readable = False  # input (data or FIN) may be waiting: the edge was seen
+        self.rdhup = False  # the peer's FIN has arrived (after the data now queued)
+        self.eof = False  # this direction has read everything
+        self.done = False  # ... and passed it all on, FIN included
+        self.out: memoryview | None = None  # read, not yet taken by the peer's socket
+        self.pipe: Pipe | None = None
+        self.until_splice = _NEVER
+        self.writes_watched = False
 
     def _pair(self) -> Connection:
         raise NotImplementedError
 
-    def data_received(self, data: bytes) -> None:
-        self.counter.value += len(data)
-        peer = self.peer
-        if peer is not None and peer.transport is not None:
-            peer.transport.write(data)
-        else:
-            self._pair().hold(data)
+    def _unlinked_event(self, mask: int) -> None:
+        raise NotImplementedError
 
-    def eof_received(self) -> bool:
+    # What TcpListener.shutdown and tests use of an asyncio transport.
+    @property
+    def transport(self) -> _Side | None:
+        return self if self.sock is not None else None
+
+    def abort(self) -> None:
+        self._pair().close_pair()
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self.sock if name == "socket" else default
+
+    def event(self, mask: int) -> None:
+        peer = self.peer
+        if peer is None:
+            self._unlinked_event(mask)
+            return
+        if mask & ERR:
+            self._pair().reset()  # pass a reset on as a reset, even on a side not read
+            return
+        if mask & _INPUT and not self.eof:
+            self.readable = True
+            if mask & (RDHUP | HUP):
+                self.rdhup = True
+            if self.out is None and (self.pipe is None or not self.pipe.held):
+                self.pump()
+                if self.sock is None:
+                    return
+        if mask & OUT and (peer.out is not None or (peer.pipe is not None and peer.pipe.held)):
+            peer.flush()
+
+    def pump(self) -> None:
+        """Copy from this socket to the peer's until one of them says EAGAIN, or EOF."""
+        if self.pipe is not None:
+            self.pump_spliced()
+            return
+        peer = self.peer
+        sock = self.sock
+        if peer is None or peer.sock is None or sock is None:
+            return
+        dst = peer.sock
+        view = self.poller.buffer
+        chunk = self.chunk
+        while True:
+            if self.until_splice <= 0 and self._start_splice():
+                self.pump_spliced()
+                return
+            try:
+                n = sock.recv_into(view, chunk, _NOWAIT)
+            except BlockingIOError:
+                self.readable = False
+                return
+            except OSError:
+                self._pair().reset()
+                return
+            if n == 0:
+                self._end()
+                return
+            self.counter.value += n
+            self.until_splice -= n
+            try:
+                sent = dst.send(view[:n], _NOWAIT)
+            except BlockingIOError:
+                sent = 0
+            except OSError:
+                self._pair().reset()
+                return
+            if sent < n:
+                self.out = memoryview(bytes(view[sent:n]))
+                peer.watch_writes()
+                return
+            if n < chunk:
+                # A short read emptied the receive queue: more input will be a new edge. If
+                # the FIN had arrived by the event, it came after all of that: EOF, without
+                # a read to be told so (nginx's "pending eof").
+                self.readable = False
+                if self.rdhup:
+                    self._end()
+                return
+
+    def pump_spliced(self) -> None:
+        """Move from this socket to the peer's through the pipe until EAGAIN, or EOF."""
+        pipe = self.pipe
+        peer = self.peer
+        if pipe is None or peer is None:
+            return
+        src, dst = self.fd, peer.fd
+        while True:
+            try:
+                n = os.splice(src, pipe.w, pipe.size, flags=SPLICE_FLAGS)
+            except BlockingIOError:
+                self.readable = False
+                return
+            except OSError:
+                self._pair().reset()
+                return
+            if n == 0:
+                self._end()
+                return
+            self.counter.value += n
+            try:
+                sent = os.splice(pipe.r, dst, n, flags=SPLICE_FLAGS)
+            except BlockingIOError:
+                sent = 0
+            except OSError:
+                self._pair().reset()
+                return
+            if sent < n:
+                pipe.held = n - sent
+                peer.watch_writes()
+                return
+
+    def _start_splice(self) -> bool:
+        """Switch this direction to splice (once): False if no pipe could be had."""
+        self.until_splice = _NEVER
+        peer = self.peer
+        if peer is None or peer.sock is None or self.sock is None:
+            return False
+        conn = self._pair()
+        pipe = splice.open_pipe(conn.listener.settings.splice_pipe_size)
+        if pipe is None:
+            return False
+        try:
+            # splice(2) honours only the file's O_NONBLOCK on a socket. The accepted socket
+            # was left blocking (the relay reads it with MSG_DONTWAIT): one ioctl, here.
+            for sock in (self.sock, peer.sock):
+                if sock.getblocking():
+                    sock.setblocking(False)
+        except OSError:
+            pipe.close()
+            return False
+        self.pipe = pipe
+        return True
+
+    def watch_writes(self) -> None:
+        """The peer filled this socket: ask for its "writable" event (added once, kept)."""
+        if not self.writes_watched and self.sock is not None:
+            self.writes_watched = True
+            try:
+                self.poller.watch_writes(self.fd)
+            except OSError:
+                self._pair().reset()
+
+    def flush(self) -> None:
+        """This socket's peer has room: write what waits for it, then read on."""
+        peer = self.peer
+        if peer is None or peer.sock is None:
+            return
+        pipe = self.pipe
+        try:
+            if pipe is not None and pipe.held:
+                pipe.held -= os.splice(pipe.r, peer.fd, pipe.held, flags=SPLICE_FLAGS)
+                if pipe.held:
+                    return
+            elif self.out is not None:
+                sent = peer.sock.send(self.out, _NOWAIT)
+                if sent < len(self.out):
+                    self.out = self.out[sent:]
+                    return
+                self.out = None
+            else:
+                return
+        except BlockingIOError:
+            return
+        except OSError:
+            self._pair().reset()
+            return
+        if self.eof:
+            self._pass_fin()
+        elif self.readable:
+            self.pump()
+
+    def _end(self) -> None:
+        """EOF from this socket: pass the FIN on once what was read has been written."""
         self.eof = True
-        self._pair().side_eof(self)
-        return True  # keep our write direction open: this is a half-close
+        self.readable = False
+        if self.out is None and (self.pipe is None or not self.pipe.held):
+            self._pass_fin()
 
-    def pause_writing(self) -> None:
-        # Our write buffer is above high_water: stop reading whoever fills it.
-        self.write_paused = True
+    def _pass_fin(self) -> None:
+        self.done = True
+        if self.pipe is not None:
+            self.pipe.close()  # this direction is over: give its fds back now
+            self.pipe = None
         peer = self.peer
-        if peer is not None and peer.transport is not None:
-            peer.transport.pause_reading()
-            self._pair().watch_paused()
+        conn = self._pair()
+        if peer is None or peer.sock is None:
+            return
+        if peer.done:
+            # Both directions are over: close() sends the last FIN, with no shutdown()
+            # first (the receive queues are empty, so close does not turn into a RST).
+            conn.close_pair()
+            return
+        try:
+            peer.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            conn.reset()
+            return
+        conn.half_closed()
 
-    def resume_writing(self) -> None:
-        self.write_paused = False
-        peer = self.peer
-        if (
-            peer is not None
-            and peer.transport is not None
-            and not peer.eof
-            and not peer.transport.is_closing()
-        ):
-            peer.transport.resume_reading()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._pair().side_lost(self, exc)
+    def close(self, *, reset: bool) -> None:
+        sock = self.sock
+        if sock is None:
+            return
+        self.sock = None
+        self.poller.forget(self.fd)
+        if reset:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
+            except OSError:
+                pass
+        sock.close()
+        if self.pipe is not None:
+            self.pipe.close()
+            self.pipe = None
 
 
 class _EndpointSide(_Side):
     __slots__ = ("conn",)
 
-    def __init__(self, conn: Connection, counter: metrics.AnyTally) -> None:
-        super().__init__(counter)
+    def __init__(self, conn: Connection, sock: socket.socket) -> None:
+        super().__init__(conn.poller, conn.listener.stats.bytes_to_client, conn.chunk)
         self.conn = conn
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.writes_watched = True  # registered with ALL_EVENTS: a connect completes so
+        threshold = conn.listener.settings.splice_threshold
+        self.until_splice = _NEVER if threshold is None else threshold
 
     def _pair(self) -> Connection:
         return self.conn
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's transports do not inherit from asyncio's classes: cast, do not isinstance.
-        self.transport = cast(asyncio.Transport, transport)
-        self.conn.linked(self)
+    def _unlinked_event(self, mask: int) -> None:
+        conn = self.conn
+        if conn.dialing is not self:
+            return
+        if mask & (ERR | HUP):
+            conn.dial_failed(None)
+        elif mask & OUT:
+            conn.link(self, mask)
 
 
 class Connection(_Side):
-    """The client side of a relayed pair, and the state of the pair."""
+    """The client side of a relayed pair, the dial to an endpoint, and the pair's state."""
 
     __slots__ = (
+        "attempt",
         "client_ip",
         "closed",
         "deadline",
+        "dialing",
         "endpoint",
-        "held",
-        "held_bytes",
+        "fd_deadline",
         "linger",
+        "linked",
         "listener",
-        "stall",
+        "started",
         "task",
-        "timed_out",
+        "tried",
         "undialed",
     )
 
     def __init__(self, listener: TcpListener, client_ip: str, endpoint: Endpoint) -> None:
-        super().__init__(listener.stats.bytes_to_endpoint)
+        settings = listener.settings
+        super().__init__(
+            poller_for(listener.loop), listener.stats.bytes_to_endpoint, settings.high_water
+        )
+        threshold = settings.splice_threshold
+        self.until_splice = _NEVER if threshold is None else threshold
         self.listener = listener
         self.client_ip = client_ip
         self.endpoint = endpoint
-        self.held: list[bytes] | None = []
-        self.held_bytes = 0
         self.closed = False
-        self.linger: Deadline | None = None
-        self.stall: Deadline | None = None
-        self.task: asyncio.Task[None] | None = None
+        self.linked = False
+        self.dialing: _EndpointSide | None = None
         self.deadline: Deadline | None = None
-        self.timed_out = False
+        self.linger: Deadline | None = None
+        self.task: asyncio.Task[None] | None = None  # only while a dial waits for an fd
+        self.attempt = 0
+        self.tried: list[Endpoint] | None = None
+        self.fd_deadline: float | None = None  # until when a dial may wait for a free fd
+        self.started = 0.0
         self.undialed = True
         FD_RESERVE.undialed += 1
+        self.poller.reserve(self.chunk)
 
     def _pair(self) -> Connection:
         return self
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        s = self.listener.settings
-        self.transport = cast(asyncio.Transport, transport)
-        self.transport.set_write_buffer_limits(s.high_water, s.low_water)
-
-    def hold(self, data: bytes) -> None:
-        """Keep what the client sends while the dial is in flight (bounded by high_water)."""
-        held = self.held
-        if held is None:  # the pair is gone; nothing will read this any more
+    def start(self, sock: socket.socket) -> None:
+        """Take the accepted socket and dial; the pair runs on events from here on."""
+        self.sock = sock
+        self.fd = fd = sock.fileno()
+        try:
+            # A relay must not hold back small writes (Nagle). Linux copies TCP_NODELAY
+            # from the listening socket to accepted ones: set there, this call could go.
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            # Watched from the start: a client that resets while we dial is seen at once.
+            self.poller.register(fd, self, READ_EVENTS)
+        except OSError:
+            self.sock = None
+            reset_socket(sock)
+            self.finish()
             return
-        held.append(data)
-        self.held_bytes += len(data)
-        if self.held_bytes > self.listener.settings.high_water and self.transport is not None:
-            self.transport.pause_reading()
+        self.dial()
+
+    def _unlinked_event(self, mask: int) -> None:
+        # The client, while we dial. Its bytes wait in its socket until the pair is linked;
+        # a FIN is a half-close (the reply is still wanted), a reset ends it all.
+        if mask & ERR:
+            self.close_pair()
+            return
+        if mask & _INPUT:
+            self.readable = True
+            if mask & (RDHUP | HUP):
+                self.rdhup = True
 
     def dialed(self) -> None:
         """The first dial is over (or will never happen): this pair no longer waits for an fd."""
@@ -285,230 +500,182 @@ class Connection(_Side):
             self.undialed = False
             FD_RESERVE.undialed -= 1
 
-    async def run(self, sock: socket.socket) -> None:
-        try:
-            await self._run(sock)
-        finally:
-            self.dialed()
-
-    async def _run(self, sock: socket.socket) -> None:
+    def dial(self) -> None:
+        """Start a non-blocking connect to ``endpoint``, under the attempt's deadline."""
         listener = self.listener
-        loop = listener.loop
-        try:
-            await loop.connect_accepted_socket(self._self, sock)
-        except OSError:
-            reset_socket(sock)
-            self.finish()
-            return
         settings = listener.settings
-        balancer = listener.balancer
-        tried: list[Endpoint] = []
-        ep: Endpoint | None = self.endpoint
-        timeouts = settings.dial_timeouts_s
-        mark = settings.dial_mark
-        fd_deadline: float | None = None  # until when a dial may wait for a free fd
-        attempt = 0
-        while attempt < len(timeouts):
-            if ep is None or self.closed:
-                break
-            timeout = timeouts[attempt]
-            self.endpoint = ep
-            side = _EndpointSide(self, listener.stats.bytes_to_client)
-            started = loop.time()
-            # A shared fixed-delay timer per attempt rather than ``asyncio.timeout``: the
-            # context manager cost 7 % of the connection-rate profile (a Timeout object, two
-            # get_running_loop() calls, each a getpid(), its reschedule/exit bookkeeping).
-            self.deadline = listener.dial_timers[timeout].start(self._dial_timed_out)
-            try:
-                if mark:
-                    await dial_marked(loop, side._self, ep.ip, ep.port, mark)
-                else:
-                    await loop.create_connection(side._self, ep.ip, ep.port)
-            except asyncio.CancelledError:
-                if not self.timed_out:  # cancelled from outside (client gone, shutdown)
-                    self._cancel_deadline()
-                    raise
-                self.timed_out = False
-                if self.task is not None:
-                    self.task.uncancel()
-                exc: OSError | None = None
-            except OSError as error:
-                self._cancel_deadline()
-                exc = error
-            else:
-                _DIAL_OK.value += 1
-                _DIAL_DURATION.observe(loop.time() - started)
-                return
-            if self.peer is not None:  # connected just as the timeout fired
-                return
-            _DIAL_FAILED.value += 1
-            if exc is not None and exc.errno in RESOURCE_ERRNOS:
-                # Out of fds: not the endpoint's fault, and another endpoint will not help.
-                # Stop accepting (it would take the fds the dials wait for) and try the same
-                # endpoint again once a pair has closed, for as long as the dials could take.
-                listener.pause(RESOURCE_ERRNOS[exc.errno])
-                if fd_deadline is None:
-                    fd_deadline = loop.time() + sum(timeouts)
-                if await FD_RESERVE.freed(loop, fd_deadline, settings.accept_backoff_s):
-                    continue
-                break
-            attempt += 1
-            balancer.dial_failed(self.client_ip, ep)
-            tried.append(ep)
-            ep = balancer.pick(self.client_ip, listener.traffic, exclude=tried)
-            if ep is None:
-                # Every endpoint was tried once: the next, longer attempt goes to any of
-                # them again (a timeout under load is often not the endpoint's fault).
-                ep = balancer.pick(self.client_ip, listener.traffic)
-            continue
-        if not self.closed:
-            listener.stats.dial_failed.value += 1
-            if self.transport is not None:
-                _reset_transport(self.transport)
+        if self.attempt >= len(settings.dial_timeouts_s):
+            self._give_up()
+            return
+        ep = self.endpoint
+        self.started = listener.loop.time()
+        family = socket.AF_INET6 if ":" in ep.ip else socket.AF_INET
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+        except OSError as exc:
+            self.dial_failed(exc.errno)
+            return
+        try:
+            if settings.dial_mark:
+                # Before connect: the NAT decision is taken on the first packet (the SYN).
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, settings.dial_mark)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            err = sock.connect_ex((ep.ip, ep.port))
+            if err and err != errno.EINPROGRESS:
+                raise OSError(err, os.strerror(err))
+            side = _EndpointSide(self, sock)
+            self.poller.register(side.fd, side, ALL_EVENTS)
+        except OSError as exc:
+            sock.close()
+            self.dial_failed(exc.errno)
+            return
+        self.dialing = side
+        timeout = settings.dial_timeouts_s[self.attempt]
+        self.deadline = listener.dial_timers[timeout].start(self._dial_expired)
 
-    def _dial_timed_out(self) -> None:
-        # uvloop runs due timers before the callbacks queued by its last poll: a connect
-        # that completed during that poll has its connection_made still waiting in the
-        # ready queue. Decide behind it, so that a loop busier than the dial timeout does
-        # not throw away connections that did complete in time.
-        self.listener.loop.call_soon(self._dial_expired, self.deadline)
-
-    def _dial_expired(self, deadline: Deadline | None) -> None:
-        if deadline is not self.deadline:
-            return  # linked or failed meanwhile (deadline cleared), or already a new attempt
+    def _dial_expired(self) -> None:
         self.deadline = None
-        if self.task is not None and not self.task.done():
-            self.timed_out = True
-            self.task.cancel()
+        side = self.dialing
+        if side is None or side.sock is None:
+            return
+        # uvloop runs due timers before the I/O of its last poll is handled: a connect that
+        # completed in time may not have reached us yet. Its TCP state says; keep it then,
+        # so a loop busier than the dial timeout does not throw away good connections.
+        try:
+            state = side.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
+        except OSError:
+            state = 0
+        if state == _TCP_ESTABLISHED:
+            self.link(side, OUT)
+        else:
+            self.dial_failed(None)
 
     def _cancel_deadline(self) -> None:
         if self.deadline is not None:
             self.deadline.cancel()
             self.deadline = None
 
-    def linked(self, side: _EndpointSide) -> None:
-        """The dial succeeded: connect the two sides and flush what the client sent."""
-        # Connected: a timeout firing before create_connection returns must not tear
-        # down an established connection (a busy loop can take that long to resume us).
+    def dial_failed(self, err: int | None) -> None:
+        """One attempt failed (``err``: its errno when known): retry, wait for fds, or give up."""
         self._cancel_deadline()
-        transport = side.transport
-        # timed_out: the deadline expired and the task's cancellation is on its way, yet the
-        # connect completed (_dial_timed_out makes this rare, a loop may still order it so).
-        # create_connection closes this transport when the cancellation arrives: link it now
-        # and the client's bytes go into a closed socket. Give the connection up instead;
-        # the next attempt still has everything the client sent.
-        if self.closed or self.timed_out or transport is None or self.transport is None:
-            if transport is not None:
-                transport.close()
+        side = self.dialing
+        if side is not None:
+            self.dialing = None
+            side.close(reset=False)
+        _DIAL_FAILED.value += 1
+        if self.closed:
             return
-        settings = self.listener.settings
-        transport.set_write_buffer_limits(settings.high_water, settings.low_water)
+        if err is not None and err in RESOURCE_ERRNOS:
+            self._wait_for_fd(RESOURCE_ERRNOS[err])
+            return
+        listener = self.listener
+        balancer = listener.balancer
+        ep = self.endpoint
+        self.attempt += 1
+        balancer.dial_failed(self.client_ip, ep)
+        if self.tried is None:
+            self.tried = []
+        self.tried.append(ep)
+        nxt = balancer.pick(self.client_ip, listener.traffic, exclude=self.tried)
+        if nxt is None:
+            # Every endpoint was tried once: the next, longer attempt goes to any of them
+            # again (a timeout under load is often not the endpoint's fault).
+            nxt = balancer.pick(self.client_ip, listener.traffic)
+        if nxt is None or self.attempt >= len(listener.settings.dial_timeouts_s):
+            self._give_up()
+            return
+        self.endpoint = nxt
+        self.dial()
+
+    def _give_up(self) -> None:
+        self.listener.stats.dial_failed.value += 1
+        self.reset()
+
+    def _wait_for_fd(self, reason: str) -> None:
+        # Out of fds: not the endpoint's fault, and another endpoint will not help. Stop
+        # accepting (it would take the fds the dials wait for) and try the same endpoint
+        # again once a pair has closed, for as long as the dials could take.
+        listener = self.listener
+        listener.pause(reason)
+        if self.fd_deadline is None:
+            self.fd_deadline = listener.loop.time() + sum(listener.settings.dial_timeouts_s)
+        self.task = listener.loop.create_task(self._redial_when_freed(self.fd_deadline))
+
+    async def _redial_when_freed(self, deadline: float) -> None:
+        listener = self.listener
+        freed = await FD_RESERVE.freed(listener.loop, deadline, listener.settings.accept_backoff_s)
+        self.task = None
+        if self.closed:
+            return
+        if freed:
+            self.dial()
+        else:
+            self._give_up()
+
+    def link(self, side: _EndpointSide, mask: int) -> None:
+        """The dial succeeded: join the two sides and move what is waiting on either."""
+        self._cancel_deadline()
+        self.dialing = None
+        self.dialed()
         side.peer = self
         self.peer = side
-        stats = self.listener.stats
+        self.linked = True
+        listener = self.listener
+        stats = listener.stats
         stats.ok.value += 1
         stats.open.value += 1
-        held = self.held
-        self.held = None
-        if held:
-            transport.write(b"".join(held) if len(held) > 1 else held[0])
-        if self.held_bytes > settings.high_water and not side.write_paused and not self.eof:
-            self.transport.resume_reading()
-        if self.eof:
-            self.side_eof(self)
+        _DIAL_OK.value += 1
+        _DIAL_DURATION.observe(listener.loop.time() - self.started)
+        if mask & _INPUT:
+            side.readable = True
+            side.rdhup = bool(mask & (RDHUP | HUP))
+        if self.readable:
+            self.pump()
+        if side.readable and not self.closed:
+            side.pump()
 
-    def side_eof(self, side: _Side) -> None:
-        peer = side.peer
-        if peer is None or peer.transport is None:
-            return  # the client's EOF is passed on once the dial succeeds
-        # Tried: when the peer has already sent its FIN, close() without write_eof() (close
-        # sends the FIN too, one shutdown() syscall less). No difference measurable (6 runs,
-        # c=16: 153.6 us/conn with, 158.5 without), so the plain half-close order stays.
-        if peer.transport.can_write_eof():
-            peer.transport.write_eof()
-        if peer.eof:
-            self.close_pair()
-        elif self.linger is None:
+    def half_closed(self) -> None:
+        """One direction is over: the other gets ``half_close_linger_s`` to finish."""
+        if self.linger is None and not self.closed:
             self.linger = self.listener.linger_timers.start(self.close_pair)
 
-    def watch_paused(self) -> None:
-        """One side's reading is paused: check it now and then for a reset.
-
-        A paused socket is not read, so the loop never learns that its peer reset it: the
-        pair, and the megabytes queued towards the other side, would stay until that other
-        side drained them, possibly never. A peek at the TCP state (a getsockopt, no read)
-        every ``paused_check_s`` finds the reset; a FIN is left alone (a half-close lets
-        the queued bytes go on).
-        """
-        if self.stall is None and not self.closed:
-            timers = shared_timers(self.listener.loop, self.listener.settings.paused_check_s)
-            self.stall = timers.start(self._check_paused)
-
-    def _check_paused(self) -> None:
-        self.stall = None
-        for side in (self, self.peer):
-            # The side whose peer is write-paused is the one not being read.
-            other = side.peer if side is not None else None
-            if side is None or other is None or not other.write_paused:
-                continue
-            if side.transport is not None and _was_reset(side.transport):
-                # Reset both: closing the other side gracefully would wait for its full
-                # write buffer to drain, which is what cannot happen.
-                for t in (side.transport, other.transport):
-                    if t is not None:
-                        _reset_transport(t)
-                return
-        if any(s is not None and s.write_paused for s in (self, self.peer)):
-            self.watch_paused()
-
     def close_pair(self) -> None:
-        for side in (self, self.peer):
-            if side is not None and side.transport is not None:
-                side.transport.close()
-
-    def side_lost(self, side: _Side, exc: Exception | None) -> None:
-        # uvloop raises on a write to a closed transport: make the peer see "no transport"
-        # (its reads are then dropped) instead of checking is_closing() on every chunk.
-        side.transport = None
-        if side is not self and side is not self.peer:
-            return  # a dial attempt that was given up on
-        if self.closed:
-            self._unlink()
-            return
-        other = side.peer if side is self else self
-        if other is not None and other.transport is not None:
-            if exc is not None:
-                _reset_transport(other.transport)  # pass a reset on as a reset
-            else:
-                other.transport.close()
-        if side is self and self.peer is None and self.task is not None:
-            self.task.cancel()  # the client left while we were dialing
+        """Close both sockets (a FIN each) and finish."""
+        for side in (self, self.peer, self.dialing):
+            if side is not None:
+                side.close(reset=False)
         self.finish()
-        self._unlink()
 
-    def _unlink(self) -> None:
-        """Once both sockets are closed, drop the pair's links (see ``_Side``)."""
-        peer = self.peer
-        if self.transport is None and (peer is None or peer.transport is None):
-            if peer is not None:
-                peer.peer = None
-            self.peer = None
+    def reset(self) -> None:
+        """Close both sockets with a RST and finish: one side reset, or a dial gave up."""
+        for side in (self, self.peer, self.dialing):
+            if side is not None:
+                side.close(reset=True)
+        self.finish()
 
     def finish(self) -> None:
+        """Release everything the pair holds (idempotent); any socket still open is closed."""
         if self.closed:
             return
         self.closed = True
         self.dialed()
-        self.held = None
-        if self.linger is not None:
-            self.linger.cancel()
-            self.linger = None
-        if self.stall is not None:
-            self.stall.cancel()
-            self.stall = None
-        self._cancel_deadline()
-        if self.peer is not None:
-            self.listener.stats.open.value -= 1
-        self.listener.released(self)
+        for deadline in (self.linger, self.deadline):
+            if deadline is not None:
+                deadline.cancel()
+        self.linger = self.deadline = None
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+        peer = self.peer
+        for side in (self, peer, self.dialing):
+            if side is not None:
+                side.close(reset=False)
+        self.dialing = None
+        if peer is not None:
+            peer.peer = None  # no cycle left behind (see _Side)
+            self.peer = None
+        listener = self.listener
+        if self.linked:
+            listener.stats.open.value -= 1
+        listener.released(self)
         if FD_RESERVE.waiters:  # one attribute test per connection while nothing waits
-            FD_RESERVE.released(self.listener.loop)
+            FD_RESERVE.released(listener.loop)

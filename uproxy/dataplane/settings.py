@@ -23,15 +23,24 @@ class DataplaneSettings:
     # Seconds a half-closed TCP pair may stay open before both sides are closed, so that
     # a peer that never sends its FIN cannot pile up FIN_WAIT2/CLOSE_WAIT sockets.
     half_close_linger_s: float = 60.0
-    # Bytes: when one side's write buffer grows above high_water, the other side stops being
-    # read until the buffer drains below low_water. 256 KiB keeps a 10 Gb/s pipe busy while
-    # bounding memory per connection to about 2 x high_water.
+    # Bytes read from one side of a TCP pair at a time (one recv), and so the most a pair
+    # holds in user space per direction: what the other socket does not take at once is
+    # kept, and that side is not read again until it is written. The kernel's socket
+    # buffers do the rest of the buffering. 256 KiB: one read per 256 KiB of a bulk
+    # transfer on the copy path.
     high_water: int = 256 * 1024
+    # Unused since the TCP relay holds at most one read per direction (``high_water``).
     low_water: int = 64 * 1024
-    # Seconds between checks of a pair whose one side is not being read (the other side's
-    # write buffer is full): a reset on the unread side is noticed within this, and the
-    # pair with its queued bytes let go. Cheap (one getsockopt per paused pair per check).
+    # Unused since the TCP relay sees a reset on a side it is not reading at once (an
+    # epoll error event); it used to poll such sides every this many seconds.
     paused_check_s: float = 2.0
+    # Bytes one direction of a TCP pair moves by copying before it switches to splice(2)
+    # through a pipe of its own (zero-copy, two more fds); None: never. See
+    # ``dataplane/relay.py`` for the measurements behind the default.
+    splice_threshold: int | None = 128 * 1024
+    # Bytes of that pipe (F_SETPIPE_SZ; the kernel rounds up to pages, caps at
+    # /proc/sys/fs/pipe-max-size for unprivileged processes).
+    splice_pipe_size: int = 1 << 20
     # ClientIP affinity entries per balancer (one per client IP); oldest evicted first.
     max_affinity_entries: int = 65536
     # listen() backlog of TCP proxy ports (the kernel caps it at net.core.somaxconn).

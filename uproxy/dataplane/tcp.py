@@ -33,6 +33,7 @@ from typing import Self
 from uproxy import metrics
 from uproxy.dataplane.balancer import Balancer
 from uproxy.dataplane.fdreserve import FD_RESERVE, RESOURCE_ERRNOS
+from uproxy.dataplane.poller import poller_for
 from uproxy.dataplane.relay import Connection, Stats, reset_socket
 from uproxy.dataplane.settings import DataplaneSettings
 from uproxy.dataplane.sockets import bind_tcp
@@ -122,6 +123,7 @@ class TcpListener:
         loop = asyncio.get_running_loop()
         sock.setblocking(False)
         FD_RESERVE.refresh_limit()
+        poller_for(loop)  # the relays' epoll set (an fd): made now, not at an fd-starved accept
         self = cls(
             loop=loop,
             sock=sock,
@@ -176,7 +178,7 @@ class TcpListener:
                 continue
             conn = Connection(self, addr[0], ep)
             self._conns.add(conn)
-            conn.task = self.loop.create_task(conn.run(sock))
+            conn.start(sock)
             if fds.full_after(fd):
                 self.pause("fd_reserve")
                 return

@@ -1,0 +1,90 @@
+"""EdgePoller: events reach the handler of the socket they belong to, and no batch is lost."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from collections.abc import Callable
+
+from tests.dataplane.conftest import wait_until
+from uproxy.dataplane.poller import READ_EVENTS, EdgePoller
+
+
+class Recorder:
+    def __init__(self, name: str, calls: list[str], then: Callable[[], None] | None = None):
+        self.name = name
+        self.calls = calls
+        self.then = then
+
+    def event(self, mask: int) -> None:
+        self.calls.append(self.name)
+        if self.then is not None:
+            self.then()
+
+
+async def test_an_event_of_a_closed_fd_never_reaches_the_socket_that_reuses_the_number() -> None:
+    poller = EdgePoller(asyncio.get_running_loop())
+    x, x_peer = socket.socketpair()
+    y, y_peer = socket.socketpair()
+    calls: list[str] = []
+    reused: list[int] = []
+
+    def close_y_and_reuse_its_fd() -> None:
+        # What a relay may do within one batch: close a socket, then another opens one
+        # that gets the same fd number (a dial), and registers it.
+        fd = y.fileno()
+        poller.forget(fd)
+        y.close()
+        a, b = socket.socketpair()
+        if a.fileno() != fd:
+            os.dup2(a.fileno(), fd)  # the new socket, at the old number
+            a.close()
+        else:
+            a.detach()
+        reused.extend([fd, b.detach()])
+        poller.register(fd, Recorder("new", calls), READ_EVENTS)
+
+    poller.register(x.fileno(), Recorder("x", calls, close_y_and_reuse_its_fd), READ_EVENTS)
+    poller.register(y.fileno(), Recorder("y", calls), READ_EVENTS)
+    try:
+        x_peer.send(b"1")  # x is ready first, so its handler runs first in the batch
+        y_peer.send(b"2")
+        await wait_until(lambda: bool(calls), what="the batch")
+        # y's event was in the same batch; its socket is gone, and the new one has no input.
+        assert calls == ["x"]
+        assert len(poller) == 2
+    finally:
+        poller.close()
+        for s in (x, x_peer, y_peer):
+            s.close()
+        for fd in reused:
+            os.close(fd)
+
+
+async def test_a_failing_handler_is_reported_and_the_rest_of_the_batch_still_runs() -> None:
+    loop = asyncio.get_running_loop()
+    errors: list[dict[str, object]] = []
+    loop.set_exception_handler(lambda _loop, context: errors.append(context))
+    poller = EdgePoller(loop)
+    pairs = [socket.socketpair() for _ in range(3)]
+    calls: list[str] = []
+
+    def boom() -> None:
+        raise RuntimeError("boom")
+
+    try:
+        for i, (s, _) in enumerate(pairs):
+            poller.register(
+                s.fileno(), Recorder(str(i), calls, boom if i == 0 else None), READ_EVENTS
+            )
+        for _, peer in pairs:
+            peer.send(b"x")
+        await wait_until(lambda: len(calls) == 3, what="every handler called")
+        assert sorted(calls) == ["0", "1", "2"]
+        assert [type(e.get("exception")) for e in errors] == [RuntimeError]
+    finally:
+        poller.close()
+        for pair in pairs:
+            for s in pair:
+                s.close()

@@ -1,0 +1,125 @@
+"""The relay's sockets in one edge-triggered epoll set of its own, watched by the event loop.
+
+Why not the loop's own ``add_reader``/``add_writer`` on each socket: uvloop turns each into
+a libuv poll handle, and every change re-registers it. Traced here: ``add_reader`` on a new
+fd costs five system calls (an epoll add and delete to probe the fd, ioctl(FIONBIO), a
+delete, an add through io_uring), ``remove_reader`` three, and each switch between reading
+and writing two more. A relay on raw sockets driven that way made 45 system calls per
+proxied connection, against 37.5 through uvloop's transports and 22.9 with this set.
+
+Here each socket is registered once, edge-triggered, for input, hang-up and (when needed)
+output, and never modified again; closing the socket removes it from the set (the kernel
+does that when the last reference to the file goes). The set's own fd is the only one the
+loop watches: one ``add_reader`` per loop. When it is readable, one ``epoll_wait`` (with
+no wait) collects the ready sockets and their event masks, and each socket's handler
+runs. Edge-triggered means a handler hears about new input or new room once: it must read
+(or write) until the kernel says EAGAIN, or until a short read shows the queue drained,
+and remember the readiness it did not use (see ``relay._Side``).
+
+An fd number can be reused within one batch of events (a handler closes a socket, another
+opens one); the batch may still hold the old socket's event. ``forget`` marks the fd
+stale for the rest of the batch, so that event never reaches the new socket's handler (to
+a socket still connecting, a stray "writable" would look like a completed connect). This
+relies on the relay's sockets having one fd each: a copy (dup, or a forked child that has
+not exec'd yet) would keep a closed socket in the set. The relay never copies them, and
+its sockets are close-on-exec.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import select
+from typing import Protocol
+
+IN = select.EPOLLIN
+OUT = select.EPOLLOUT
+RDHUP = select.EPOLLRDHUP
+HUP = select.EPOLLHUP
+ERR = select.EPOLLERR
+_ET = select.EPOLLET
+READ_EVENTS = IN | RDHUP | _ET  # an accepted socket: only input until a write falls short
+ALL_EVENTS = IN | OUT | RDHUP | _ET  # a dialed socket: "writable" is how a connect completes
+
+_MAX_EVENTS = 256  # per batch; more stay ready in the set, and the loop comes back for them
+
+
+class Handler(Protocol):
+    def event(self, mask: int) -> None: ...
+
+
+class EdgePoller:
+    """One loop's epoll set of relayed sockets (see the module docstring)."""
+
+    __slots__ = ("_epoll", "_handlers", "_loop", "_stale", "buffer")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        # The read buffer of every relay on this loop: what a relay reads, it writes on
+        # before it returns (the rest, if any, is copied out), so one buffer serves them all.
+        self.buffer = memoryview(bytearray(0))
+        self._epoll = select.epoll()
+        self._handlers: dict[int, Handler] = {}
+        self._stale: set[int] = set()
+        loop.add_reader(self._epoll.fileno(), self._ready)
+
+    def __len__(self) -> int:
+        return len(self._handlers)
+
+    def reserve(self, size: int) -> None:
+        """Make ``buffer`` at least ``size`` bytes."""
+        if len(self.buffer) < size:
+            self.buffer = memoryview(bytearray(size))
+
+    def register(self, fd: int, handler: Handler, events: int) -> None:
+        """Watch ``fd``; raises OSError (ENOMEM, ENOSPC: fs.epoll.max_user_watches)."""
+        self._epoll.register(fd, events)
+        self._handlers[fd] = handler
+
+    def watch_writes(self, fd: int) -> None:
+        """Add output to an fd registered with ``READ_EVENTS`` (once: it stays on)."""
+        self._epoll.modify(fd, ALL_EVENTS)
+
+    def forget(self, fd: int) -> None:
+        """Stop calling ``fd``'s handler; the caller closes the fd, which leaves the set."""
+        if self._handlers.pop(fd, None) is not None:
+            self._stale.add(fd)
+
+    def _ready(self) -> None:
+        stale = self._stale
+        stale.clear()  # closed before this poll: the events below are all current
+        handlers = self._handlers
+        for fd, mask in self._epoll.poll(0, _MAX_EVENTS):
+            if fd in stale:
+                continue
+            handler = handlers.get(fd)
+            if handler is None:
+                continue
+            try:
+                handler.event(mask)
+            except Exception as exc:  # the other sockets' edges in this batch must not be lost
+                self._loop.call_exception_handler(
+                    {"message": "Relay event handler failed", "exception": exc}
+                )
+
+    def close(self) -> None:
+        if not self._loop.is_closed():
+            self._loop.remove_reader(self._epoll.fileno())
+        self._epoll.close()
+        self._handlers.clear()
+
+
+_POLLERS: dict[asyncio.AbstractEventLoop, EdgePoller] = {}
+
+
+def poller_for(loop: asyncio.AbstractEventLoop) -> EdgePoller:
+    """The ``EdgePoller`` of ``loop``, created on first use.
+
+    Like an event loop, a poller does not survive ``fork()`` (parent and child would share
+    one epoll set): a worker process makes its loop, and with it its poller, after it starts.
+    """
+    poller = _POLLERS.get(loop)
+    if poller is None:
+        for closed in [other for other in _POLLERS if other.is_closed()]:
+            _POLLERS.pop(closed).close()  # loops come and go in tests; a process has one
+        poller = _POLLERS[loop] = EdgePoller(loop)
+    return poller
