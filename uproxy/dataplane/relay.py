@@ -56,7 +56,7 @@ import errno
 import os
 import socket
 import struct
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from uproxy import metrics
 from uproxy.dataplane import splice
@@ -177,17 +177,6 @@ class _Side:
 
     def _unlinked_event(self, mask: int) -> None:
         raise NotImplementedError
-
-    # What TcpListener.shutdown and tests use of an asyncio transport.
-    @property
-    def transport(self) -> _Side | None:
-        return self if self.sock is not None else None
-
-    def abort(self) -> None:
-        self._pair().close_pair()
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return self.sock if name == "socket" else default
 
     def event(self, mask: int) -> None:
         peer = self.peer

@@ -29,11 +29,6 @@ class DataplaneSettings:
     # buffers do the rest of the buffering. 256 KiB: one read per 256 KiB of a bulk
     # transfer on the copy path.
     high_water: int = 256 * 1024
-    # Unused since the TCP relay holds at most one read per direction (``high_water``).
-    low_water: int = 64 * 1024
-    # Unused since the TCP relay sees a reset on a side it is not reading at once (an
-    # epoll error event); it used to poll such sides every this many seconds.
-    paused_check_s: float = 2.0
     # Bytes one direction of a TCP pair moves by copying before it switches to splice(2)
     # through a pipe of its own (zero-copy, two more fds); None: never. See
     # ``dataplane/relay.py`` for the measurements behind the default.

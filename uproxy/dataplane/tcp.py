@@ -1,27 +1,19 @@
 """TCP proxy ports: accept, pick an endpoint, hand the connection to a relayed pair.
 
-Measured on loopback (2 cores; proxy pinned to one, wrk and nginx to the other;
-``Connection: close`` so every request is a new connection): 150-175 us of proxy CPU per
-accepted-dialed-relayed-closed connection, the same as a minimal uvloop Protocol proxy
-without retries, timeouts or metrics (145-160 us in the same harness). About half of it is
-kernel time in connect/write/shutdown on loopback; the rest is spread thin (no single Python
-function above ~8 %), so further gains need fewer syscalls, not tighter Python.
+A relayed connection costs 93-100 us of proxy CPU (accepted, dialed, relayed, closed; ``wrk``
+with ``Connection: close``, proxy pinned to one core): see ``relay`` for how, and for the
+system calls it takes.
 
 * Accept is our own: a non-blocking listening socket watched with ``loop.add_reader``.
   ``create_server`` in asyncio and uvloop handles EMFILE internally (asyncio logs a
   traceback and retries after 1 s; libuv accepts and drops the surplus), so it could not be
   counted or paced. One readiness callback accepts up to ``accept_batch`` connections, with
   ``socket._accept()`` (``socket.accept()`` converts enums per call, visible in profiles).
-* TCP_NODELAY: uvloop (and asyncio) set it on every TCP transport they create, accepted
-  or dialed (tests/dataplane/test_tcp.py checks both sides): no extra syscall per connection.
 * The endpoint is picked in the accept callback (a synchronous index step). With no
   endpoint the accepted socket is closed with SO_LINGER 0 at once: the client sees a RST,
-  and no transport, protocol or task is ever created for it.
+  and no pair is ever made for it.
 * Near the fd limit, accepting pauses (``fdreserve``) rather than taking the fds the dials
-  in flight need.
-* Accepted sockets are ``_Accepted4``/``_Accepted6``: constant ``family``/``type`` (the
-  enum conversions uvloop's connect_accepted_socket triggers were 3 % of the profile).
-"""
+  in flight need."""
 
 from __future__ import annotations
 
@@ -41,26 +33,6 @@ from uproxy.dataplane.timers import shared_timers
 from uproxy.model import ServicePortName, Traffic
 
 log = logging.getLogger("uproxy.dataplane.tcp")
-
-
-class _Accepted4(socket.socket):
-    """An accepted IPv4 socket whose ``family`` and ``type`` are constants.
-
-    ``socket.socket.family``/``type`` are properties that build an enum member per read, and
-    ``connect_accepted_socket`` reads them three times: 3 % of the connection-rate profile.
-    """
-
-    __slots__ = ()
-    family = socket.AF_INET
-    type = socket.SOCK_STREAM
-
-
-class _Accepted6(socket.socket):
-    """The same as ``_Accepted4`` for IPv6 listeners."""
-
-    __slots__ = ()
-    family = socket.AF_INET6
-    type = socket.SOCK_STREAM
 
 
 class TcpListener:
@@ -152,7 +124,6 @@ class TcpListener:
         balancer = self.balancer
         traffic = self.traffic
         family = lsock.family
-        wrap = _Accepted6 if family == socket.AF_INET6 else _Accepted4
         fds = FD_RESERVE
         for _ in range(self.settings.accept_batch):
             try:
@@ -166,7 +137,7 @@ class TcpListener:
                     self.pause(reason)
                     return
                 continue  # ECONNABORTED and the like: that client is gone already
-            sock = wrap(family, socket.SOCK_STREAM, socket.IPPROTO_TCP, fd)
+            sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP, fd)
             if self._starved:
                 self._starved = False
                 log.info("Accepting resumed", extra={"kv": {"service": str(self.name)}})
@@ -245,12 +216,9 @@ class TcpListener:
                 pass
         tasks = []
         for conn in list(self._conns):
-            for side in (conn, conn.peer):
-                if side is not None and side.transport is not None:
-                    side.transport.abort()
             if conn.task is not None and not conn.task.done():
                 conn.task.cancel()
                 tasks.append(conn.task)
-            conn.finish()
+            conn.reset()  # past the deadline: a RST says the rest is lost, a FIN would not
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
