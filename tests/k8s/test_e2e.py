@@ -300,6 +300,35 @@ async def test_api_server_gone_for_10s(
         await conn.close()
 
 
+async def test_api_server_back_at_an_older_version_is_served_within_5s(
+    apiserver: ApiServerDouble, start_proxy: ProxyFactory, backends: Backends
+) -> None:
+    p = backends.port
+    apiserver.create(SVC, service("steady", port=free_port()))
+    apiserver.create(EPS, endpoint_slice("steady-1", service_name="steady", ips=IPS[:1], port=p))
+    proxy = await start_proxy()
+    await wait_for(lambda: endpoints(proxy, "steady") == [(IPS[0], p)], timeout=5)
+    lst = listener(proxy, "steady")
+    backup = apiserver.resource_version  # what a restored etcd will come back at
+    # uproxy moves past the backup's version on both feeds (a service and its slice come
+    # and go), as a cluster does between a backup and a restore.
+    apiserver.create(SVC, service("filler", port=free_port(), cluster_ip="10.96.0.11"))
+    apiserver.create(EPS, endpoint_slice("filler-1", service_name="filler", ips=IPS[:1], port=p))
+    await wait_for(lambda: endpoints(proxy, "filler") == [(IPS[0], p)], timeout=5)
+    apiserver.delete(EPS, endpoint_slice("filler-1", service_name="filler", ips=[], port=p))
+    apiserver.delete(SVC, service("filler"))
+    await wait_for(lambda: listener(proxy, "filler") is None, timeout=5)
+    # The API server goes away and comes back restored: older versions, and a change made
+    # meanwhile that carries a version uproxy has already seen.
+    await apiserver.go_down()
+    apiserver.rewind(backup)
+    apiserver.update(EPS, endpoint_slice("steady-1", service_name="steady", ips=IPS[1:2], port=p))
+    await apiserver.start()
+    await wait_for(lambda: endpoints(proxy, "steady") == [(IPS[1], p)], timeout=5)
+    assert await served_by(lst.port, 3) == {IPS[1]}
+    assert listener(proxy, "steady") is lst  # a relist, by difference: nothing reopened
+
+
 async def test_nothing_programmed_before_both_lists(
     apiserver: ApiServerDouble, start_proxy: ProxyFactory, backends: Backends
 ) -> None:
