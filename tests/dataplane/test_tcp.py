@@ -294,8 +294,8 @@ async def test_half_closed_pair_lingers_only_for_its_bound(tcp_listener: Listene
 
 
 async def test_a_reset_on_a_paused_side_frees_the_pair(tcp_listener: ListenerFactory) -> None:
-    # The endpoint accepts and never reads: the pair fills up and the client side is paused
-    # (not read). A reset from the client would go unseen; the periodic peek must find it.
+    # The endpoint accepts and never reads: the pair fills up and the client side is no
+    # longer read. Its reset must still free the pair (sockets, pipes) and reach the endpoint.
     held: list[socket.socket] = []
     sink = socket.socket()
     sink.bind(("127.0.0.1", 0))
@@ -306,6 +306,7 @@ async def test_a_reset_on_a_paused_side_frees_the_pair(tcp_listener: ListenerFac
     settings = DataplaneSettings(high_water=64 * 1024)
     endpoint = Endpoint("127.0.0.1", sink.getsockname()[1], NODE)
     listener = await tcp_listener(make_balancer(TCP_NAME, [endpoint], settings=settings))
+    baseline = open_fds()
     client = socket.socket()
     client.setblocking(False)
     try:
@@ -326,6 +327,8 @@ async def test_a_reset_on_a_paused_side_frees_the_pair(tcp_listener: ListenerFac
         # The endpoint's side was reset too: its socket reports the reset (or EOF) at once.
         held[0].setblocking(False)
         await wait_until(lambda: _gone(held[0]), what="the endpoint told")
+        # Every fd the pair took is back: only the endpoint's own socket (this test's) is new.
+        await wait_until(lambda: open_fds() == baseline + len(held), what="fds at baseline")
     finally:
         loop.remove_reader(sink.fileno())
         sink.close()
