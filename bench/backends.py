@@ -1,7 +1,8 @@
 """The backends every peer forwards to: nginx (HTTP), iperf3 (bulk TCP), a UDP echo.
 
-They run on the load core, started once per run and shared by all peers, so a difference
-between peers is the proxy's and nothing else's. nginx also serves a 1 MiB random blob that
+They run on the load CPUs (the load core, or both CPUs for a peer measured at equal cores),
+started afresh for each peer and the same for all, so a difference between peers is the
+proxy's and nothing else's. nginx also serves a 1 MiB random blob that
 the preflight check fetches through each peer and compares by sha256.
 """
 
@@ -13,7 +14,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.procs import Cores, ProcessGroup, wait_listening
+from bench.procs import Cores, Placement, ProcessGroup, wait_listening
 
 BLOB_SIZE = 1 << 20
 
@@ -61,7 +62,7 @@ http {{
 
 def start(
     procs: ProcessGroup,
-    cores: Cores,
+    cores: Cores | Placement,
     workdir: Path,
     ports: BackendPorts,
     *,

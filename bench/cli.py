@@ -7,13 +7,18 @@ kernel-DNAT rule needs it). The bench re-executes itself inside each namespace, 
 created here and removed on every exit path, Ctrl-C included. Without root everything runs on
 the host's loopback and the kernel-DNAT peer is skipped with a note. ``--quick`` runs each
 installed peer once, briefly, and still writes every output: CI uses it as a smoke test.
-The control-plane part builds its own namespaces instead (a node and a backend namespace per
-session, see ``bench/controlplane.py``), so it runs outside any namespace of this module's.
+The peers come in two placements (``bench/peers.py``): pinned (the proxy on one core) and
+equal cores (everything on both). As root, one more part per rules backend measures uproxy's
+keep-alive latency while its control process does a big sync and repairs flushed rules
+(``bench/disturb.py``), in its own namespace too. The control-plane part builds its own
+namespaces instead (a node and a backend namespace per session, see
+``bench/controlplane.py``), so it runs outside any namespace of this module's.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -26,12 +31,12 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from bench import controlplane, dataplane, deployed, deployed_report, netns, report
+from bench import controlplane, dataplane, deployed, deployed_report, disturb, netns, report
 from bench import workloads as wl
 from bench.backends import BackendPorts, missing_tools
 from bench.backends import start as start_backends
 from bench.peers import Context, Peer, Uproxy, all_peers
-from bench.procs import Cores, ProcessGroup
+from bench.procs import Cores, Placement, ProcessGroup
 from bench.progress import Progress
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
@@ -48,19 +53,35 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m bench",
         description="uproxy side by side with no proxy, kernel DNAT, HAProxy, nginx stream and "
-        "socat: throughput, connection rate, latency, UDP, CPU, RSS and control-plane sync.",
+        "socat, pinned and at equal cores: throughput, connection rate, latency, UDP, CPU, RSS, "
+        "latency during uproxy's control work and control-plane sync.",
     )
-    p.add_argument("--quick", action="store_true", help="one brief run per peer (~1 minute)")
+    p.add_argument("--quick", action="store_true", help="one brief run per peer (~3 minutes)")
     p.add_argument(
         "--out",
         type=Path,
         help=f"output directory (default: {DEFAULT_OUT}, or its quick/ subdirectory with --quick)",
     )
-    p.add_argument("--peers", help="comma-separated peer names to run (default: all)")
+    p.add_argument(
+        "--peers",
+        help="comma-separated peer names to run (default: all); the name 'disturb' selects "
+        "the keep-alive runs during uproxy's control work",
+    )
     p.add_argument("--runs", type=int, help="measured runs per workload (default: 3, quick: 1)")
     p.add_argument("--no-control-plane", action="store_true", help="skip the sync-time runs")
     p.add_argument("--no-profile", action="store_true", help="skip the py-spy profile")
     p.add_argument("--no-rules-sync", action="store_true", help="skip python -m bench.rules_sync")
+    p.add_argument(
+        "--no-disturb",
+        action="store_true",
+        help="skip uproxy's keep-alive latency during a big sync and a rules repair (as root)",
+    )
+    p.add_argument(
+        "--disturb-services",
+        type=int,
+        help=f"services for that part (default: {disturb.FULL.services:,}; quick: "
+        f"{disturb.QUICK.services:,})",
+    )
     p.add_argument(
         "--no-deployed",
         action="store_true",
@@ -117,7 +138,17 @@ def _part_planned_s(args: argparse.Namespace, part: str) -> float:
         return _cp_planned_run_s(args) * _cp_runs(args) * len(_sizes(args)) + 1.0
     if part == "profile":
         return PROFILE_S + 4.0
+    if part.startswith("disturb:"):
+        return disturb.planned_seconds(_disturb_plan(args))
     return dataplane.planned_seconds(_plan(args), 1)
+
+
+def _disturb_plan(args: argparse.Namespace) -> disturb.Plan:
+    plan = disturb.QUICK if args.quick else disturb.FULL
+    plan = dataclasses.replace(plan, connections=_plan(args).durations.ka_connections)
+    if args.disturb_services:
+        plan = dataclasses.replace(plan, services=args.disturb_services)
+    return plan
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -188,6 +219,10 @@ def run_all(args: argparse.Namespace, args_list: list[str]) -> int:
             "quick": args.quick,
             "netns": use_netns,
             "cores": {"proxy": cores.proxy, "load": cores.load},
+            "placements": {
+                "pinned": Placement.pinned(cores).describe(),
+                "shared": Placement.shared(cores).describe(),
+            },
             "plan": {
                 "runs": plan.runs,
                 "warmup": plan.warmup,
@@ -200,11 +235,15 @@ def run_all(args: argparse.Namespace, args_list: list[str]) -> int:
     }
     for peer in peers:
         why = peer.unavailable(probe_ctx)
-        if why:
-            results["peers"][peer.name] = {"label": peer.label, "skipped": why}
-        else:
-            results["peers"][peer.name] = {"label": peer.label, "skipped": "did not run"}
+        placement = peer.placement(cores).name
+        results["peers"][peer.name] = {
+            "label": peer.label,
+            "placement": placement,
+            "skipped": why or "did not run",
+        }
+        if not why:
             parts.append(f"peer:{peer.name}")
+    parts += _disturb_parts(args, results, use_netns, uproxy_missing)
     if _sizes(args):
         if uproxy_missing:
             results["control_plane"] = {"sizes": {}, "notes": [f"skipped: {uproxy_missing}"]}
@@ -282,6 +321,25 @@ def run_all(args: argparse.Namespace, args_list: list[str]) -> int:
 BUSY_LOADAVG = 0.7
 
 
+def _disturb_parts(
+    args: argparse.Namespace, results: dict[str, Any], use_netns: bool, uproxy_missing: str | None
+) -> list[str]:
+    """One part per rules backend; why there are none, in the results, when there are none."""
+    if args.no_disturb or (args.peers and "disturb" not in args.peers.split(",")):
+        return []
+    plan = _disturb_plan(args)
+    results["disturb"] = {"services": plan.services, "workers": disturb.WORKERS, "backends": {}}
+    why = uproxy_missing
+    if not use_netns:
+        why = "needs root and network namespaces (real rules in a namespace of its own)"
+    elif shutil.which("nft") is None or shutil.which("iptables-nft") is None:
+        why = "needs nft and iptables-nft (Debian packages: nftables, iptables)"
+    if why:
+        results["disturb"]["skipped"] = why
+        return []
+    return [f"disturb:{rules}" for rules in disturb.BACKENDS]
+
+
 def _revision() -> str:
     """The checkout measured, ``-dirty`` when it has uncommitted changes."""
     try:
@@ -341,6 +399,14 @@ def _merge(results: dict[str, Any], part: str, data: dict[str, Any], progress: P
             return True
         results["peers"][name] = data["entry"]
         return False
+    if part.startswith("disturb:"):
+        rules = part.removeprefix("disturb:")
+        entry = data.get("disturb") or {"error": error or "no result"}
+        if error:
+            entry["error"] = error
+            progress.say(f"disturb {rules}: FAILED: {error}")
+        results["disturb"]["backends"][rules] = entry
+        return bool(error)
     if part == "control-plane":
         results["control_plane"] = data.get("control_plane") or {
             "sizes": {},
@@ -354,13 +420,15 @@ def _merge(results: dict[str, Any], part: str, data: dict[str, Any], progress: P
 def run_part(args: argparse.Namespace) -> int:
     """One part of the run, in this process (inside its namespace when there is one)."""
     signal.signal(signal.SIGTERM, _terminate)
-    plan = _plan(args)
     proxy_core, load_core = (int(c) for c in args.cores.split(","))
     cores = Cores(proxy=proxy_core, load=load_core)
-    # The orchestrator's own polling belongs with the load, off the proxy's core (restored
+    part: str = args.part
+    placement = _placement(part, cores)
+    # The orchestrator's own polling belongs with the load, off a pinned proxy's core (restored
     # afterwards: without a namespace the parts run in the outer process).
     affinity = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {cores.load})
+    load = placement.load
+    os.sched_setaffinity(0, {load} if isinstance(load, int) else set(load))
     done, planned, start = (float(x) for x in args.progress.split(","))
     progress = Progress(planned_s=planned, start_wall=start)
     progress.advance(done)
@@ -372,8 +440,8 @@ def run_part(args: argparse.Namespace) -> int:
         workdir=workdir,
         backend=BackendPorts(),
         in_netns=args.inside is not None,
+        placement=placement,
     )
-    part: str = args.part
     result: dict[str, Any] = {}
     try:
         if part == "control-plane":
@@ -388,25 +456,7 @@ def run_part(args: argparse.Namespace) -> int:
                 at_scale=_cp_at_scale(args),
             )
         else:
-            backends = start_backends(procs, cores, workdir, ctx.backend)
-            scripts = wl.write_scripts(workdir, plan.durations)
-            if part == "profile":
-                from bench.profiling import profile_conn_rate
-
-                out: Path = args.out or DEFAULT_OUT
-                out.mkdir(parents=True, exist_ok=True)
-                result["profile"] = profile_conn_rate(
-                    ctx, backends, scripts, out_dir=out, seconds=PROFILE_S, progress=progress
-                )
-            else:
-                name = part.removeprefix("peer:")
-                peer = _peer(name)
-                index = [p.name for p in all_peers()].index(name)
-                where = "fresh namespace" if args.inside else "host loopback"
-                progress.say(f"{name}: {where}, backends up, proxy on CPU {cores.proxy}")
-                result["entry"] = dataplane.run_peer(
-                    index, peer, ctx, backends, plan, scripts, progress
-                )
+            result.update(_run_with_backends(args, ctx, progress))
     except KeyboardInterrupt:
         progress.say("interrupted: stopping every process")
         return 130
@@ -421,6 +471,45 @@ def run_part(args: argparse.Namespace) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
     args.part_out.write_text(json.dumps(result))
     return 0
+
+
+def _placement(part: str, cores: Cores) -> Placement:
+    if part.startswith("peer:"):
+        return _peer(part.removeprefix("peer:")).placement(cores)
+    if part.startswith("disturb:"):
+        return Placement.shared(cores)
+    return Placement.pinned(cores)
+
+
+def _run_with_backends(
+    args: argparse.Namespace, ctx: Context, progress: Progress
+) -> dict[str, Any]:
+    """A part that needs the backends: one peer, the disturbance part or the profile."""
+    plan = _plan(args)
+    backends = start_backends(ctx.procs, ctx.where, ctx.workdir, ctx.backend)
+    scripts = wl.write_scripts(ctx.workdir, plan.durations)
+    part: str = args.part
+    if part == "profile":
+        from bench.profiling import profile_conn_rate
+
+        out: Path = args.out or DEFAULT_OUT
+        out.mkdir(parents=True, exist_ok=True)
+        return {
+            "profile": profile_conn_rate(
+                ctx, backends, scripts, out_dir=out, seconds=PROFILE_S, progress=progress
+            )
+        }
+    where = "fresh namespace" if args.inside else "host loopback"
+    if part.startswith("disturb:"):
+        rules = part.removeprefix("disturb:")
+        progress.say(f"disturb {rules}: {where}, backends up, {ctx.where.describe()}")
+        entry = disturb.run(rules, ctx, backends, _disturb_plan(args), scripts, progress)
+        return {"disturb": entry}
+    name = part.removeprefix("peer:")
+    peer = _peer(name)
+    index = [p.name for p in all_peers()].index(name)
+    progress.say(f"{name}: {where}, backends up, {ctx.where.describe()}")
+    return {"entry": dataplane.run_peer(index, peer, ctx, backends, plan, scripts, progress)}
 
 
 def _peer(name: str) -> Peer:

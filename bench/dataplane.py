@@ -2,8 +2,12 @@
 
 One peer at a time is started, checked (a 1 MiB blob through it must hash right, a UDP datagram
 must come back unchanged), measured on every workload and stopped. Each measured run records the
-proxy's CPU seconds (its whole process tree, on the proxy core) next to the load generator's
-figures; peak RSS is read once, after the peer's last run.
+proxy's CPU seconds next to the load generator's figures: its whole process tree (uproxy's
+control process and workers, nginx's master and workers, HAProxy's threads), split by role as
+``bench.proctree`` explains, and the whole machine's (``/proc/stat``: load generator, backend,
+proxy and the kernel's softirq work, and anything else that ran). Memory is read once, after
+the peer's last run: peak RSS summed over the tree (the headline figure, as before), per
+role, and the tree's Pss.
 """
 
 from __future__ import annotations
@@ -11,16 +15,18 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
+import time
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench import proctree
 from bench import workloads as wl
 from bench.backends import Backends
 from bench.peers import Context, Peer, PeerPorts, Running, ports_for
-from bench.procs import cpu_split, peak_rss_bytes
+from bench.procs import CpuSet, machine_busy_s
 from bench.progress import Progress
 
 
@@ -37,31 +43,31 @@ class Workload:
     title: str
     needs_udp: bool
     seconds: Callable[[wl.Durations], float]
-    run: Callable[[PeerPorts, Plan, dict[str, Path], int], wl.Figures]
+    run: Callable[[PeerPorts, Plan, dict[str, Path], CpuSet], wl.Figures]
 
 
-def _tcp(streams: int) -> Callable[[PeerPorts, Plan, dict[str, Path], int], wl.Figures]:
-    def run(p: PeerPorts, plan: Plan, scripts: dict[str, Path], core: int) -> wl.Figures:
+def _tcp(streams: int) -> Callable[[PeerPorts, Plan, dict[str, Path], CpuSet], wl.Figures]:
+    def run(p: PeerPorts, plan: Plan, scripts: dict[str, Path], core: CpuSet) -> wl.Figures:
         return wl.iperf(p.iperf, streams=streams, seconds=plan.durations.tcp, core=core)
 
     return run
 
 
-def _conn(p: PeerPorts, plan: Plan, scripts: dict[str, Path], core: int) -> wl.Figures:
+def _conn(p: PeerPorts, plan: Plan, scripts: dict[str, Path], core: CpuSet) -> wl.Figures:
     d = plan.durations
     return wl.wrk(
         p.http, script=scripts["conn"], connections=d.conn_connections, seconds=d.http, core=core
     )
 
 
-def _keepalive(p: PeerPorts, plan: Plan, scripts: dict[str, Path], core: int) -> wl.Figures:
+def _keepalive(p: PeerPorts, plan: Plan, scripts: dict[str, Path], core: CpuSet) -> wl.Figures:
     d = plan.durations
     return wl.wrk(
         p.http, script=scripts["keepalive"], connections=d.ka_connections, seconds=d.http, core=core
     )
 
 
-def _udp(p: PeerPorts, plan: Plan, scripts: dict[str, Path], core: int) -> wl.Figures:
+def _udp(p: PeerPorts, plan: Plan, scripts: dict[str, Path], core: CpuSet) -> wl.Figures:
     return wl.udp(p.udp, seconds=plan.durations.udp, core=core)
 
 
@@ -112,24 +118,29 @@ def preflight(running: Running, backends: Backends) -> str | None:
     return "no UDP reply through the peer"
 
 
-def _derive(key: str, figures: wl.Figures, cpu: tuple[float, float] | None) -> None:
-    """Figures from the proxy's (user, system) CPU seconds over the run."""
+def _derive(key: str, figures: wl.Figures, cpu: proctree.Cpu | None) -> None:
+    """Figures from the proxy tree's CPU over the run: totals, per GB, per connection (all of
+    it, its kernel part, and each role's)."""
     if cpu is None:
         return
-    user, system = cpu
-    total = user + system
-    figures["cpu_s"] = total
-    figures["cpu_kernel_s"] = system
+    figures.update(cpu.figures())
+    if figures.get("wall_s"):
+        figures["runq_ms_per_s"] = cpu.waited_s * 1e3 / figures["wall_s"]
+    total = cpu.total_s
     if key == "tcp1" and figures.get("bytes"):
         figures["cpu_s_per_gb"] = total / (figures["bytes"] / 1e9)
     if key == "conn" and figures.get("requests"):
-        figures["cpu_us_per_conn"] = total * 1e6 / figures["requests"]
-        figures["kernel_us_per_conn"] = system * 1e6 / figures["requests"]
+        n = figures["requests"]
+        figures["cpu_us_per_conn"] = total * 1e6 / n
+        figures["kernel_us_per_conn"] = cpu.system_s * 1e6 / n
+        for role in ("main", "workers", "other"):
+            figures[f"{role}_us_per_conn"] = figures[f"cpu_{role}_s"] * 1e6 / n
     derive_core_busy(figures)
 
 
 def derive_core_busy(figures: wl.Figures) -> None:
-    """How busy the proxy's core was: below 100% the proxy is not what limits the run."""
+    """How busy the proxy was, in % of one CPU: pinned, below 100 % the proxy is not what
+    limits the run; at equal cores it can reach 200 %."""
     if "cpu_s" not in figures:
         return
     if figures.get("seconds"):
@@ -152,55 +163,79 @@ def run_peer(
     progress: Progress,
 ) -> dict[str, Any]:
     """Every workload against one peer; the peer's entry of the raw JSON."""
-    entry: dict[str, Any] = {"label": peer.label, "runs": {}, "notes": []}
-    per_workload = [
-        (w.seconds(plan.durations) + STEP_OVERHEAD_S) * (plan.runs + (1 if plan.warmup else 0))
-        for w in WORKLOADS
-    ]
+    where = ctx.where
+    entry: dict[str, Any] = {
+        "label": peer.label,
+        "placement": where.name,
+        "proxy_cpus": where.proxy_cpus,
+        "roles": list(peer.roles),
+        "runs": {},
+        "notes": [],
+    }
     running = peer.start(ctx, ports_for(index))
     try:
         problem = preflight(running, backends)
         if problem:
             raise RuntimeError(problem)
         progress.say(f"{peer.name}: started, bytes verified")
-        for w, planned in zip(WORKLOADS, per_workload, strict=True):
+        for w in WORKLOADS:
+            planned = (w.seconds(plan.durations) + STEP_OVERHEAD_S) * _runs_per_workload(plan)
             if w.needs_udp and not running.udp:
                 entry["notes"].append(f"{w.key}: not supported by this peer")
                 progress.advance(planned)
                 continue
-            runs: list[wl.Figures] = []
-            total = plan.runs + (1 if plan.warmup else 0)
-            for i in range(total):
-                warm = plan.warmup and i == 0
-                before = [cpu_split(pid) for pid in running.pids]
-                try:
-                    figures = w.run(running.ports, plan, scripts, ctx.cores.load)
-                except (wl.WorkloadError, OSError) as e:
-                    entry["notes"].append(f"{w.key}: {e}")
-                    progress.say(f"{peer.name}: {w.key} failed: {e}")
-                    break
-                after = [cpu_split(pid) for pid in running.pids]
-                cpu = (
-                    (
-                        sum(a[0] for a in after) - sum(b[0] for b in before),
-                        sum(a[1] for a in after) - sum(b[1] for b in before),
-                    )
-                    if running.pids
-                    else None
-                )
-                _derive(w.key, figures, cpu)
-                progress.advance(planned / total)
-                label = "warm-up" if warm else f"run {i + (0 if plan.warmup else 1)}/{plan.runs}"
-                progress.say(f"{peer.name}: {w.title}, {label}: {_headline(w.key, figures)}")
-                if not warm:
-                    runs.append(figures)
-            entry["runs"][w.key] = runs
+            entry["runs"][w.key] = _runs(
+                peer, w, running, plan, scripts, where.load, progress, entry["notes"]
+            )
         if running.pids:
-            rss = sum(peak_rss_bytes(pid) for pid in running.pids)
-            entry["runs"]["peak"] = [{"rss_mb": rss / (1 << 20)}]
+            entry["runs"]["peak"] = [proctree.memory_mb(running.pids)]
     finally:
         peer.stop(ctx, running)
     return entry
+
+
+def _runs_per_workload(plan: Plan) -> int:
+    return plan.runs + (1 if plan.warmup else 0)
+
+
+def _runs(
+    peer: Peer,
+    w: Workload,
+    running: Running,
+    plan: Plan,
+    scripts: dict[str, Path],
+    load: CpuSet,
+    progress: Progress,
+    notes: list[str],
+) -> list[wl.Figures]:
+    """The warm-up and the measured runs of one workload, each with the proxy tree's CPU; a
+    failed run ends the workload with a note (the other workloads still run)."""
+    runs: list[wl.Figures] = []
+    total = _runs_per_workload(plan)
+    planned = (w.seconds(plan.durations) + STEP_OVERHEAD_S) * total
+    for i in range(total):
+        warm = plan.warmup and i == 0
+        before = proctree.sample(running.pids)
+        machine_before = machine_busy_s()
+        started = time.monotonic()
+        try:
+            figures = w.run(running.ports, plan, scripts, load)
+        except (wl.WorkloadError, OSError) as e:
+            notes.append(f"{w.key}: {e}")
+            progress.say(f"{peer.name}: {w.key} failed: {e}")
+            break
+        figures["wall_s"] = time.monotonic() - started
+        figures["machine_cpu_s"] = machine_busy_s() - machine_before
+        if w.key == "conn" and figures.get("requests"):
+            figures["machine_us_per_conn"] = figures["machine_cpu_s"] * 1e6 / figures["requests"]
+        cpu = proctree.between(before, proctree.sample(running.pids)) if running.pids else None
+        _derive(w.key, figures, cpu)
+        progress.advance(planned / total)
+        label = "warm-up" if warm else f"run {i + (0 if plan.warmup else 1)}/{plan.runs}"
+        progress.say(f"{peer.name}: {w.title}, {label}: {_headline(w.key, figures)}")
+        if not warm:
+            runs.append(figures)
+    return runs
 
 
 def _headline(key: str, f: wl.Figures) -> str:
@@ -214,4 +249,6 @@ def _headline(key: str, f: wl.Figures) -> str:
         text += f", errors {f['errors']:.0f}"
     if "cpu_s" in f:
         text += f", proxy CPU {f['cpu_s']:.2f} s"
+        if f.get("cpu_workers_s"):
+            text += f" ({f['cpu_main_s']:.2f} main + {f['cpu_workers_s']:.2f} workers)"
     return text

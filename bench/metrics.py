@@ -1,4 +1,8 @@
-"""What the table reports: each figure, where it comes from, its unit and which way is better."""
+"""What the table reports: each figure, where it comes from, its unit and which way is better.
+
+Proxy CPU figures cover the proxy's whole process tree (``bench.proctree``); the split by
+process (control and workers, master and workers) is in the per-process table of the report.
+"""
 
 from __future__ import annotations
 
@@ -34,7 +38,25 @@ METRICS = [
         "µs",
         False,
     ),
-    Metric("conn_core", "conn", "proxy_core_pct", "Proxy core busy, connection run", "%", False),
+    Metric(
+        "machine_us_per_conn",
+        "conn",
+        "machine_us_per_conn",
+        "All CPUs per connection (load, backend, proxy, kernel)",
+        "µs",
+        False,
+    ),
+    Metric(
+        "conn_core", "conn", "proxy_core_pct", "Proxy CPU busy, connection run", "% of a CPU", False
+    ),
+    Metric(
+        "conn_runq",
+        "conn",
+        "runq_ms_per_s",
+        "Proxy runnable but waiting for a CPU, connection run",
+        "ms/s",
+        False,
+    ),
     Metric("ka_p50", "keepalive", "p50_ms", "Keep-alive latency p50 (paced)", "ms", False),
     Metric("ka_p99", "keepalive", "p99_ms", "Keep-alive latency p99 (paced)", "ms", False),
     Metric("ka_rate", "keepalive", "rate", "Keep-alive offered rate achieved", "req/s", True),
@@ -44,3 +66,5 @@ METRICS = [
 ]
 
 BY_KEY = {m.key: m for m in METRICS}
+# Read beside the others, left out of the wide overview table.
+NOT_IN_OVERVIEW = ("ka_rate", "conn_runq", "machine_us_per_conn")

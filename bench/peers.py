@@ -1,9 +1,19 @@
 """The peers: every way of getting a byte from the load generator to a backend that we compare.
 
-Each peer forwards three ports (HTTP, iperf3, UDP echo) to the shared backends. A peer whose
-program is not installed reports why and is skipped; the README names the Debian packages.
-Proxies run on the proxy core; ``direct`` and ``kernel-dnat`` have no process (the kernel's work
-for DNAT is done in the sending and receiving threads' context, on the load core).
+Each peer forwards three ports (HTTP, iperf3, UDP echo) to the backends. A peer whose program
+is not installed reports why and is skipped; the README names the Debian packages.
+
+Two placements (``bench.procs.Placement``), two sets of peers:
+
+- **pinned**: the proxy alone on one core, load generators and backends on the other. One
+  thread or process of work per proxy (HAProxy ``nbthread 1``, one nginx worker, uproxy's
+  control process and its one worker sharing the core). ``direct`` and ``kernel-dnat`` have
+  no process: the kernel's DNAT work is done in the sending and receiving threads' context,
+  on the load core.
+- **shared** (equal cores, names ending in ``-2cpu``): the proxy may use both CPUs and so may
+  the load generators and backends, as on a node where nothing is set aside. Each proxy runs
+  as it would to use two CPUs: HAProxy ``nbthread 2``, nginx with two workers, uproxy with
+  ``--workers 1`` and ``--workers 2``; kernel DNAT beside them for reference.
 """
 
 from __future__ import annotations
@@ -16,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.backends import BackendPorts
-from bench.procs import Cores, ProcessGroup, wait_listening
+from bench.procs import Cores, Placement, ProcessGroup, wait_listening
 
 NGINX_STREAM_MODULE = Path("/usr/lib/nginx/modules/ngx_stream_module.so")
 
@@ -49,12 +59,23 @@ class Context:
     workdir: Path
     backend: BackendPorts
     in_netns: bool
+    placement: Placement | None = None  # None: pinned on ``cores``
+
+    @property
+    def where(self) -> Placement:
+        return self.placement or Placement.pinned(self.cores)
 
 
 class Peer:
     name = ""
     label = ""
     udp = True
+    shared = False  # measured at equal cores (both CPUs for everything), else pinned
+    # What the root of its process tree and the processes under it are called in the tables.
+    roles = ("process", "children")
+
+    def placement(self, cores: Cores) -> Placement:
+        return Placement.shared(cores) if self.shared else Placement.pinned(cores)
 
     def unavailable(self, ctx: Context) -> str | None:
         """Why this peer cannot run here, or None."""
@@ -98,8 +119,10 @@ class KernelDnat(Peer):
     """One iptables DNAT rule per port in the namespace's nat OUTPUT chain: the iptables-mode
     data path (conntrack + NAT, no copy to user space)."""
 
-    name = "kernel-dnat"
-    label = "kernel DNAT (iptables)"
+    def __init__(self, *, shared: bool = False) -> None:
+        self.shared = shared
+        self.name = "kernel-dnat-2cpu" if shared else "kernel-dnat"
+        self.label = "kernel DNAT (2 CPUs)" if shared else "kernel DNAT (iptables)"
 
     def unavailable(self, ctx: Context) -> str | None:
         if not ctx.in_netns:
@@ -129,10 +152,21 @@ class KernelDnat(Peer):
 
 
 class Uproxy(Peer):
-    def __init__(self, loop: str) -> None:
+    """uproxy in laptop mode (``--rules none``): a control process and its data-plane workers
+    (one unless ``workers`` says otherwise: the default with ``--rules none``)."""
+
+    roles = ("control", "workers")
+
+    def __init__(self, loop: str, *, workers: int | None = None, shared: bool = False) -> None:
         self.loop = loop
-        self.name = f"uproxy-{loop}"
-        self.label = f"uproxy ({loop})"
+        self.workers = workers
+        self.shared = shared
+        if workers is None:
+            self.name = f"uproxy-{loop}"
+            self.label = f"uproxy ({loop})"
+        else:
+            self.name = f"uproxy-w{workers}" + ("-2cpu" if shared else "")
+            self.label = f"uproxy --workers {workers}" + (" (2 CPUs)" if shared else "")
 
     def unavailable(self, ctx: Context) -> str | None:
         probe = subprocess.run(
@@ -152,14 +186,15 @@ class Uproxy(Peer):
         services = ctx.workdir / f"{self.name}-services.yaml"
         services.write_text(services_yaml(ports, ctx.backend))
         proc = ctx.procs.start(
-            uproxy_argv(services=services, loop=self.loop),
-            core=ctx.cores.proxy,
+            uproxy_argv(services=services, loop=self.loop, workers=self.workers),
+            core=ctx.where.proxy,
             name=self.name,
         )
         return self._wait(ctx, Running(ports=ports, procs=[proc]))
 
 
-def uproxy_argv(*, services: Path, loop: str) -> list[str]:
+def uproxy_argv(*, services: Path, loop: str, workers: int | None = None) -> list[str]:
+    extra = [] if workers is None else ["--workers", str(workers)]
     return [
         sys.executable,
         "-m",
@@ -176,6 +211,7 @@ def uproxy_argv(*, services: Path, loop: str) -> list[str]:
         "",
         "--event-loop",
         loop,
+        *extra,
     ]
 
 
@@ -211,7 +247,7 @@ endpoints:
 
 HAPROXY_CFG = """\
 global
-    nbthread 1
+    nbthread {threads}
     maxconn 8000
 defaults
     mode tcp
@@ -232,11 +268,18 @@ backend iperf
 
 
 class Haproxy(Peer):
-    """HAProxy in TCP mode, one thread, default buffers (no splice: as people deploy it)."""
+    """HAProxy in TCP mode, default buffers (no splice: as people deploy it); one thread pinned,
+    ``nbthread 2`` at equal cores."""
 
-    name = "haproxy"
-    label = "HAProxy (TCP mode)"
     udp = False
+
+    def __init__(self, *, threads: int = 1) -> None:
+        self.threads = threads
+        self.shared = threads > 1
+        self.name = "haproxy-2cpu" if self.shared else "haproxy"
+        self.label = (
+            f"HAProxy, nbthread {threads} (2 CPUs)" if self.shared else "HAProxy (TCP mode)"
+        )
 
     def unavailable(self, ctx: Context) -> str | None:
         if shutil.which("haproxy") is None:
@@ -247,17 +290,23 @@ class Haproxy(Peer):
         cfg = ctx.workdir / "haproxy.cfg"
         b = ctx.backend
         cfg.write_text(
-            HAPROXY_CFG.format(http=ports.http, iperf=ports.iperf, b_http=b.http, b_iperf=b.iperf)
+            HAPROXY_CFG.format(
+                threads=self.threads,
+                http=ports.http,
+                iperf=ports.iperf,
+                b_http=b.http,
+                b_iperf=b.iperf,
+            )
         )
         proc = ctx.procs.start(
-            ["haproxy", "-db", "-f", str(cfg)], core=ctx.cores.proxy, name="haproxy"
+            ["haproxy", "-db", "-f", str(cfg)], core=ctx.where.proxy, name=self.name
         )
         return self._wait(ctx, Running(ports=ports, procs=[proc], udp=False))
 
 
 NGINX_STREAM = """\
 load_module {module};
-worker_processes 1;
+worker_processes {workers};
 daemon off;
 master_process on;
 user root;
@@ -279,10 +328,16 @@ stream {{
 
 
 class NginxStream(Peer):
-    """nginx's stream module, one worker; UDP with one response per request."""
+    """nginx's stream module, one worker pinned, two at equal cores; UDP with one response per
+    request."""
 
-    name = "nginx-stream"
-    label = "nginx stream"
+    roles = ("master", "workers")
+
+    def __init__(self, *, workers: int = 1) -> None:
+        self.workers = workers
+        self.shared = workers > 1
+        self.name = "nginx-stream-2cpu" if self.shared else "nginx-stream"
+        self.label = f"nginx stream, {workers} workers (2 CPUs)" if self.shared else "nginx stream"
 
     def unavailable(self, ctx: Context) -> str | None:
         if shutil.which("nginx") is None:
@@ -297,6 +352,7 @@ class NginxStream(Peer):
         conf.write_text(
             NGINX_STREAM.format(
                 module=NGINX_STREAM_MODULE,
+                workers=self.workers,
                 dir=ctx.workdir,
                 http=ports.http,
                 iperf=ports.iperf,
@@ -309,8 +365,8 @@ class NginxStream(Peer):
         err = ctx.workdir / "stream-nginx.error.log"
         proc = ctx.procs.start(
             ["nginx", "-e", str(err), "-c", str(conf), "-p", str(ctx.workdir)],
-            core=ctx.cores.proxy,
-            name="nginx-stream",
+            core=ctx.where.proxy,
+            name=self.name,
         )
         return self._wait(ctx, Running(ports=ports, procs=[proc]))
 
@@ -347,14 +403,15 @@ class Socat(Peer):
             ),
         ):
             running.procs.append(
-                ctx.procs.start(["socat", listen, to], core=ctx.cores.proxy, name=name)
+                ctx.procs.start(["socat", listen, to], core=ctx.where.proxy, name=name)
             )
         return self._wait(ctx, running)
 
 
 def all_peers() -> list[Peer]:
-    """In run order. Kernel DNAT goes last: its nat rule turns on conntrack in the namespace,
-    which no other peer should pay for."""
+    """In run order: the pinned peers, then the equal-cores ones. Each runs in a namespace of
+    its own; kernel DNAT still goes last in each set (its nat rule turns on conntrack, which no
+    other peer should pay for when they share a namespace, as without root)."""
     return [
         Direct(),
         Uproxy("uvloop"),
@@ -363,6 +420,11 @@ def all_peers() -> list[Peer]:
         NginxStream(),
         Socat(),
         KernelDnat(),
+        Uproxy("uvloop", workers=1, shared=True),
+        Uproxy("uvloop", workers=2, shared=True),
+        Haproxy(threads=2),
+        NginxStream(workers=2),
+        KernelDnat(shared=True),
     ]
 
 

@@ -1,10 +1,13 @@
-"""Starting the processes of a benchmark pinned to a core, measuring them, and always stopping them.
+"""Starting the processes of a benchmark on chosen CPUs, measuring them, and always stopping them.
 
-Fairness rests on every peer getting the same CPU: the proxy on one core, load generators and
-backends on the other. Each child starts in its own session, so stopping it reaches whatever it
-forked (nginx workers, socat children) by process group id, and nothing else on the machine.
-Resource figures come from /proc: CPU time summed over the process tree (reaped children count
-through the parent's ``cutime``/``cstime``) and the peak resident set (``VmHWM``).
+Fairness rests on every peer getting the same CPUs. A *placement* says which: ``pinned`` gives
+the proxy one core and the load generators and backends the other; ``shared`` lets the
+proxy, the load generators and the backends all use both (equal cores: a proxy with threads or
+worker processes can use them, and so can the kernel's work for a peer without a process).
+Each child starts in its own session, so stopping it reaches whatever it forked (nginx workers,
+uproxy's data-plane workers, socat children) by process group id, and nothing else on the
+machine. Resource figures come from /proc, summed over the process tree (``bench.proctree``
+says how a tree of live processes is accounted).
 """
 
 from __future__ import annotations
@@ -19,7 +22,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-CLK_TCK = os.sysconf("SC_CLK_TCK")
+from bench import proctree
+from bench.proctree import CLK_TCK
+from bench.proctree import tree as tree  # re-exported: the control-plane probes read it here
+
+# One CPU, or a set of them (``taskset -c 0,1``).
+CpuSet = int | tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +43,45 @@ class Cores:
         if len(cpus) >= 2:
             return cls(proxy=cpus[0], load=cpus[1])
         return cls(proxy=cpus[0], load=cpus[0])
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a peer's processes run: ``pinned`` (the proxy alone on one CPU, everything else on
+    the other) or ``shared`` (the proxy, the load generators and the backends on both)."""
+
+    name: str
+    proxy: CpuSet
+    load: CpuSet
+
+    @classmethod
+    def pinned(cls, cores: Cores) -> Placement:
+        return cls("pinned", cores.proxy, cores.load)
+
+    @classmethod
+    def shared(cls, cores: Cores) -> Placement:
+        cpus = tuple(sorted({cores.proxy, cores.load}))
+        return cls("shared", cpus, cpus)
+
+    @property
+    def proxy_cpus(self) -> int:
+        return 1 if isinstance(self.proxy, int) else len(self.proxy)
+
+    def describe(self) -> str:
+        if self.name == "pinned":
+            return f"proxy on CPU {self.proxy}, load and backends on CPU {self.load}"
+        return f"proxy, load and backends sharing CPUs {_cpu_list(self.proxy)}"
+
+
+def _cpu_list(cpus: CpuSet) -> str:
+    return str(cpus) if isinstance(cpus, int) else ",".join(str(c) for c in cpus)
+
+
+def _on_cpus(argv: Sequence[str], cpus: CpuSet | None) -> list[str]:
+    """``argv`` under ``taskset`` when CPUs are given (children inherit the mask)."""
+    if cpus is None:
+        return list(argv)
+    return ["taskset", "-c", _cpu_list(cpus), *argv]
 
 
 def _raise_nofile() -> None:
@@ -54,14 +101,18 @@ class ProcessGroup:
         self._count = 0
 
     def start(
-        self, argv: Sequence[str], *, core: int | None, name: str, env: dict[str, str] | None = None
+        self,
+        argv: Sequence[str],
+        *,
+        core: CpuSet | None,
+        name: str,
+        env: dict[str, str] | None = None,
     ) -> subprocess.Popen[bytes]:
-        """Start ``argv`` on ``core`` in its own session; output goes to a log file."""
+        """Start ``argv`` on ``core`` (one CPU or several) in its own session; output goes to a
+        log file."""
         self._count += 1
         log = self.logdir / f"{self._count:03d}-{name}.log"
-        cmd = list(argv)
-        if core is not None:
-            cmd = ["taskset", "-c", str(core), *cmd]
+        cmd = _on_cpus(argv, core)
         with log.open("wb") as out:
             proc = subprocess.Popen(
                 cmd,
@@ -75,6 +126,9 @@ class ProcessGroup:
         self._procs.append(proc)
         self._logs[proc.pid] = log
         return proc
+
+    def log_path(self, proc: subprocess.Popen[bytes]) -> Path:
+        return self._logs[proc.pid]
 
     def log_tail(self, proc: subprocess.Popen[bytes], *, lines: int = 5) -> str:
         try:
@@ -105,14 +159,11 @@ class ProcessGroup:
 
 
 def run_pinned(
-    argv: Sequence[str], *, core: int | None, timeout_s: float
+    argv: Sequence[str], *, core: CpuSet | None, timeout_s: float
 ) -> subprocess.CompletedProcess[str]:
-    """Run a load generator to completion on ``core``, bounded in time."""
-    cmd = list(argv)
-    if core is not None:
-        cmd = ["taskset", "-c", str(core), *cmd]
+    """Run a load generator to completion on ``core`` (one CPU or several), bounded in time."""
     return subprocess.run(
-        cmd,
+        _on_cpus(argv, core),
         capture_output=True,
         text=True,
         timeout=timeout_s,
@@ -124,59 +175,22 @@ def run_pinned(
 # --- /proc accounting --------------------------------------------------------------------
 
 
-def _children(pid: int) -> list[int]:
-    out: list[int] = []
-    task_dir = Path(f"/proc/{pid}/task")
-    try:
-        tasks = list(task_dir.iterdir())
-    except OSError:
-        return out
-    for task in tasks:
-        try:
-            out.extend(int(c) for c in (task / "children").read_text().split())
-        except OSError:
-            continue
-    return out
-
-
-def tree(pid: int) -> list[int]:
-    """``pid`` and all its descendants alive now."""
-    seen, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        seen.append(p)
-        todo.extend(_children(p))
-    return seen
-
-
 def cpu_split(pid: int) -> tuple[float, float]:
-    """(user, system) CPU seconds of the tree, including children it has already reaped.
+    """(user, system) CPU seconds of the tree now: every live process's own and what each has
+    reaped (``bench.proctree``). Differences of two readings are the tree's CPU in between.
 
     System time is the kernel working for the proxy: its system calls, and on loopback the
     TCP delivery each write() does inline.
     """
-    user = system = 0
-    for p in tree(pid):
-        try:
-            stat = Path(f"/proc/{p}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        # fields[0] is field 3 (state): utime=14, stime=15, cutime=16, cstime=17.
-        user += int(fields[14 - 3]) + int(fields[16 - 3])
-        system += int(fields[15 - 3]) + int(fields[17 - 3])
+    (s,) = proctree.sample([pid])
+    user = sum(p.user + p.reaped_user for p in s.procs.values())
+    system = sum(p.system + p.reaped_system for p in s.procs.values())
     return user / CLK_TCK, system / CLK_TCK
 
 
 def peak_rss_bytes(pid: int) -> int:
     """Sum of VmHWM over the tree alive now."""
-    total = 0
-    for p in tree(pid):
-        with contextlib.suppress(OSError):
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    total += int(line.split()[1]) * 1024
-    return total
+    return int(proctree.memory_mb([pid])["rss_mb"] * (1 << 20))
 
 
 def machine_busy_s() -> float:

@@ -1,5 +1,8 @@
 """Where uproxy's time goes on the connection-rate run: py-spy samples, summarised.
 
+The process sampled is the one that relays: uproxy's data-plane worker (the control process
+only follows the services file meanwhile).
+
 py-spy attaches to the running proxy from outside (no code change, no restart) and samples its
 stacks with native frames, so time in uvloop's C code and in system calls is named rather than
 charged to the Python line that called it. Native sampling pauses the proxy for each sample, so
@@ -24,10 +27,11 @@ from typing import Any
 
 from bench.backends import Backends
 from bench.peers import Context, Uproxy, ports_for
+from bench.proctree import tree
 from bench.progress import Progress
 
 _LINE = re.compile(r":\d+\)$")
-PROFILE_PORTS_INDEX = 8  # after the peers' port blocks
+PROFILE_PORTS_INDEX = 12  # after the peers' port blocks
 # Frames on every stack (interpreter start, the loop's run) say nothing about the cost.
 BASE_FRAME_SHARE = 0.97
 
@@ -108,6 +112,15 @@ def find_pyspy() -> str | None:
     return found
 
 
+def _relaying_process(root: int) -> tuple[int, str]:
+    """The process that relays: uproxy's data-plane worker (the peer runs one), else the root
+    (``--workers 0`` relays in the control process)."""
+    below = tree(root)[1:]
+    if below:
+        return below[0], "uproxy's data-plane worker"
+    return root, "uproxy"
+
+
 def profile_conn_rate(
     ctx: Context,
     backends: Backends,
@@ -143,12 +156,13 @@ def profile_conn_rate(
             text=True,
         )
         try:
+            pid, process = _relaying_process(running.pids[0])
             native = True
-            problem = _record(pyspy, running.pids[0], raw, seconds, native=True)
+            problem = _record(pyspy, pid, raw, seconds, native=True)
             if problem:
                 progress.say(f"profile: native stacks failed ({problem}); Python stacks only")
                 native = False
-                problem = _record(pyspy, running.pids[0], raw, seconds, native=False)
+                problem = _record(pyspy, pid, raw, seconds, native=False)
             load.send_signal(signal.SIGINT)  # wrk stops and reports on SIGINT
             out, _ = load.communicate(timeout=30)
         finally:
@@ -166,5 +180,6 @@ def profile_conn_rate(
             summary["wrk"] = line.removeprefix("BENCHJSON ")
     summary["raw"] = raw.name
     summary["native"] = native
+    summary["process"] = process
     progress.say(f"profile: {summary['samples']} samples written to {raw.name}")
     return summary

@@ -2,8 +2,12 @@
 
 Every figure is the median of the measured runs, shown with its min-max and with its ratio to
 the kernel-DNAT peer (the physical limit for any proxy) and to HAProxy (what people would pick
-instead). A ratio is always this peer's value divided by the reference's, whichever way is
-better for that figure; the table says which.
+instead), each *of the same placement*: a pinned peer against pinned kernel DNAT and HAProxy
+``nbthread 1``, an equal-cores peer against kernel DNAT on 2 CPUs and HAProxy ``nbthread 2``.
+A ratio is always this peer's value divided by the reference's, whichever way is better for
+that figure; the table says which. The goals (``bench.goals``), the per-process accounting
+(``bench.proc_report``) and the latency during control work (``bench.disturb_report``) have
+tables of their own.
 """
 
 from __future__ import annotations
@@ -15,13 +19,30 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from bench import cp_report, deployed_report
-from bench.metrics import METRICS, Metric
+from bench import cp_report, deployed_report, disturb_report, goals, proc_report
+from bench.metrics import METRICS, NOT_IN_OVERVIEW, Metric
 from bench.stats import Summary, ratio, summarise
 
 KERNEL = "kernel-dnat"
 HAPROXY = "haproxy"
-UPROXY = ("uproxy-uvloop", "uproxy-asyncio")
+# The references of each placement's ratios.
+REFERENCES = {
+    "pinned": {"vs_kernel": KERNEL, "vs_haproxy": HAPROXY},
+    "shared": {"vs_kernel": "kernel-dnat-2cpu", "vs_haproxy": "haproxy-2cpu"},
+}
+PLACEMENT_TITLES = {
+    "pinned": "Pinned: the proxy on one core, load and backends on the other",
+    "shared": "Equal cores: proxy, load and backends sharing both CPUs",
+}
+
+
+def placement(entry: dict[str, Any]) -> str:
+    """A peer's placement (results written before there were two say nothing: pinned)."""
+    return str(entry.get("placement", "pinned"))
+
+
+def is_uproxy(name: str) -> bool:
+    return name.startswith("uproxy-")
 
 
 def machine() -> dict[str, Any]:
@@ -82,7 +103,8 @@ def machine() -> dict[str, Any]:
 
 
 def summary_table(peers: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """peer -> metric key -> {median, min, max, n, spread_pct, vs_kernel, vs_haproxy}."""
+    """peer -> metric key -> {median, min, max, n, spread_pct, vs_kernel, vs_haproxy}, the
+    ratios against the references of the peer's own placement."""
     medians: dict[str, dict[str, Summary]] = {}
     for name, entry in peers.items():
         medians[name] = {}
@@ -96,7 +118,7 @@ def summary_table(peers: dict[str, Any]) -> dict[str, dict[str, Any]]:
         out[name] = {}
         for key, s in by_metric.items():
             d: dict[str, Any] = s.as_dict()
-            for ref, label in ((KERNEL, "vs_kernel"), (HAPROXY, "vs_haproxy")):
+            for label, ref in REFERENCES[placement(peers[name])].items():
                 ref_s = medians.get(ref, {}).get(key)
                 d[label] = ratio(s.median, ref_s.median if ref_s else None)
             out[name][key] = d
@@ -120,11 +142,44 @@ def _ratio(r: float | None) -> str:
 
 
 def markdown(results: dict[str, Any]) -> str:
-    meta = results["meta"]
-    mach = meta["machine"]
     peers = results["peers"]
     summary = results["summary"]
     order = [p for p in peers if not peers[p].get("skipped")]
+    labels = {p: e["label"] for p, e in peers.items()}
+    lines = _header(results)
+    lines += goals.markdown(summary, labels)
+    for where, title in PLACEMENT_TITLES.items():
+        lines += _overview(results, [p for p in order if placement(peers[p]) == where], title)
+    lines += _uproxy_table(results, [p for p in order if is_uproxy(p)])
+    lines += proc_report.markdown(peers)
+    lines += disturb_report.markdown(results.get("disturb"), summary)
+    lines += _every_figure(results, order)
+    lines += _control_plane(results.get("control_plane"))
+    rs = results.get("rules_sync")
+    if rs:
+        lines += ["## Rules sync (`python -m bench.rules_sync`, per rules backend)", ""]
+        lines += [rs["markdown"] if "markdown" in rs else f"Failed: {rs.get('error')}", ""]
+    lines += deployed_report.markdown(results.get("deployed"))
+    lines += _profile(results.get("profile"))
+    notes = [(p, n) for p in order for n in peers[p].get("notes", [])]
+    if notes:
+        lines += ["## Notes from the run", ""]
+        lines += [f"- {p}: {n}" for p, n in notes]
+        lines.append("")
+    lines += ["## Plots", ""]
+    lines += [f"![{name}]({name})" for name in results.get("plots", [])]
+    lines.append("")
+    return "\n".join(lines)
+
+
+def _header(results: dict[str, Any]) -> list[str]:
+    meta = results["meta"]
+    mach = meta["machine"]
+    peers = results["peers"]
+    where = meta.get("placements") or {
+        "pinned": f"proxy on CPU {meta['cores']['proxy']}, load generators and backends on "
+        f"CPU {meta['cores']['load']}"
+    }
     lines = [
         f"# uproxy benchmark — {meta['date']}{' (quick smoke run)' if meta['quick'] else ''}",
         "",
@@ -134,12 +189,13 @@ def markdown(results: dict[str, Any]) -> str:
         f"{mach['wrk']}; {mach['iptables']}.",
         f"uproxy revision: {meta.get('uproxy_revision', '?')}.",
         "",
-        f"Method: proxy on CPU {meta['cores']['proxy']}, load generators and backends on CPU "
-        f"{meta['cores']['load']}; {meta['plan']['runs']} measured run(s) of "
-        f"{meta['plan']['durations']} after "
+        "Method: "
+        + "; ".join(f"{name}: {text}" for name, text in where.items())
+        + f". {meta['plan']['runs']} measured run(s) of {meta['plan']['durations']} after "
         f"{'a warm-up run' if meta['plan']['warmup'] else 'no warm-up'}; figures are medians "
-        "with min-max. Ratios are this peer's median divided by kernel DNAT's / HAProxy's "
-        "(for ↑ figures higher is better, for ↓ lower is better). See bench/README.md.",
+        "with min-max. Ratios are this peer's median divided by kernel DNAT's / HAProxy's of "
+        "the same placement (for ↑ figures higher is better, for ↓ lower is better). See "
+        "bench/README.md.",
         f"Total time: {meta.get('elapsed_s', 0):.0f} s. Load average (1, 5, 15 min) at the "
         f"start: {_loads(meta.get('load_average_start'))}, at the end: "
         f"{_loads(meta.get('load_average_end'))} (anything else running on the machine "
@@ -151,109 +207,120 @@ def markdown(results: dict[str, Any]) -> str:
         lines += ["Skipped peers:", ""]
         lines += [f"- {p}: {why}" for p, why in skipped.items()]
         lines.append("")
-    # Overview: one row per peer, medians only.
-    overview = [m for m in METRICS if m.key != "ka_rate"]
-    lines += ["## Overview (medians)", ""]
+    return lines
+
+
+def _overview(results: dict[str, Any], rows: list[str], title: str) -> list[str]:
+    """One row per peer of one placement, medians only."""
+    if not rows:
+        return []
+    peers, summary = results["peers"], results["summary"]
+    overview = [m for m in METRICS if m.key not in NOT_IN_OVERVIEW]
+    lines = [f"## Overview (medians). {title}", ""]
     lines.append(
         "| peer | " + " | ".join(f"{m.title} ({m.unit}) {_arrow(m)}" for m in overview) + " |"
     )
     lines.append("|---|" + "---|" * len(overview))
-    for p in order:
+    for p in rows:
         cells = [_fmt(summary.get(p, {}).get(m.key, {}).get("median"), m.unit) for m in overview]
         lines.append(f"| {peers[p]['label']} | " + " | ".join(cells) + " |")
-    lines.append("")
-    # uproxy against the references, every workload.
-    up = [p for p in UPROXY if p in order]
-    if up:
-        lines += ["## uproxy against kernel DNAT and HAProxy", ""]
-        head = "| figure | " + " | ".join(f"{peers[p]['label']} | x kernel | x HAProxy" for p in up)
-        lines.append(head + " |")
-        lines.append("|---|" + "---|---|---|" * len(up))
-        for m in METRICS:
-            cells = []
-            for p in up:
-                d = summary.get(p, {}).get(m.key, {})
-                cells += [
-                    _fmt(d.get("median"), m.unit),
-                    _ratio(d.get("vs_kernel")),
-                    _ratio(d.get("vs_haproxy")),
-                ]
-            lines.append(f"| {m.title} ({m.unit}) {_arrow(m)} | " + " | ".join(cells) + " |")
-        lines.append("")
-    # One detailed table per figure.
-    lines += ["## Every figure", ""]
+    return [*lines, ""]
+
+
+def _uproxy_table(results: dict[str, Any], up: list[str]) -> list[str]:
+    """uproxy against the references of its placement, every figure."""
+    if not up:
+        return []
+    peers, summary = results["peers"], results["summary"]
+    lines = ["## uproxy against kernel DNAT and HAProxy (of the same placement)", ""]
+    head = "| figure | " + " | ".join(f"{peers[p]['label']} | x kernel | x HAProxy" for p in up)
+    lines.append(head + " |")
+    lines.append("|---|" + "---|---|---|" * len(up))
+    for m in METRICS:
+        cells = []
+        for p in up:
+            d = summary.get(p, {}).get(m.key, {})
+            cells += [
+                _fmt(d.get("median"), m.unit),
+                _ratio(d.get("vs_kernel")),
+                _ratio(d.get("vs_haproxy")),
+            ]
+        lines.append(f"| {m.title} ({m.unit}) {_arrow(m)} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
+def _every_figure(results: dict[str, Any], order: list[str]) -> list[str]:
+    """One detailed table per figure, both placements."""
+    peers, summary = results["peers"], results["summary"]
+    lines = ["## Every figure", ""]
     for m in METRICS:
         rows = [p for p in order if m.key in summary.get(p, {})]
         if not rows:
             continue
         lines += [f"### {m.title} ({m.unit}) {_arrow(m)}", ""]
-        lines.append("| peer | median | min - max | spread | x kernel DNAT | x HAProxy |")
-        lines.append("|---|---|---|---|---|---|")
+        lines.append("| peer | CPUs | median | min - max | spread | x kernel DNAT | x HAProxy |")
+        lines.append("|---|---|---|---|---|---|---|")
         for p in rows:
             d = summary[p][m.key]
+            cpus = "2 (shared)" if placement(peers[p]) == "shared" else "1 (pinned)"
             lines.append(
-                f"| {peers[p]['label']} | {_fmt(d['median'], m.unit)} | {_fmt(d['min'], m.unit)} - "
-                f"{_fmt(d['max'], m.unit)} | {d['spread_pct']:.0f}% | {_ratio(d['vs_kernel'])} | "
-                f"{_ratio(d['vs_haproxy'])} |"
+                f"| {peers[p]['label']} | {cpus} | {_fmt(d['median'], m.unit)} | "
+                f"{_fmt(d['min'], m.unit)} - {_fmt(d['max'], m.unit)} | "
+                f"{d['spread_pct']:.0f}% | {_ratio(d['vs_kernel'])} | {_ratio(d['vs_haproxy'])} |"
             )
         lines.append("")
-    cp = results.get("control_plane")
+    return lines
+
+
+def _control_plane(cp: dict[str, Any] | None) -> list[str]:
     if cp and "scale" in cp:
-        lines += [cp_report.markdown(cp), ""]
-    elif cp:
-        lines += [
-            "## Control plane (uproxy, uvloop, against the API-server double)",
-            "",
-            "| service ports | time to synced (s) | min - max | peak RSS (MiB) |",
-            "|---|---|---|---|",
-        ]
-        for n, runs in cp["sizes"].items():
-            t = summarise([r["sync_s"] for r in runs])
-            rss = summarise([r["rss_mb"] for r in runs])
-            if t is None or rss is None:
-                lines.append(f"| {n} | failed | | |")
-                continue
-            lines.append(
-                f"| {int(n):,} | {t.median:.2f} | {t.low:.2f} - {t.high:.2f} | {rss.median:.0f} |"
-            )
-        lines.append("")
-        lines += [f"- {n}" for n in cp.get("notes", [])]
-    rs = results.get("rules_sync")
-    if rs:
-        lines += ["## Rules sync (`python -m bench.rules_sync`, per rules backend)", ""]
-        lines += [rs["markdown"] if "markdown" in rs else f"Failed: {rs.get('error')}", ""]
-    lines += deployed_report.markdown(results.get("deployed"))
-    prof = results.get("profile")
-    if prof and "skipped" in prof:
-        lines += ["## Profile: uproxy (uvloop) on the connection-rate run", ""]
-        lines += [f"Skipped: {prof['skipped']}.", ""]
-    elif prof:
-        kind = "native and Python frames" if prof.get("native") else "Python frames only"
-        lines += [
-            "## Profile: uproxy (uvloop) on the connection-rate run",
-            "",
-            f"py-spy, {prof['samples']} samples, {kind}; raw stacks in `{prof['raw']}` "
-            "(flamegraph.pl or speedscope read them). The profiled run is separate from the "
-            "measured ones (sampling pauses the proxy).",
-            "",
-            "| where the time goes | % of samples |",
-            "|---|---|",
-        ]
-        lines += [f"| {r['frame']} | {r['pct']:.1f} |" for r in prof.get("categories", [])]
-        lines += ["", "| self % | frame (top of stack) |", "|---|---|"]
-        lines += [f"| {r['pct']:.1f} | `{r['frame']}` |" for r in prof["self"][:15]]
-        lines += ["", "| inclusive % | uproxy function (anywhere on the stack) |", "|---|---|"]
-        lines += [f"| {r['pct']:.1f} | `{r['frame']}` |" for r in prof.get("uproxy", [])[:12]]
-        lines.append("")
-    notes = [(p, n) for p in order for n in peers[p].get("notes", [])]
-    if notes:
-        lines += ["## Notes from the run", ""]
-        lines += [f"- {p}: {n}" for p, n in notes]
-        lines.append("")
-    lines += ["## Plots", ""]
-    lines += [f"![{name}]({name})" for name in results.get("plots", [])]
+        return [cp_report.markdown(cp), ""]
+    if not cp:
+        return []
+    lines = [
+        "## Control plane (uproxy, uvloop, against the API-server double)",
+        "",
+        "| service ports | time to synced (s) | min - max | peak RSS (MiB) |",
+        "|---|---|---|---|",
+    ]
+    for n, runs in cp["sizes"].items():
+        t = summarise([r["sync_s"] for r in runs])
+        rss = summarise([r["rss_mb"] for r in runs])
+        if t is None or rss is None:
+            lines.append(f"| {n} | failed | | |")
+            continue
+        lines.append(
+            f"| {int(n):,} | {t.median:.2f} | {t.low:.2f} - {t.high:.2f} | {rss.median:.0f} |"
+        )
     lines.append("")
-    return "\n".join(lines)
+    lines += [f"- {n}" for n in cp.get("notes", [])]
+    return lines
+
+
+def _profile(prof: dict[str, Any] | None) -> list[str]:
+    title = "## Profile: uproxy (uvloop) on the connection-rate run"
+    if not prof:
+        return []
+    if "skipped" in prof:
+        return [title, "", f"Skipped: {prof['skipped']}.", ""]
+    kind = "native and Python frames" if prof.get("native") else "Python frames only"
+    lines = [
+        title,
+        "",
+        f"py-spy, {prof['samples']} samples of {prof.get('process', 'the proxy')}, {kind}; raw "
+        f"stacks in `{prof['raw']}` (flamegraph.pl or speedscope read them). The profiled run "
+        "is separate from the measured ones (sampling pauses the proxy).",
+        "",
+        "| where the time goes | % of samples |",
+        "|---|---|",
+    ]
+    lines += [f"| {r['frame']} | {r['pct']:.1f} |" for r in prof.get("categories", [])]
+    lines += ["", "| self % | frame (top of stack) |", "|---|---|"]
+    lines += [f"| {r['pct']:.1f} | `{r['frame']}` |" for r in prof["self"][:15]]
+    lines += ["", "| inclusive % | uproxy function (anywhere on the stack) |", "|---|---|"]
+    lines += [f"| {r['pct']:.1f} | `{r['frame']}` |" for r in prof.get("uproxy", [])[:12]]
+    lines.append("")
+    return lines
 
 
 def _loads(values: list[float] | None) -> str:
@@ -271,6 +338,14 @@ def write(results: dict[str, Any], out: Path) -> list[Path]:
     paths[0].write_text(json.dumps(results, indent=1, sort_keys=False) + "\n")
     paths[1].write_text(markdown(results))
     return paths + [out / p for p in results["plots"]]
+
+
+def _mark_placements(ax: Any, placements: list[str]) -> None:
+    """A dashed line where the pinned peers end and the equal-cores ones begin."""
+    for i in range(1, len(placements)):
+        if placements[i] != placements[i - 1]:
+            ax.axvline(i - 0.5, color="grey", linestyle="--", linewidth=1)
+            ax.text(i - 0.4, ax.get_ylim()[1] * 0.97, "2 CPUs →", fontsize=7, va="top")
 
 
 def plots(results: dict[str, Any], out: Path) -> list[str]:
@@ -320,7 +395,7 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
                     hi.append(d["max"] - d["median"])
                 bars = ax.bar(xs, ys, width=width, yerr=[lo, hi], capsize=3, label=m.title)
                 for bar, p in zip(bars, [p for p in rows if key in summary[p]], strict=True):
-                    if p in UPROXY:
+                    if is_uproxy(p):
                         bar.set_edgecolor("black")
                         bar.set_linewidth(1.5)
             m0 = BY_KEY[keys[0]]
@@ -334,6 +409,7 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
             )
             if len(keys) > 1:
                 ax.legend(fontsize=7)
+            _mark_placements(ax, [placement(peers[p]) for p in rows])
             ax.grid(axis="y", alpha=0.3)
         fig.suptitle(f"{title} — {results['meta']['date']}", fontsize=10)
         fig.tight_layout()
@@ -372,4 +448,5 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
         plt.close(fig)
         written.append("control_plane.png")
     written += deployed_report.plot(results.get("deployed"), out)
+    written += disturb_report.plot(results.get("disturb"), summary, out, results["meta"]["date"])
     return written

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.procs import run_pinned
+from bench.procs import CpuSet, run_pinned
 
 Figures = dict[str, float]
 
@@ -34,6 +34,8 @@ function done(summary, latency, requests)
     latency:percentile(99.9), latency.max))
 end
 """
+
+WRK_ERRORS = ("connect_errors", "read_errors", "write_errors", "status_errors", "timeouts")
 
 CONNECTION_CLOSE = 'wrk.headers["Connection"] = "close"\n'
 
@@ -67,7 +69,9 @@ def write_scripts(workdir: Path, d: Durations) -> dict[str, Path]:
     return out
 
 
-def iperf(port: int, *, streams: int, seconds: int, core: int, host: str = "127.0.0.1") -> Figures:
+def iperf(
+    port: int, *, streams: int, seconds: int, core: CpuSet, host: str = "127.0.0.1"
+) -> Figures:
     argv = ["iperf3", "-c", host, "-p", str(port), "-t", str(seconds), "-P", str(streams)]
     argv += ["-J", "--connect-timeout", "3000"]
     res = run_pinned(argv, core=core, timeout_s=seconds + 20)
@@ -91,7 +95,7 @@ def wrk(
     script: Path,
     connections: int,
     seconds: float,
-    core: int,
+    core: CpuSet,
     host: str = "127.0.0.1",
 ) -> Figures:
     argv = ["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s", "--timeout", "2s"]
@@ -101,17 +105,9 @@ def wrk(
         if line.startswith("BENCHJSON "):
             raw = json.loads(line.removeprefix("BENCHJSON "))
             secs = raw["duration_us"] / 1e6
-            errors = sum(
-                raw[k]
-                for k in (
-                    "connect_errors",
-                    "read_errors",
-                    "write_errors",
-                    "status_errors",
-                    "timeouts",
-                )
-            )
-            return {
+            errors = sum(raw[k] for k in WRK_ERRORS)
+            kinds = {f"wrk_{k}": float(raw[k]) for k in WRK_ERRORS if raw[k]}
+            return kinds | {
                 "requests": float(raw["requests"]),
                 "rate": raw["requests"] / secs if secs > 0 else 0.0,
                 "errors": float(errors),
@@ -124,7 +120,7 @@ def wrk(
     raise WorkloadError(f"wrk gave no result: {(res.stderr or res.stdout).strip()[:200]}")
 
 
-def udp(port: int, *, seconds: float, core: int) -> Figures:
+def udp(port: int, *, seconds: float, core: CpuSet) -> Figures:
     argv = [sys.executable, "-m", "bench.udp", "load", "--port", str(port)]
     argv += ["--seconds", str(seconds), "--sockets", "16"]
     res = run_pinned(argv, core=core, timeout_s=seconds + 20)
