@@ -274,6 +274,10 @@ class SharedTally:
         self._slot = slot
 
     @property
+    def slot(self) -> int:
+        return self._slot
+
+    @property
     def value(self) -> float:
         return float(self._values[self._slot])
 
@@ -362,6 +366,24 @@ class LabelledFamily(ScrapeFamily):
             except CountersFull:
                 pass  # counted in this process only: /metrics misses it, nothing breaks
         return self._new_tally(values)
+
+    def forget(self, label: str, value: str) -> None:
+        """Drop every label set whose ``label`` is ``value`` (a deleted service's series).
+
+        Listeners still draining keep adding to the tallies they hold; nobody reads them.
+        """
+        if label not in self.labelnames:
+            return
+        at = self.labelnames.index(label)
+        for values in [v for v in self._tallies if v[at] == value]:
+            tally = self._tallies.pop(values)
+            if isinstance(tally, SharedTally) and _shared is not None:
+                _shared.forget_slot(tally.slot)
+
+    def keep_only(self, wanted: Collection[tuple[str, ...]]) -> None:
+        """The control process: drop the label sets no worker reports any more."""
+        for values in [v for v in self._tallies if v not in wanted]:
+            del self._tallies[values]
 
     def local(self, *values: str) -> Tally:
         """The control process's own tally of a label set (where worker totals are summed)."""
@@ -537,6 +559,17 @@ DATA_PLANE: tuple[ScrapeFamily, ...] = (
     NO_ENDPOINTS,
     ACCEPT_PAUSED,
 )
+def forget_service(service: str) -> None:
+    """A service port was deleted: drop its series from every data-plane family.
+
+    Label sets were kept across listener churn (a reopened listener counts on), but a
+    deleted service's would pile up under churn: 4 to 7 series per service port, forever.
+    """
+    for family in DATA_PLANE:
+        if isinstance(family, LabelledFamily):
+            family.forget("service", service)
+
+
 # Gauges say how things are now: a dead worker's open connections are gone, its counts stay.
 GAUGES = (OPEN_CONNECTIONS, UDP_FLOWS)
 
@@ -569,14 +602,23 @@ class WorkerTotals:
                 key = (family, labels)
                 totals[key] = totals.get(key, 0.0) + value
         families = {f.name: f for f in DATA_PLANE if isinstance(f, LabelledFamily)}
+        present: dict[str, set[tuple[str, ...]]] = {name: set() for name in families}
         dial = [0.0] * (len(DIAL_DURATION.bounds) + 2)
         for (family, labels), value in totals.items():
             target = families.get(family)
             if target is not None:
                 target.local(*labels).value = value
+                present[family].add(labels)
             elif family == DIAL_DURATION.name:
                 dial[-1 if labels == ("sum",) else int(labels[0])] = value
         DIAL_DURATION.set_totals(dial)
+        for name, target_family in families.items():
+            target_family.keep_only(present[name])  # a deleted service's series go with it
+
+    def forget_service(self, service: str) -> None:
+        """A service port was deleted: the counts of the dead for it go too."""
+        for key in [k for k in self._retired if service in k[1]]:
+            del self._retired[key]
 
 
 def exposition(

@@ -90,3 +90,48 @@ def test_a_reader_learns_label_sets_bound_after_it_started() -> None:
         reader.close()
     finally:
         files.close()
+
+
+_FORGETTING_WORKER = textwrap.dedent(
+    """
+    import sys
+    from uproxy import metrics
+    from uproxy.dataplane.counters import CounterFiles, SlotWriter
+    metrics.share(SlotWriter(CounterFiles(int(sys.argv[1]), int(sys.argv[2]))))
+    for svc in ("ns/gone:http", "ns/stays:http"):
+        metrics.BYTES.labels(svc, "to_endpoint").value += 100
+        metrics.CONNECTIONS.labels(svc, "TCP", "ok").value += 1
+    held = metrics.BYTES.labels("ns/gone:http", "to_endpoint")  # a draining connection's
+    metrics.forget_service("ns/gone:http")
+    held.value += 50  # still counted by whoever holds it; reported by nobody
+    """
+)
+
+
+def test_a_deleted_services_series_go_and_the_others_stay() -> None:
+    files = CounterFiles.create()
+    try:
+        fds = (files.values_fd, files.directory_fd)
+        subprocess.run(
+            [sys.executable, "-c", _FORGETTING_WORKER, *map(str, fds)],
+            check=True,
+            pass_fds=fds,
+            env={**os.environ, "PYTHONPATH": os.getcwd()},
+            timeout=60,
+        )
+        reader = SlotReader(files)
+        reader.refresh()
+        services = {labels[0] for _, labels, _ in reader.items() if labels}
+        assert services >= {"ns/stays:http"} and "ns/gone:http" not in services
+        sums = metrics.WorkerTotals()
+        metrics.BYTES.local("ns/gone:http", "to_endpoint").value = 100  # from an earlier scrape
+        sums.add_up([reader])
+        assert ("ns/gone:http", "to_endpoint") not in totals("uproxy_bytes_total")
+        assert totals("uproxy_bytes_total")[("ns/stays:http", "to_endpoint")] == 100
+        sums.retire(reader)  # the worker goes: the forgotten series is not kept either
+        sums.add_up([])
+        assert ("ns/gone:http", "to_endpoint") not in totals("uproxy_bytes_total")
+        assert totals("uproxy_bytes_total")[("ns/stays:http", "to_endpoint")] == 100
+        reader.close()
+    finally:
+        files.close()

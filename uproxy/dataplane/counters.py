@@ -9,8 +9,9 @@ those that were replaced.
 
 Which slot means what is written next to the values: a directory, an append-only log of
 ``slot, family, label values`` records in a second memfd. The worker appends a record
-when it first binds a label set (once per listener and label set, never per event), then
-publishes it by advancing the header's record count (one aligned 8-byte store: the control
+when it first binds a label set (once per listener and label set, never per event), and a
+``slot`` record alone when it forgets one (its service was deleted), then publishes it by
+advancing the header's record count (one aligned 8-byte store: the control
 process never sees a half-written record). Only the worker writes; the control process only
 reads, so nothing needs a lock.
 
@@ -68,26 +69,42 @@ class SlotWriter:
         self._directory = mmap.mmap(files.directory_fd, DIRECTORY_BYTES)
         # float64 slots; a memoryview reads and writes Python floats by index.
         self.values = cast(MutableSequence[float], memoryview(self._values_map).cast("d"))
-        self._count = 0
+        self._slots = 0  # slots handed out
+        self._records = 0
         self._used = 0
 
     def new_slot(self, family: str, labels: Labels) -> int:
         """A fresh slot (at zero) for one label set of ``family``; CountersFull when out."""
-        slot = self._count
+        slot = self._slots
+        if slot >= SLOTS:
+            raise CountersFull(f"all {SLOTS} counter slots are in use")
         # Unit separators rather than JSON: 70,000 records at 10,000 service ports, where
         # json.dumps was 10 % of a worker's start. Names and label values never hold \x1f.
-        record = _SEP.join((str(slot), family, *labels)).encode()
+        self._append(_SEP.join((str(slot), family, *labels)))
+        self._slots += 1
+        return slot
+
+    def forget_slot(self, slot: int) -> None:
+        """The label set is gone (its service was deleted): the control process stops
+        reporting it. The slot is not handed out again: connections that are still draining
+        may add to it."""
+        try:
+            self._append(str(slot))
+        except CountersFull:
+            pass  # the series stays visible; nothing is miscounted
+
+    def _append(self, text: str) -> None:
+        record = text.encode()
         start = _HEADER.size + self._used
         end = start + _RECORD_LEN.size + len(record)
-        if slot >= SLOTS or end > DIRECTORY_BYTES:
-            raise CountersFull(f"{SLOTS} slots, {DIRECTORY_BYTES} bytes of names")
+        if end > DIRECTORY_BYTES:
+            raise CountersFull(f"{DIRECTORY_BYTES} bytes of counter names are in use")
         self._directory[start : start + _RECORD_LEN.size] = _RECORD_LEN.pack(len(record))
         self._directory[start + _RECORD_LEN.size : end] = record
         self._used = end - _HEADER.size
-        self._count += 1
+        self._records += 1
         # Publish: the reader trusts the records the count covers, written above.
-        self._directory[: _HEADER.size] = _HEADER.pack(self._count, self._used)
-        return slot
+        self._directory[: _HEADER.size] = _HEADER.pack(self._records, self._used)
 
 
 class SlotReader:
@@ -98,27 +115,34 @@ class SlotReader:
         self._directory = mmap.mmap(files.directory_fd, DIRECTORY_BYTES, prot=mmap.PROT_READ)
         self._view = memoryview(self._values_map).cast("d")
         self._values = cast(MutableSequence[float], self._view)
-        self._names: list[tuple[str, Labels]] = []
+        self._names: list[tuple[str, Labels] | None] = []  # None: forgotten
+        self._records = 0
         self._offset = 0
 
     def refresh(self) -> None:
-        """Learn the label sets bound since the last call."""
+        """Learn the label sets bound (and forgotten) since the last call."""
         count, used = _HEADER.unpack_from(self._directory, 0)
-        while len(self._names) < count and self._offset < used:
+        while self._records < count and self._offset < used:
             at = _HEADER.size + self._offset
             (length,) = _RECORD_LEN.unpack_from(self._directory, at)
             raw = self._directory[at + _RECORD_LEN.size : at + _RECORD_LEN.size + length]
-            slot, family, *labels = raw.decode().split(_SEP)
-            if int(slot) != len(self._names):
+            text, *rest = raw.decode().split(_SEP)
+            slot = int(text)
+            if not rest:  # a forgotten label set
+                self._names[slot] = None
+            elif slot == len(self._names):
+                self._names.append((rest[0], tuple(rest[1:])))
+            else:
                 raise ValueError(f"counter directory out of order: slot {slot}")
-            self._names.append((family, tuple(labels)))
+            self._records += 1
             self._offset += _RECORD_LEN.size + length
 
     def items(self) -> Iterator[tuple[str, Labels, float]]:
-        """Every named slot: (family, label values, value)."""
+        """Every named slot that is not forgotten: (family, label values, value)."""
         values = self._values
-        for slot, (family, labels) in enumerate(self._names):
-            yield family, labels, values[slot]
+        for slot, name in enumerate(self._names):
+            if name is not None:
+                yield name[0], name[1], values[slot]
 
     def close(self) -> None:
         self._view.release()
