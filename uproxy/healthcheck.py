@@ -7,6 +7,11 @@ asks ``spec.healthCheckNodePort`` on every node; this module answers, as kube-pr
 healthy, else 503, with a JSON body naming the service and the count, and the count again
 in ``X-Load-Balancing-Endpoint-Weight`` for load balancers that weight by it.
 
+Counts are per IP family, as in kube-proxy, whose IPv4 and IPv6 proxiers each run a health
+server that knows its own family's endpoints only (each bound to sockets of its family): a
+check that arrives over IPv4 counts the service's local IPv4 endpoints, one over IPv6 its
+IPv6 ones. A dual-stack pod is one endpoint either way.
+
 Servers are opened and closed by difference, so an unchanged service keeps its socket (and
 its clients' keep-alive connections) across syncs. A port that cannot be bound (usually
 another process holds it) is never fatal: it is logged once with the service and port,
@@ -87,6 +92,7 @@ class HealthCheckServers:
         self._desired: dict[ServiceKey, HealthCheckSpec] = {}
         self._open: dict[ServiceKey, _Instance] = {}
         self._counts: Mapping[ServiceKey, int] = {}
+        self._counts6: Mapping[ServiceKey, int] = {}
         # The last bind error reported per service, so a retry loop logs it only once.
         self._reported: dict[ServiceKey, tuple[int, int | None]] = {}
         self._lock = asyncio.Lock()
@@ -116,9 +122,13 @@ class HealthCheckServers:
             await self._open_missing()
         self._ensure_retry_task()
 
-    def set_local_endpoints(self, counts: Mapping[ServiceKey, int]) -> None:
-        """Local endpoint counts per service; services not listed have none."""
+    def set_local_endpoints(
+        self, counts: Mapping[ServiceKey, int], *, ipv6: Mapping[ServiceKey, int] | None = None
+    ) -> None:
+        """Local endpoint counts per service, as checks over IPv4 see them, and as checks
+        over IPv6 do (``ipv6``; None: the same); services not listed have none."""
         self._counts = dict(counts)
+        self._counts6 = dict(ipv6) if ipv6 is not None else self._counts
 
     async def close(self) -> None:
         self._closed = True
@@ -207,7 +217,7 @@ class HealthCheckServers:
         namespace, name = key
 
         async def handle(request: web.BaseRequest) -> web.StreamResponse:
-            count = self._counts.get(key, 0)
+            count = (self._counts6 if _over_ipv6(request) else self._counts).get(key, 0)
             # The proxy's own health: a node being drained still answers for its endpoints
             # here (kube-proxy's IsHealthy ignores the Node); /healthz reports the node.
             proxy_healthy = self._health.live()
@@ -223,3 +233,10 @@ class HealthCheckServers:
             )
 
         return handle
+
+
+def _over_ipv6(request: web.BaseRequest) -> bool:
+    """Whether the check arrived on an IPv6 socket (its local address has four fields)."""
+    transport = request.transport
+    local = transport.get_extra_info("sockname") if transport is not None else None
+    return isinstance(local, tuple) and len(local) == 4

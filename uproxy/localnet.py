@@ -1,16 +1,24 @@
-"""This node's network as the rules see it: where NodePorts answer, and which traffic is a pod's.
+"""This node's network as the rules see it: its IP families, where NodePorts answer, and which
+traffic is a pod's.
 
-Both follow kube-proxy's flags and mean what they mean there.
+All follow kube-proxy's flags and mean what they mean there.
+
+The IP families a node serves (``stacks_at_start``): with ``--bind-address`` unset, every family
+the node has an address of (its primary address of the family is where the node's own traffic
+is DNATed; never loopback) and the rules backend can program, each listening on any address of
+it; with ``--bind-address``, that address's family alone. Laptop mode listens on 127.0.0.1 and,
+when the machine has it, ::1. A service port is proxied in the families of its ClusterIPs
+among those (see ``ServicePort.families``).
 
 ``--nodeport-addresses`` narrows NodePorts to the node's addresses in some CIDRs, or to its
-primary address (``primary``, which cannot be mixed with CIDRs). Only CIDRs of the rules' IP
-family count; when none is of that family, every address of it answers, as in kube-proxy (so a
-dual-stack list limits each family by its own CIDRs), and a CIDR of every address (``/0``)
-means every address too. The rules match the CIDRs themselves, so the kernel decides per
-packet and an address added later is covered; the sockets that hold the node ports and the
-health-check servers must bind addresses, and those are the node's addresses in the CIDRs when
-uproxy starts. When none matches, NodePorts answer nowhere (kube-proxy's behaviour too) and
-uproxy says so at start.
+primary address of each family (``primary``, which cannot be mixed with CIDRs). Each family
+counts its own CIDRs; when none is of a family, every address of it answers, as in kube-proxy
+(so a dual-stack list limits each family by its own CIDRs), and a CIDR of every address
+(``/0``, ``::/0``) means every address of its family too. The rules match the CIDRs
+themselves, so the kernel decides per packet and an address added later is covered; the
+sockets that hold the node ports and the health-check servers must bind addresses, and those
+are the node's addresses in the CIDRs when uproxy starts. When none matches, NodePorts answer
+nowhere in that family (kube-proxy's behaviour too) and uproxy says so at start.
 
 ``--detect-local-mode`` says how a packet from one of the cluster's pods is recognised:
 ClusterCIDR (its source is in ``--cluster-cidr``; without one, pods are not told apart, as
@@ -30,21 +38,84 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from uproxy.log import kv
-from uproxy.model import NodeInfo
-from uproxy.nodeip import is_unspecified, local_ipv4_addresses, primary_ipv4
-from uproxy.rules.base import NO_LOCAL_TRAFFIC, LocalTraffic
+from uproxy.model import IPFamily, NodeInfo, ip_family
+from uproxy.nodeip import is_unspecified, local_addresses, primary_address
+from uproxy.rules.base import NO_LOCAL_TRAFFIC, LocalTraffic, Stack
+from uproxy.rules.portals import collapse
 from uproxy.settings import PRIMARY, Settings
 
 log = logging.getLogger("uproxy.localnet")
 
 ANY_IPV4 = "0.0.0.0"
+ANY = {IPFamily.V4: ANY_IPV4, IPFamily.V6: "::"}
+LOOPBACK = {IPFamily.V4: "127.0.0.1", IPFamily.V6: "::1"}
+
+
+# ----- the families served -----------------------------------------------------------------
+
+
+def stacks_at_start(
+    settings: Settings, *, rules_support: Callable[[IPFamily], bool] = lambda f: True
+) -> tuple[Stack, ...]:
+    """The IP families this node serves, the primary first; ValueError when none can be.
+
+    ``rules_support`` says whether the rules backend can program a family (a host without
+    ``ip6tables-restore`` serves IPv4 only, and says so).
+    """
+    bind = settings.bind_address
+    if settings.laptop:
+        if bind:
+            return (Stack(ip_family(bind), "", bind),)
+        families = [f for f in IPFamily if f is IPFamily.V4 or has_loopback6()]
+        return tuple(Stack(f, "", LOOPBACK[f]) for f in families)
+    if bind and not is_unspecified(bind):
+        return (Stack(ip_family(bind), bind, bind),)
+    wanted = [ip_family(bind)] if bind else list(IPFamily)
+    out: list[Stack] = []
+    for family in wanted:
+        host = primary_address(family)
+        if host is None:
+            continue
+        if not rules_support(family):
+            log.warning(
+                "Not serving an IP family: the rules backend cannot program it here",
+                extra=kv(family=family.label, rules=settings.rules_backend),
+            )
+            continue
+        out.append(Stack(family, host, ANY[family]))
+    if not out:
+        which = wanted[0].label if len(wanted) == 1 else "IPv4 or IPv6"
+        raise ValueError(
+            f"cannot find this node's {which} address for the host portal rules; "
+            "set --bind-address to it"
+        )
+    log.info(
+        "Serving IP families",
+        extra=kv(
+            families=",".join(s.family.label for s in out), node=",".join(s.host_ip for s in out)
+        ),
+    )
+    return tuple(out)
+
+
+def has_loopback6() -> bool:
+    """Whether ::1 can be bound here (IPv6 can be disabled in the kernel or on lo)."""
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_DGRAM) as sock:
+            sock.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+# ----- --nodeport-addresses ----------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
 class NodePortAddresses:
     """Where NodePorts answer: the CIDRs the rules match, the addresses sockets bind."""
 
-    cidrs: tuple[str, ...]  # IPv4 CIDRs; (): every local address
+    cidrs: tuple[str, ...]  # per family, merged; a family with none: every address of it
     bind: tuple[str, ...]  # what node-port reservations and health-check servers bind
 
     @property
@@ -58,51 +129,65 @@ EVERYWHERE = NodePortAddresses((), (ANY_IPV4,))
 def nodeport_addresses(
     setting: Sequence[str],
     *,
-    primary_ip: Callable[[], str | None],
-    local_ips: Callable[[], Sequence[str]],
+    primary_ip: Callable[[IPFamily], str | None],
+    local_ips: Callable[[IPFamily], Sequence[str]],
+    families: Sequence[IPFamily] = (IPFamily.V4,),
 ) -> NodePortAddresses:
-    """What ``--nodeport-addresses`` means on this node (IPv4); ValueError for ``primary``
-    when the node has no primary IPv4 address."""
-    if not setting:
-        return EVERYWHERE
+    """What ``--nodeport-addresses`` means on this node, in each family it serves;
+    ValueError for ``primary`` when the node has no primary address of a family."""
+    cidrs: list[str] = []
+    bind: list[str] = []
+    for family in families:
+        nets = _family_networks(setting, family, primary_ip)
+        if nets is None:
+            bind.append(ANY[family])  # every address of this family
+            continue
+        cidrs.extend(str(n) for n in nets)
+        bind.extend(
+            ip for ip in local_ips(family) if any(ipaddress.ip_address(ip) in n for n in nets)
+        )
+    return NodePortAddresses(tuple(cidrs), tuple(bind))
+
+
+def _family_networks(
+    setting: Sequence[str], family: IPFamily, primary_ip: Callable[[IPFamily], str | None]
+) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network] | None:
+    """One family's CIDRs of the setting, merged; None for every address of the family."""
     if tuple(setting) == (PRIMARY,):
-        ip = primary_ip()
+        ip = primary_ip(family)
         if ip is None:
             raise ValueError(
-                "--nodeport-addresses primary: cannot find this node's primary IPv4 address; "
-                "set --bind-address to it, or give CIDRs"
+                f"--nodeport-addresses primary: cannot find this node's primary {family.label} "
+                "address; set --bind-address to it, or give CIDRs"
             )
-        nets = [ipaddress.IPv4Network(f"{ip}/32")]
-    else:
-        nets = [
-            n for n in map(ipaddress.ip_network, setting) if isinstance(n, ipaddress.IPv4Network)
-        ]
+        return [ipaddress.ip_network(ip)]
+    nets = collapse(setting, family.value)
     if not nets or any(n.prefixlen == 0 for n in nets):
-        return EVERYWHERE
-    merged = list(ipaddress.collapse_addresses(nets))
-    bind = tuple(ip for ip in local_ips() if any(ipaddress.IPv4Address(ip) in n for n in merged))
-    return NodePortAddresses(tuple(str(n) for n in merged), bind)
+        return None
+    return nets
 
 
-def nodeport_addresses_at_start(settings: Settings) -> NodePortAddresses:
-    """``--nodeport-addresses`` on this node now; ValueError for ``primary`` without one."""
+def nodeport_addresses_at_start(
+    settings: Settings, stacks: Sequence[Stack] = ()
+) -> NodePortAddresses:
+    """``--nodeport-addresses`` on this node now, for the families it serves (``stacks``;
+    the primary address of each is its host address); ValueError for ``primary`` without one."""
     if settings.laptop:
         return EVERYWHERE
-    listen = settings.listen_host
-
-    def primary() -> str | None:
-        return listen if not is_unspecified(listen) else primary_ipv4()
-
+    hosts = {s.family: s.host_ip for s in stacks}
     found = nodeport_addresses(
         settings.nodeport_addresses,
-        primary_ip=primary,
-        local_ips=lambda: local_ipv4_addresses(global_only=False),
+        primary_ip=hosts.get,
+        local_ips=lambda f: local_addresses(f, global_only=False),
+        families=list(hosts) or [IPFamily.V4],
     )
-    if not found.everywhere and not found.bind:
-        log.warning(
-            "No address of this node is in --nodeport-addresses: NodePorts answer nowhere",
-            extra=kv(cidrs=",".join(found.cidrs)),
-        )
+    for family in hosts:
+        cidrs = [c for c in found.cidrs if ip_family(c) is family]
+        if cidrs and not any(ip_family(ip) is family for ip in found.bind):
+            log.warning(
+                "No address of this node is in --nodeport-addresses: NodePorts answer nowhere",
+                extra=kv(family=family.label, cidrs=",".join(cidrs)),
+            )
     return found
 
 

@@ -559,6 +559,8 @@ DATA_PLANE: tuple[ScrapeFamily, ...] = (
     NO_ENDPOINTS,
     ACCEPT_PAUSED,
 )
+
+
 def forget_service(service: str) -> None:
     """A service port was deleted: drop its series from every data-plane family.
 

@@ -25,6 +25,25 @@ class Traffic(enum.StrEnum):
     EXTERNAL = "external"  # to a NodePort, externalIP or LoadBalancer IP (externalTrafficPolicy)
 
 
+class IPFamily(enum.IntEnum):
+    """An IP family. Each family's service addresses reach that family's endpoints only, as
+    kube-proxy's per-family proxiers do: a pod's IPv6 address is never behind an IPv4
+    ClusterIP. uproxy keeps one identity per service port (``ServicePortName``) and per
+    family its own listeners, balancer and rules."""
+
+    V4 = 4
+    V6 = 6
+
+    @property
+    def label(self) -> str:
+        return f"IPv{self.value}"
+
+
+def ip_family(ip: str) -> IPFamily:
+    """The family of a textual address (canonical or not); never raises."""
+    return IPFamily.V6 if ":" in ip else IPFamily.V4
+
+
 class LbAlgorithm(enum.StrEnum):
     ROUND_ROBIN = "round-robin"
     RANDOM = "random"
@@ -77,6 +96,15 @@ class ServicePort:
         return bool(self.node_port or self.external_ips or self.lb_ingress_ips)
 
     @property
+    def has_local_policy(self) -> bool:
+        return self.internal_policy_local or self.external_policy_local
+
+    def families(self) -> frozenset[IPFamily]:
+        """The families of its ClusterIPs: those it is proxied in (kube-proxy ignores a
+        service in a family it has no ClusterIP of, external addresses and node port too)."""
+        return frozenset(ip_family(ip) for ip in self.cluster_ips)
+
+    @property
     def needs_external_listener(self) -> bool:
         """Cluster and external endpoint sets can differ: external traffic gets its own port."""
         return self.has_external and self.external_policy_local != self.internal_policy_local
@@ -100,6 +128,10 @@ class Endpoint:
     @property
     def address(self) -> tuple[str, int]:
         return (self.ip, self.port)
+
+    @property
+    def family(self) -> IPFamily:
+        return ip_family(self.ip)
 
 
 # The cluster autoscaler taints a node with this key before deleting it (KEP-3836).

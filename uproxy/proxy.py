@@ -27,8 +27,7 @@ from uproxy.health import HealthzServer, ProxyHealth
 from uproxy.healthcheck import HealthCheckServers, HealthCheckSpec
 from uproxy.log import V2, kv
 from uproxy.metrics_server import MetricsServer
-from uproxy.model import ServicePortName
-from uproxy.nodeip import is_unspecified, primary_ipv4
+from uproxy.model import IPFamily, ServicePortName
 from uproxy.portrange import parse_port_range
 from uproxy.rules.base import RulesBackend
 from uproxy.rules.nodeports import NodePortReservations
@@ -40,6 +39,8 @@ from uproxy.tracker import Tracker
 from uproxy.workers import WorkerPool, default_worker_count
 
 log = logging.getLogger("uproxy.proxy")
+
+LocalIps = Mapping[IPFamily, frozenset[str]]  # per family: the ready local endpoints' addresses
 
 # Seconds connections get to finish when uproxy stops (all listeners and workers at once).
 DRAIN_TIMEOUT_S = 5.0
@@ -71,8 +72,11 @@ class Proxy:
             on_change=self._queue_sync,
             on_endpoints=self._endpoints_changed,
         )
-        try:  # --nodeport-addresses and --detect-local-mode, as they apply on this node
-            self.nodeport_addresses = localnet.nodeport_addresses_at_start(s)
+        try:  # the IP families served, --nodeport-addresses and --detect-local-mode, here
+            self.stacks = localnet.stacks_at_start(
+                s, rules_support=lambda f: rules is not None or _rules_support(s, f)
+            )
+            self.nodeport_addresses = localnet.nodeport_addresses_at_start(s, self.stacks)
             self.local_traffic = localnet.local_traffic_at_start(s)
         except ValueError as e:
             raise StartupError(str(e)) from None
@@ -106,7 +110,7 @@ class Proxy:
             rules=self.rules,
             listener_factory=self.workers.open_listener if self.workers else open_listener,
             options=SyncerOptions(
-                listen_host=s.listen_host,
+                listen_hosts=tuple(stack.listen_ip for stack in self.stacks),
                 node_name=s.node_name,
                 laptop=s.laptop,
                 port_range=parse_port_range(s.proxy_port_range),
@@ -133,10 +137,9 @@ class Proxy:
         self.metrics_server = self._metrics_server()
         self.file_source = FileSource(path=s.services, tracker=self.tracker) if s.services else None
         self._endpoints_queued = False
-        # Health-check node ports: per service, the ports that ask for one and their counts.
-        self._hc_ports: dict[
-            tuple[str, str], dict[ServicePortName, tuple[int, frozenset[str]]]
-        ] = {}
+        # Health-check node ports: per service, the ports that ask for one and, per family,
+        # the addresses of their ready local endpoints.
+        self._hc_ports: dict[tuple[str, str], dict[ServicePortName, tuple[int, LocalIps]]] = {}
         self._hc_specs: dict[tuple[str, str], HealthCheckSpec] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._stopped = asyncio.Event()
@@ -204,21 +207,14 @@ class Proxy:
         from uproxy.rules.base import RulesError
 
         s = self.settings
-        host_ip = s.listen_host
-        if not s.laptop and is_unspecified(host_ip):
-            found = primary_ipv4()
-            if found is None:
-                raise StartupError(
-                    "cannot find this node's IPv4 address for the host portal rules; "
-                    "set --bind-address to it"
-                )
-            host_ip = found
+        if s.laptop:
+            return make_backend("none", host_ip=())
         try:
             return make_backend(
                 s.rules_backend,
-                host_ip=host_ip,
+                host_ip=[stack.host_ip for stack in self.stacks],
                 iptables_mode=s.iptables_mode,
-                listen_ip=s.listen_host,
+                listen_ip=[stack.listen_ip for stack in self.stacks],
                 dial_mark=self._dial_mark(),
                 nodeport_cidrs=self.nodeport_addresses.cidrs,
                 local=self.local_traffic,
@@ -244,9 +240,9 @@ class Proxy:
         return mark
 
     def _nodeport_addresses(self) -> list[str]:
-        """Where health-check node ports listen: as NodePorts, or the laptop's address."""
+        """Where health-check node ports listen: as NodePorts, or the laptop's addresses."""
         if self.settings.laptop:
-            return [self.settings.listen_host]
+            return [stack.listen_ip for stack in self.stacks]
         return list(self.nodeport_addresses.bind)
 
     def _follow_node_cidrs(self) -> None:
@@ -397,7 +393,8 @@ class Proxy:
             pp = ports.get(spn)
             hc = pp.port.health_check_node_port if pp is not None else 0
             if pp is not None and hc:
-                entries[spn] = (hc, pp.balancer.local_ready_ips)
+                ips = {f: fp.balancer.local_ready_ips for f, fp in pp.families.items()}
+                entries[spn] = (hc, ips)
                 self._hc_ports[key] = entries
                 keys.add(key)
             elif entries.pop(spn, None) is not None:
@@ -418,15 +415,19 @@ class Proxy:
                 else:
                     self._hc_specs[key] = spec
         if keys:
-            # kube-proxy's count: the service's ready local endpoints by address, over all
-            # its ports (a pod serving :80 and :443 is one endpoint).
-            self.healthchecks.set_local_endpoints(
-                {
-                    k: len(frozenset().union(*(ips for _, ips in v.values())))
-                    for k, v in self._hc_ports.items()
-                }
-            )
+            self._hand_counts()
         return specs_changed
+
+    def _hand_counts(self) -> None:
+        """kube-proxy's count: a service's ready local endpoints by address, over all its
+        ports (a pod serving :80 and :443 is one endpoint), in each family apart (its IPv4
+        and IPv6 proxiers each count their own; a check over IPv6 sees the IPv6 count)."""
+        counts: dict[IPFamily, dict[tuple[str, str], int]] = {f: {} for f in IPFamily}
+        for key, entries in self._hc_ports.items():
+            for family in IPFamily:
+                ips = [by_family.get(family, frozenset()) for _, by_family in entries.values()]
+                counts[family][key] = len(frozenset().union(*ips))
+        self.healthchecks.set_local_endpoints(counts[IPFamily.V4], ipv6=counts[IPFamily.V6])
 
     async def _check_rules(self) -> None:
         while True:
@@ -449,6 +450,16 @@ def install_signal_handlers(stop: Callable[[], None]) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop)
+
+
+def _rules_support(settings: Settings, family: IPFamily) -> bool:
+    """Whether ``--rules`` can program ``family`` on this host (iptables-restore needs the
+    family's restore program; the other backends bring what they need)."""
+    if settings.rules_backend not in ("auto", "iptables-restore"):
+        return True
+    from uproxy.rules.restore import supports
+
+    return supports(family)
 
 
 def running_as_root() -> bool:

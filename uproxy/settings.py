@@ -90,7 +90,9 @@ class Settings:
         flag="--bind-address",
         config="bindAddress",
         kind="ip",
-        help="The address proxy ports listen on; default 0.0.0.0, or 127.0.0.1 with --rules none",
+        help="The address proxy ports listen on, which limits uproxy to its IP family; "
+        "default: 0.0.0.0 and :: (each family the node has an address of), or 127.0.0.1 and "
+        "::1 with --rules none",
     )
     proxy_port_range: str = opt(
         "",
@@ -185,7 +187,7 @@ class Settings:
         kind="cidrs",
         help="CIDRs of the node addresses NodePorts answer on (their rules, the sockets "
         "holding the ports, and the health-check node ports), or 'primary': the node's "
-        "primary IPv4 address; default: every address",
+        "primary address of each IP family; default: every address",
     )
     detect_local_mode: str = opt(
         "ClusterCIDR",

@@ -8,6 +8,12 @@ closes its listeners when it went away; then it hands the portal set to the rule
 if that changed. Nothing is programmed until every source has listed once: a partial view
 must never close a listener. Long syncs (10,000 new ports at start) give the event loop back
 every few milliseconds, so relays never wait behind them for long.
+
+Dual-stack: a service port is proxied in each IP family of its ClusterIPs that this node
+serves, and each family has its own listeners (on that family's listen address, with proxy
+ports from its own range), its own balancer (that family's endpoints only: an IPv4 ClusterIP
+never reaches a pod's IPv6 address), its own node-port reservation and its own portals. The
+service port stays one ``ServicePortName`` (metrics, logs, the laptop table).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from uproxy.dataplane.udp import UdpListener
 from uproxy.log import V2, kv
 from uproxy.model import (
     Endpoint,
+    IPFamily,
     LbAlgorithm,
     Protocol,
     ServicePort,
@@ -35,6 +42,7 @@ from uproxy.model import (
     ServiceState,
     Traffic,
     categorize,
+    ip_family,
 )
 from uproxy.portrange import PortAllocator
 from uproxy.rules.base import Portal, PortalKind, RulesBackend, RulesError
@@ -63,15 +71,20 @@ class Listener(TypingProtocol):
 class DataplaneLink(TypingProtocol):
     """Where balancer changes go besides the syncer's own balancers: the worker processes.
 
-    The syncer keeps one ``Balancer`` per service port either way (the table, the health
-    checks and the in-process listeners read it); with workers, each change is also sent.
+    The syncer keeps one ``Balancer`` per service port and family either way (the table, the
+    health checks and the in-process listeners read it); with workers, each change is also
+    sent.
     """
 
     def set_endpoints(
-        self, name: ServicePortName, port: ServicePort, endpoints: tuple[Endpoint, ...]
+        self,
+        name: ServicePortName,
+        family: IPFamily,
+        port: ServicePort,
+        endpoints: tuple[Endpoint, ...],
     ) -> None: ...
 
-    def forget(self, name: ServicePortName) -> None: ...
+    def forget(self, name: ServicePortName, family: IPFamily) -> None: ...
 
 
 class ListenerFactory(TypingProtocol):
@@ -105,10 +118,10 @@ def open_listener(
 
 
 @dataclass(slots=True)
-class ProxiedPort:
-    """The runtime state of one service port."""
+class FamilyPort:
+    """One IP family of one service port: its balancer (the family's endpoints) and listeners."""
 
-    port: ServicePort
+    family: IPFamily
     balancer: Balancer
     cluster: Listener | None = None
     external: Listener | None = None  # only when external traffic needs its own endpoint set
@@ -117,6 +130,41 @@ class ProxiedPort:
     def external_port(self) -> int | None:
         lst = self.external or self.cluster
         return lst.port if lst else None
+
+    @property
+    def listeners(self) -> list[Listener]:
+        return [lst for lst in (self.cluster, self.external) if lst is not None]
+
+
+@dataclass(slots=True)
+class ProxiedPort:
+    """The runtime state of one service port: its spec, and per IP family it is proxied in
+    (at least one; the primary first) a ``FamilyPort``."""
+
+    port: ServicePort
+    families: dict[IPFamily, FamilyPort] = field(default_factory=dict)
+
+    @property
+    def primary(self) -> FamilyPort:
+        return next(iter(self.families.values()))
+
+    @property
+    def balancer(self) -> Balancer:
+        """The primary family's balancer (the only one on a single-stack node)."""
+        return self.primary.balancer
+
+    @property
+    def cluster(self) -> Listener | None:
+        """The primary family's cluster listener."""
+        return self.primary.cluster
+
+    @property
+    def external(self) -> Listener | None:
+        return self.primary.external
+
+    @property
+    def listeners(self) -> list[Listener]:
+        return [lst for fp in self.families.values() for lst in fp.listeners]
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +184,9 @@ Hook = Callable[
 
 @dataclass(slots=True, kw_only=True)
 class SyncerOptions:
-    listen_host: str
+    # Where proxy ports listen, one address per IP family this node serves (the primary
+    # first): "0.0.0.0" and "::", the --bind-address, or the laptop's loopback addresses.
+    listen_hosts: tuple[str, ...]
     node_name: str
     laptop: bool
     port_range: range | None
@@ -179,20 +229,24 @@ class Syncer:
         self._open = listener_factory
         self._clock = clock
         self.ports: dict[ServicePortName, ProxiedPort] = {}
+        # Where each family's proxy ports listen, the primary family first.
+        self.hosts: dict[IPFamily, str] = {ip_family(h): h for h in options.listen_hosts}
+        # Proxy ports per protocol and family: 0.0.0.0:P and [::]:P are different sockets.
         self._allocators = {
-            Protocol.TCP: PortAllocator(options.port_range),
-            Protocol.UDP: PortAllocator(options.port_range),
+            (proto, family): PortAllocator(options.port_range)
+            for proto in Protocol
+            for family in self.hosts
         }
         self._portals: dict[ServicePortName, frozenset[Portal]] = {}
         self._all_portals: set[Portal] = set()
         self._rules_dirty = True
         self._last_rules_sync = float("-inf")
         self._force_rules = False
-        self._failed: dict[tuple[ServicePortName, Traffic], str] = {}
+        self._failed: dict[tuple[ServicePortName, Traffic, IPFamily], str] = {}
         self._retry: set[ServicePortName] = set()  # a listener or node port to try again
         self._rows: dict[ServicePortName, TableRow] = {}
-        self._nodeport_errors: dict[ServicePortName, str] = {}
-        self._skipped_ipv6: set[tuple[ServicePortName, str]] = set()
+        self._nodeport_errors: dict[tuple[ServicePortName, IPFamily], str] = {}
+        self._unserved: set[ServicePortName] = set()  # reported: no family of ours
         self.syncs = 0
         self.last_changed = 0  # service ports the last sync looked at
         self._no_local_internal: set[ServicePortName] = set()
@@ -216,10 +270,12 @@ class Syncer:
             for spn in sorted(todo):
                 state = self.tracker.state(spn)
                 if state is None:
-                    if spn in self.ports:
-                        closed += await self._remove(spn)
-                else:
-                    opened += await self._ensure(spn, state)
+                    self._unserved.discard(spn)
+                families = self._families_of(spn, state.port) if state is not None else ()
+                if state is not None and families:
+                    opened += await self._ensure(spn, state, families)
+                elif spn in self.ports:
+                    closed += await self._remove(spn)
                 await ts.tick()
         if opened or closed:
             log.info("Proxy ports changed", extra=kv(opened=opened, closed=closed))
@@ -254,7 +310,9 @@ class Syncer:
             state = self.tracker.state(spn)
             if pp is not None and state is not None:
                 pp.port = state.port
-                self._update_balancer(spn, pp, state)
+                for fp in pp.families.values():
+                    self._update_balancer(spn, fp, state)
+                self._note_no_local(spn, pp, state)
                 touched.add(spn)
         self._emit_table(touched)
         _observe_programming(changes.trigger_times, time.time())
@@ -262,7 +320,7 @@ class Syncer:
 
     async def close(self, *, drain: bool = True) -> None:
         """Close every listener; with ``drain``, give connections time to finish."""
-        listeners = [lst for pp in self.ports.values() for lst in (pp.cluster, pp.external) if lst]
+        listeners = [lst for pp in self.ports.values() for lst in pp.listeners]
         for lst in listeners:
             lst.close()
         if drain:  # all at once: one drain deadline for the whole proxy, not one per port
@@ -274,68 +332,123 @@ class Syncer:
 
     # ----- per service port -----
 
-    async def _ensure(self, spn: ServicePortName, state: ServiceState) -> int:
-        """Make one service port's listeners, balancer and node port match ``state``."""
-        opened = 0
+    def _families_of(self, spn: ServicePortName, sp: ServicePort) -> tuple[IPFamily, ...]:
+        """The families this node proxies the port in: those of its ClusterIPs that it serves
+        (a service without a ClusterIP, possible in a services file: the primary family)."""
+        own = sp.families()
+        if not own:
+            return tuple(self.hosts)[:1]
+        families = tuple(f for f in self.hosts if f in own)
+        if not families and spn not in self._unserved:
+            self._unserved.add(spn)
+            log.warning(
+                "Service port not proxied: this node serves no IP family of its ClusterIPs",
+                extra=kv(
+                    service=str(spn),
+                    cluster_ips=",".join(sp.cluster_ips),
+                    families=",".join(f.label for f in self.hosts),
+                ),
+            )
+        elif families:
+            self._unserved.discard(spn)
+        return families
+
+    async def _ensure(
+        self, spn: ServicePortName, state: ServiceState, families: tuple[IPFamily, ...]
+    ) -> int:
+        """Make one service port's families (listeners, balancers, node ports) match."""
         pp = self.ports.get(spn)
         if pp is None:
-            balancer = Balancer(
-                spn,
-                node_name=self.options.node_name,
-                default_algorithm=self.options.default_algorithm,
-                settings=self.options.dataplane,
-            )
-            pp = self.ports[spn] = ProxiedPort(state.port, balancer)
+            pp = self.ports[spn] = ProxiedPort(state.port)
             log.log(V2, "Adding service port", extra=kv(service=str(spn)))
         else:
-            if pp.port.port != state.port.port and self.options.laptop and pp.cluster:
-                # Laptop mode listens on the service's own port: follow it.
-                self._close_listener(spn, pp.cluster)
-                pp.cluster = None
-            if pp.port.node_port != state.port.node_port:
-                self._release_nodeport(spn, pp.port)
+            self._follow(spn, pp, state.port)
+        for family in [f for f in pp.families if f not in families]:
+            self._drop_family(spn, pp, family)
         pp.port = state.port
-        self._update_balancer(spn, pp, state)
-        if pp.cluster is None:
-            pp.cluster = await self._open_listener(spn, pp, Traffic.CLUSTER)
-            opened += pp.cluster is not None
-        if state.port.needs_external_listener:
-            if pp.external is None:
-                pp.external = await self._open_listener(spn, pp, Traffic.EXTERNAL)
-                opened += pp.external is not None
-        elif pp.external is not None:
-            self._close_listener(spn, pp.external)
-            pp.external = None
-        self._reserve_nodeport(spn, pp.port)
+        opened = 0
+        for family in families:
+            fp = pp.families.get(family)
+            if fp is None:
+                fp = pp.families[family] = FamilyPort(family, self._balancer(spn))
+            opened += await self._ensure_family(spn, pp, fp, state)
+        self._note_no_local(spn, pp, state)
+        self._reserve_nodeport(spn, pp)
         self._set_portals(spn, self._portals_of(spn, pp))
-        if pp.cluster is None or (state.port.needs_external_listener and pp.external is None):
-            self._retry.add(spn)
+        needs_external = state.port.needs_external_listener
+        for fp in pp.families.values():
+            if fp.cluster is None or (needs_external and fp.external is None):
+                self._retry.add(spn)
         return opened
 
-    def _update_balancer(self, spn: ServicePortName, pp: ProxiedPort, state: ServiceState) -> None:
-        pp.balancer.update(state.port, state.endpoints)
+    def _balancer(self, spn: ServicePortName) -> Balancer:
+        return Balancer(
+            spn,
+            node_name=self.options.node_name,
+            default_algorithm=self.options.default_algorithm,
+            settings=self.options.dataplane,
+        )
+
+    def _follow(self, spn: ServicePortName, pp: ProxiedPort, new: ServicePort) -> None:
+        """What a changed spec moves: laptop listeners on the service's port, the node port."""
+        if pp.port.port != new.port and self.options.laptop:
+            # Laptop mode listens on the service's own port: follow it.
+            for fp in pp.families.values():
+                if fp.cluster is not None:
+                    self._close_listener(spn, fp, fp.cluster)
+                    fp.cluster = None
+        if pp.port.node_port != new.node_port:
+            self._release_nodeport(spn, pp.port, pp.families)
+
+    def _drop_family(self, spn: ServicePortName, pp: ProxiedPort, family: IPFamily) -> None:
+        """The service lost its ClusterIP of this family: its listeners and node port go."""
+        fp = pp.families.pop(family)
+        for lst in fp.listeners:
+            self._close_listener(spn, fp, lst)
+        self._release_nodeport(spn, pp.port, (family,))
+        self._failed = {k: v for k, v in self._failed.items() if (k[0], k[2]) != (spn, family)}
         if self.options.link is not None:
-            self.options.link.set_endpoints(spn, state.port, state.endpoints)
-        self._note_no_local(spn, pp, state)
+            self.options.link.forget(spn, family)
+
+    async def _ensure_family(
+        self, spn: ServicePortName, pp: ProxiedPort, fp: FamilyPort, state: ServiceState
+    ) -> int:
+        opened = 0
+        self._update_balancer(spn, fp, state)
+        if fp.cluster is None:
+            fp.cluster = await self._open_listener(spn, pp, fp, Traffic.CLUSTER)
+            opened += fp.cluster is not None
+        if state.port.needs_external_listener:
+            if fp.external is None:
+                fp.external = await self._open_listener(spn, pp, fp, Traffic.EXTERNAL)
+                opened += fp.external is not None
+        elif fp.external is not None:
+            self._close_listener(spn, fp, fp.external)
+            fp.external = None
+        return opened
+
+    def _update_balancer(self, spn: ServicePortName, fp: FamilyPort, state: ServiceState) -> None:
+        endpoints = _of_family(state.endpoints, fp.family)
+        fp.balancer.update(state.port, endpoints)
+        if self.options.link is not None:
+            self.options.link.set_endpoints(spn, fp.family, state.port, endpoints)
 
     def _note_no_local(
         self, spn: ServicePortName, pp: ProxiedPort | None, state: ServiceState | None
     ) -> None:
-        """kube-proxy's no-local-endpoints gauge: Local policy, endpoints, none of them here."""
+        """kube-proxy's no-local-endpoints gauge: Local policy, endpoints, none of them here
+        (in any family the port is proxied in)."""
         internal = external = False
         if pp is not None and state is not None:
             port = state.port
-            if port.internal_policy_local or port.external_policy_local:
-                usable = categorize(state.endpoints, local_only=False, node_name="")
-                if usable:
-                    internal = port.internal_policy_local and not pp.balancer.endpoints(
-                        Traffic.CLUSTER
-                    )
-                    external = (
-                        port.external_policy_local
-                        and port.has_external
-                        and not pp.balancer.endpoints(Traffic.EXTERNAL)
-                    )
+            for fp in pp.families.values() if port.has_local_policy else ():
+                eps = _of_family(state.endpoints, fp.family)
+                if not categorize(eps, local_only=False, node_name=""):
+                    continue
+                cluster = fp.balancer.endpoints(Traffic.CLUSTER)
+                outside = fp.balancer.endpoints(Traffic.EXTERNAL)
+                internal |= port.internal_policy_local and not cluster
+                external |= port.external_policy_local and port.has_external and not outside
         for policy, flag, flagged in (
             ("internal", internal, self._no_local_internal),
             ("external", external, self._no_local_external),
@@ -351,30 +464,30 @@ class Syncer:
     async def _remove(self, spn: ServicePortName) -> int:
         pp = self.ports.pop(spn)
         closed = 0
-        for lst in (pp.cluster, pp.external):
-            if lst is not None:
-                self._close_listener(spn, lst)
+        for fp in pp.families.values():
+            for lst in fp.listeners:
+                self._close_listener(spn, fp, lst)
                 closed += 1
+            if self.options.link is not None:
+                self.options.link.forget(spn, fp.family)
         self._failed = {k: v for k, v in self._failed.items() if k[0] != spn}
-        self._release_nodeport(spn, pp.port)
+        self._release_nodeport(spn, pp.port, pp.families)
         self._set_portals(spn, frozenset())
-        if self.options.link is not None:
-            self.options.link.forget(spn)
         self._note_no_local(spn, None, None)
         if spn.protocol is Protocol.UDP and not self.options.laptop:
-            await _clear_conntrack(pp.port)
+            await _clear_conntrack(pp.port, tuple(pp.families))
         log.log(V2, "Removed service port", extra=kv(service=str(spn)))
         return closed
 
-    def _close_listener(self, spn: ServicePortName, lst: Listener) -> None:
+    def _close_listener(self, spn: ServicePortName, fp: FamilyPort, lst: Listener) -> None:
         log.log(V2, "Closing proxy port", extra=kv(service=str(spn), port=lst.port))
         lst.close()
-        self._allocators[spn.protocol].release(lst.port)
+        self._allocators[(spn.protocol, fp.family)].release(lst.port)
 
     async def _open_listener(
-        self, spn: ServicePortName, pp: ProxiedPort, traffic: Traffic
+        self, spn: ServicePortName, pp: ProxiedPort, fp: FamilyPort, traffic: Traffic
     ) -> Listener | None:
-        alloc = self._allocators[spn.protocol]
+        alloc = self._allocators[(spn.protocol, fp.family)]
         if self.options.laptop and traffic is Traffic.CLUSTER:
             # The service's own port, unless another of our listeners has it: with workers
             # every listener is a SO_REUSEPORT group, and a second group bound to the same
@@ -383,14 +496,15 @@ class Syncer:
             candidates: Iterable[int] = (*own, 0)
         else:
             candidates = alloc.candidates(_MAX_BIND_TRIES)
+        key = (spn, traffic, fp.family)
         last: OSError | None = None
         for port in candidates:
             try:
                 lst = await self._open(
                     name=spn,
-                    balancer=pp.balancer,
+                    balancer=fp.balancer,
                     traffic=traffic,
-                    host=self.options.listen_host,
+                    host=self.hosts[fp.family],
                     port=port,
                     settings=self.options.dataplane,
                 )
@@ -400,49 +514,58 @@ class Syncer:
                     continue
                 break
             alloc.taken(lst.port)
-            self._failed.pop((spn, traffic), None)
+            self._failed.pop(key, None)
             log.log(
                 V2,
                 "Opening proxy port",
+                # The address tells the family: "0.0.0.0:40001" or "[::]:40001".
                 extra=kv(service=str(spn), traffic=traffic.value, address=_hostport(lst)),
             )
             return lst
         reason = last.strerror if last and last.strerror else str(last or "no free port in range")
-        if self._failed.get((spn, traffic)) != reason:
+        if self._failed.get(key) != reason:
             log.error(
                 "Cannot open proxy port, will retry",
-                extra=kv(service=str(spn), traffic=traffic.value, reason=reason),
+                extra=kv(
+                    service=str(spn), traffic=traffic.value, family=fp.family.label, reason=reason
+                ),
             )
-        self._failed[(spn, traffic)] = reason
+        self._failed[key] = reason
         return None
 
     # ----- node ports -----
 
-    def _reserve_nodeport(self, spn: ServicePortName, sp: ServicePort) -> None:
-        """Hold the node port with a real socket; a taken port is one error line, once."""
+    def _reserve_nodeport(self, spn: ServicePortName, pp: ProxiedPort) -> None:
+        """Hold the node port in each family with real sockets; a taken port is one error
+        line, once."""
         reserved = self.options.nodeports
+        sp = pp.port
         if reserved is None or not sp.node_port:
             return
-        try:
-            reserved.reserve(spn, spn.protocol, sp.node_port)
-        except NodePortError as e:
-            if self._nodeport_errors.get(spn) != str(e):
-                log.error("Cannot reserve node port, will retry", extra=kv(error=str(e)))
-            self._nodeport_errors[spn] = str(e)
-            self._retry.add(spn)
-            return
-        self._nodeport_errors.pop(spn, None)
+        for family in pp.families:
+            try:
+                reserved.reserve(spn, spn.protocol, sp.node_port, family)
+            except NodePortError as e:
+                if self._nodeport_errors.get((spn, family)) != str(e):
+                    log.error("Cannot reserve node port, will retry", extra=kv(error=str(e)))
+                self._nodeport_errors[(spn, family)] = str(e)
+                self._retry.add(spn)
+                continue
+            self._nodeport_errors.pop((spn, family), None)
 
-    def _release_nodeport(self, spn: ServicePortName, sp: ServicePort) -> None:
+    def _release_nodeport(
+        self, spn: ServicePortName, sp: ServicePort, families: Iterable[IPFamily]
+    ) -> None:
         reserved = self.options.nodeports
-        self._nodeport_errors.pop(spn, None)
-        if reserved is not None and reserved.owner(spn.protocol, sp.node_port) == spn:
-            reserved.release(spn.protocol, sp.node_port)
+        for family in list(families):
+            self._nodeport_errors.pop((spn, family), None)
+            if reserved is not None and reserved.owner(spn.protocol, sp.node_port, family) == spn:
+                reserved.release(spn.protocol, sp.node_port, family)
 
     # ----- rules -----
 
     def portals(self) -> frozenset[Portal]:
-        """The portals the rules must hold: every IPv4 service address of every proxied port."""
+        """The portals the rules must hold: every service address of every proxied port."""
         return frozenset(self._all_portals)
 
     def _set_portals(self, spn: ServicePortName, portals: frozenset[Portal]) -> None:
@@ -458,48 +581,49 @@ class Syncer:
         self._rules_dirty = True
 
     def _portals_of(self, spn: ServicePortName, pp: ProxiedPort) -> frozenset[Portal]:
-        """One service port's portals (IPv4 only: the rules backends program IPv4).
+        """One service port's portals, in each family it is proxied in.
 
-        The IPv6 addresses of a dual-stack service would need ip6 rules (and the proxy ports
-        listen on IPv4): they are left out, with one line per address, and never reach a
-        backend, where one of them would fail the whole commit for every service.
+        Each family's service addresses (ClusterIPs, externalIPs, LoadBalancer IPs) lead to
+        that family's proxy ports, and the node port is one portal per family (the node's
+        addresses of that family); addresses of a family the port is not proxied in are left
+        out, as kube-proxy's per-family proxiers ignore them. LoadBalancer IPs carry the
+        ``loadBalancerSourceRanges`` of their family (kube-proxy filters them by family too).
 
         With ``externalTrafficPolicy: Local`` and a listener of its own for external traffic,
         the external portals also carry the cluster listener's port: traffic from the cluster
         (the node itself, and pods as ``--detect-local-mode`` tells them) goes there, to every
-        endpoint, as kube-proxy short-circuits it. LoadBalancer IPs carry the service's IPv4
-        ``loadBalancerSourceRanges`` (kube-proxy filters them by family too).
+        endpoint, as kube-proxy short-circuits it.
         """
         if self.options.laptop:
             return frozenset()  # no rules on a laptop: service addresses are not used
-        sp = pp.port
-        ext = pp.external_port
-        short = 0
-        if sp.external_policy_local and pp.external is not None and pp.cluster is not None:
-            short = pp.cluster.port
-        ranges = tuple(r for r in sp.lb_source_ranges if ":" not in r)
         out: set[Portal] = set()
+        for fp in pp.families.values():
+            out.update(self._family_portals(spn, pp.port, fp))
+        return frozenset(out)
+
+    def _family_portals(
+        self, spn: ServicePortName, sp: ServicePort, fp: FamilyPort
+    ) -> Iterable[Portal]:
+        family = fp.family
+        ext = fp.external_port
+        short = 0
+        if sp.external_policy_local and fp.external is not None and fp.cluster is not None:
+            short = fp.cluster.port
+        ranges = tuple(r for r in sp.lb_source_ranges if ip_family(r) is family)
         addresses: list[tuple[PortalKind, tuple[str, ...], int, int, tuple[str, ...]]] = []
-        if pp.cluster is not None:
-            addresses.append((PortalKind.CLUSTER_IP, sp.cluster_ips, pp.cluster.port, 0, ()))
+        if fp.cluster is not None:
+            addresses.append((PortalKind.CLUSTER_IP, sp.cluster_ips, fp.cluster.port, 0, ()))
         if ext is not None:
             addresses.append((PortalKind.EXTERNAL_IP, sp.external_ips, ext, short, ()))
             addresses.append((PortalKind.LB_INGRESS, sp.lb_ingress_ips, ext, short, ranges))
         for kind, ips, proxy_port, cluster_port, allowed in addresses:
             for ip in ips:
-                if ":" not in ip:
-                    out.add(Portal(spn, kind, ip, sp.port, proxy_port, cluster_port, allowed))
-                elif (spn, ip) not in self._skipped_ipv6:
-                    self._skipped_ipv6.add((spn, ip))
-                    log.warning(
-                        "IPv6 service address not proxied: the rules backends program IPv4 only",
-                        extra=kv(service=str(spn), ip=ip),
-                    )
+                if ip_family(ip) is family:
+                    yield Portal(spn, kind, ip, sp.port, proxy_port, cluster_port, allowed)
         reserved = self.options.nodeports
-        held = reserved is None or reserved.owner(spn.protocol, sp.node_port) == spn
+        held = reserved is None or reserved.owner(spn.protocol, sp.node_port, family) == spn
         if ext is not None and sp.node_port and held:
-            out.add(Portal(spn, PortalKind.NODE_PORT, None, sp.node_port, ext, short))
-        return frozenset(out)
+            yield Portal(spn, PortalKind.NODE_PORT, None, sp.node_port, ext, short, (), family)
 
     async def _sync_rules(self) -> bool:
         """Hand the portal set to the backend when it changed, or every full-sync period.
@@ -534,8 +658,10 @@ class Syncer:
         return [self._row(spn, self.ports[spn]) for spn in sorted(self.ports)]
 
     def _row(self, spn: ServicePortName, pp: ProxiedPort) -> TableRow:
-        listens = [_hostport(lst) for lst in (pp.cluster, pp.external) if lst is not None]
-        eps = sorted(pp.balancer.endpoints(Traffic.CLUSTER))
+        listens = [_hostport(lst) for lst in pp.listeners]
+        eps = sorted(
+            ep for fp in pp.families.values() for ep in fp.balancer.endpoints(Traffic.CLUSTER)
+        )
         return TableRow(
             service=str(spn),
             protocol=spn.protocol.value,
@@ -562,6 +688,11 @@ class Syncer:
             self.options.on_table(rows)
 
 
+def _of_family(endpoints: tuple[Endpoint, ...], family: IPFamily) -> tuple[Endpoint, ...]:
+    """The endpoints a family's service addresses may reach: that family's only."""
+    return tuple(ep for ep in endpoints if ep.family is family)
+
+
 def _observe_programming(trigger_times: Iterable[float], done: float) -> None:
     for t in trigger_times:
         metrics.NETWORK_PROGRAMMING_DURATION.observe(max(0.0, done - t))
@@ -572,11 +703,13 @@ def _hostport(lst: Listener) -> str:
     return f"{host}:{lst.port}"
 
 
-async def _clear_conntrack(sp: ServicePort) -> None:
+async def _clear_conntrack(sp: ServicePort, families: tuple[IPFamily, ...]) -> None:
     """Stale UDP conntrack entries would keep clients on a dead translation."""
     from uproxy.rules.conntrack import clear_udp, clear_udp_node_port
 
     for ip in (*sp.cluster_ips, *sp.external_ips, *sp.lb_ingress_ips):
-        await clear_udp(ip, sp.port)
+        if ip_family(ip) in families:
+            await clear_udp(ip, sp.port)
     if sp.node_port:
-        await clear_udp_node_port(sp.node_port)
+        for family in families:
+            await clear_udp_node_port(sp.node_port, ipv6=family is IPFamily.V6)

@@ -383,10 +383,9 @@ def _same_slice(a: EndpointSliceInfo | None, b: EndpointSliceInfo | None) -> boo
 def _merge(slices: list[EndpointSliceInfo], spn: ServicePortName) -> tuple[Endpoint, ...]:
     """The union of the service port's endpoints over all slices, one per address.
 
-    A dual-stack service has IPv4 and IPv6 slices listing the same pods twice; uproxy serves
-    its IPv4 addresses (the rules are IPv4), so its IPv4 endpoints are the set: counting
-    both would double every pod in the local-endpoint counts of the health-check node ports.
-    A service with IPv6 endpoints only keeps them.
+    Both families are kept: a dual-stack service has IPv4 and IPv6 slices listing the same
+    pods twice, and each family's service addresses go to that family's endpoints only (the
+    syncer splits them). Counting pods, as the health-check node ports do, is per family.
     """
     merged: dict[tuple[str, int], Endpoint] = {}
     for s in slices:
@@ -395,10 +394,7 @@ def _merge(slices: list[EndpointSliceInfo], spn: ServicePortName) -> tuple[Endpo
             # The same address in two slices (mid-migration): a ready copy wins.
             if prev is None or (ep.ready and not prev.ready):
                 merged[ep.address] = ep
-    endpoints: Collection[Endpoint] = merged.values()
-    if any(":" in ep.ip for ep in endpoints) and any(":" not in ep.ip for ep in endpoints):
-        endpoints = [ep for ep in endpoints if ":" not in ep.ip]
-    return tuple(sorted(endpoints))
+    return tuple(sorted(merged.values()))
 
 
 def _parse_time(text: str) -> float | None:

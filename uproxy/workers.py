@@ -8,6 +8,8 @@ in-process data plane, and the pool turns that into messages (``dataplane.messag
   fails here, at once, as it would in process), each sent to its worker; ClientIP affinity
   steers the group by client address (``dataplane.sockets``).
 - Endpoint changes go to every worker as they come; each worker's balancer follows them.
+  Balancers are per service port and IP family, listeners per service port, traffic class
+  and family (the family of the address a listener is bound to).
 - The pool remembers the state it sent, so a worker that dies is replaced and brought up to
   date: its death is logged and counted (``uproxy_worker_restarts_total``), the replacement
   gets every balancer and a new socket in every group, typically within a few hundred ms.
@@ -47,7 +49,16 @@ from uproxy.dataplane.messages import (
 from uproxy.dataplane.settings import DataplaneSettings
 from uproxy.dataplane.sockets import bind_group
 from uproxy.log import kv
-from uproxy.model import Endpoint, LbAlgorithm, Protocol, ServicePort, ServicePortName, Traffic
+from uproxy.model import (
+    Endpoint,
+    IPFamily,
+    LbAlgorithm,
+    Protocol,
+    ServicePort,
+    ServicePortName,
+    Traffic,
+    ip_family,
+)
 
 log = logging.getLogger("uproxy.workers")
 
@@ -55,7 +66,8 @@ READY_TIMEOUT_S = 30.0  # a worker that does not answer by then is killed and re
 RESTART_BACKOFF_S = (0.0, 0.1, 0.5, 1.0, 5.0)  # after 0, 1, 2... deaths in a row
 CRASH_LOOP_WINDOW_S = 60.0  # a worker that lived longer than this starts the count afresh
 
-ListenerKey = tuple[ServicePortName, Traffic]
+ListenerKey = tuple[ServicePortName, Traffic, IPFamily]
+BalancerKey = tuple[ServicePortName, IPFamily]
 
 
 def default_worker_count(*, laptop: bool) -> int:
@@ -146,7 +158,7 @@ class WorkerPool:
             logging_format,
         ]
         self._workers: dict[int, _Worker] = {}
-        self._endpoints: dict[ServicePortName, SetEndpoints] = {}
+        self._endpoints: dict[BalancerKey, SetEndpoints] = {}
         self._listeners: dict[ListenerKey, _Listener] = {}
         self._totals = metrics.WorkerTotals()
         self._supervisor: asyncio.Task[None] | None = None
@@ -212,10 +224,11 @@ class WorkerPool:
             steer_by_client=steered,
         )
         bound_host, bound_port = socks[0].getsockname()[:2]
-        key = (name, traffic)
+        family = ip_family(host)
+        key = (name, traffic, family)
         self._listeners[key] = _Listener(name.protocol, host, bound_port, steered)
         for w, sock in zip(self._workers.values(), socks, strict=True):
-            w.channel.send(OpenListener(name, traffic, sock.family), sock)
+            w.channel.send(OpenListener(name, traffic, family), sock)
         return RemoteListener(self, key, bound_host, bound_port)
 
     def close_listener(self, key: ListenerKey) -> None:
@@ -223,21 +236,26 @@ class WorkerPool:
             self._broadcast(CloseListener(*key))
 
     def set_endpoints(
-        self, name: ServicePortName, port: ServicePort, endpoints: tuple[Endpoint, ...]
+        self,
+        name: ServicePortName,
+        family: IPFamily,
+        port: ServicePort,
+        endpoints: tuple[Endpoint, ...],
     ) -> None:
-        message = SetEndpoints(name, port, endpoints)
-        if self._endpoints.get(name) == message:
+        message = SetEndpoints(name, family, port, endpoints)
+        key = (name, family)
+        previous = self._endpoints.get(key)
+        if previous == message:
             return
         affinity = port.affinity_timeout_s is not None
-        previous = self._endpoints.get(name)
-        self._endpoints[name] = message
+        self._endpoints[key] = message
         self._broadcast(message)
         if previous is not None and (previous.port.affinity_timeout_s is not None) != affinity:
-            self._restear(name, affinity)
+            self._restear(key, affinity)
 
-    def forget(self, name: ServicePortName) -> None:
-        if self._endpoints.pop(name, None) is not None:
-            self._broadcast(Forget(name))
+    def forget(self, name: ServicePortName, family: IPFamily) -> None:
+        if self._endpoints.pop((name, family), None) is not None:
+            self._broadcast(Forget(name, family))
 
     # ----- metrics -----
 
@@ -258,15 +276,15 @@ class WorkerPool:
         for w in self._workers.values():
             w.channel.send(message)
 
-    def _restear(self, name: ServicePortName, affinity: bool) -> None:
+    def _restear(self, balancer: BalancerKey, affinity: bool) -> None:
         if self.count < 2:
             return
-        for key, listener in self._listeners.items():
-            if key[0] == name and listener.steered != affinity:
+        for (name, traffic, family), listener in self._listeners.items():
+            if (name, family) == balancer and listener.steered != affinity:
                 listener.steered = affinity
                 # Any one socket of a group sets its program; the first worker does it.
                 first = next(iter(self._workers.values()))
-                first.channel.send(Steer(*key, self.count if affinity else 0))
+                first.channel.send(Steer(name, traffic, family, self.count if affinity else 0))
 
     async def _spawn(self, index: int) -> _Worker:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -310,7 +328,7 @@ class WorkerPool:
         w.channel.send(self._configure)
         for message in self._endpoints.values():
             w.channel.send(message)
-        for (name, traffic), listener in list(self._listeners.items()):
+        for (name, traffic, family), listener in list(self._listeners.items()):
             try:
                 (sock,) = bind_group(
                     listener.protocol,
@@ -327,7 +345,7 @@ class WorkerPool:
                     extra=kv(worker=w.index, service=str(name), port=listener.port, err=exc),
                 )
                 continue
-            w.channel.send(OpenListener(name, traffic, sock.family), sock)
+            w.channel.send(OpenListener(name, traffic, family), sock)
 
     async def _wait_ready(self, workers: list[_Worker]) -> None:
         waits = [asyncio.wait_for(w.ready.wait(), READY_TIMEOUT_S) for w in workers]

@@ -7,6 +7,9 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
+
+import pytest
 
 from uproxy import metrics
 from uproxy.dataplane.counters import CounterFiles, SlotReader, SlotWriter
@@ -27,6 +30,20 @@ _WORKER = textwrap.dedent(
     metrics.DIAL_DURATION.observe(0.3)
     """
 )
+
+
+@pytest.fixture(autouse=True)
+def control_side_families() -> Iterator[None]:
+    """These tests add up as the control process does, which rebinds and prunes the
+    families' label sets; the in-process data plane of other tests holds the ones bound
+    before (module-level tallies included). Put them back afterwards."""
+    families = [f for f in metrics.DATA_PLANE if isinstance(f, metrics.LabelledFamily)]
+    saved = [dict(f._tallies) for f in families]
+    dial = (metrics.DIAL_DURATION._store, metrics.DIAL_DURATION._base)
+    yield
+    for family, tallies in zip(families, saved, strict=True):
+        family._tallies = tallies
+    metrics.DIAL_DURATION._store, metrics.DIAL_DURATION._base = dial
 
 
 def run_worker(files: CounterFiles) -> None:

@@ -7,6 +7,7 @@ import contextlib
 import os
 import resource
 import socket
+import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
@@ -23,6 +24,8 @@ from tests.dataplane.conftest import (
 )
 from uproxy import metrics
 from uproxy.dataplane.settings import DataplaneSettings
+from uproxy.dataplane.udp import reply_pktinfo
+from uproxy.localnet import has_loopback6
 from uproxy.model import Endpoint, ServicePort, Traffic
 
 
@@ -335,3 +338,39 @@ async def test_a_burst_while_the_loop_is_busy_waits_in_the_receive_buffer(
             last = now
             await asyncio.sleep(0.2)
     assert ((counted.value - before) == n * size) is all_arrive, counted.value - before
+
+
+def test_ipv6_reply_pktinfo_keeps_the_address_and_lets_routing_choose() -> None:
+    def in6(ip: str, ifindex: int) -> list[tuple[int, int, bytes]]:
+        data = socket.inet_pton(socket.AF_INET6, ip) + struct.pack("=i", ifindex)
+        return [(socket.IPPROTO_IPV6, socket.IPV6_PKTINFO, data)]
+
+    # A global (or ULA) destination: the reply leaves from it, on the interface routing picks.
+    ((_, _, data),) = reply_pktinfo(in6("fd00:200:3::1", 7))
+    assert data == socket.inet_pton(socket.AF_INET6, "fd00:200:3::1") + bytes(4)
+    # A link-local one means nothing off its link: its interface is kept.
+    ((_, _, data),) = reply_pktinfo(in6("fe80::1", 7))
+    assert data[16:] == struct.pack("=i", 7)
+    assert reply_pktinfo([]) == []
+
+
+@pytest.mark.skipif(not has_loopback6(), reason="this machine has no IPv6 loopback")
+async def test_an_ipv6_wildcard_listener_replies_from_the_address_the_client_used(
+    udp_listener: UdpListenerFactory,
+) -> None:
+    """IPV6_RECVPKTINFO on "::": the reply to a client of ::1 leaves from ::1 (a connected
+    client socket takes replies from that address only)."""
+    loop = asyncio.get_running_loop()
+    transport, _ = await loop.create_datagram_endpoint(
+        lambda: _UdpEcho(b"6"), local_addr=("::1", 0)
+    )
+    try:
+        ep = Endpoint("::1", transport.get_extra_info("sockname")[1], node_name=NODE)
+        balancer = make_balancer(UDP_NAME, [ep], settings=DataplaneSettings(udp_timeout_s=5))
+        listener = await udp_listener(balancer, host="::")
+        with socket.socket(socket.AF_INET6, socket.SOCK_DGRAM) as c:
+            c.setblocking(False)
+            c.connect(("::1", listener.port))
+            assert await exchange(c, b"hi", ("::1", listener.port)) == b"6hi"
+    finally:
+        transport.close()

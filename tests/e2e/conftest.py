@@ -16,11 +16,15 @@ StartUproxy = Callable[..., Uproxy]
 StartProc = Callable[..., Proc]
 
 
+DUAL_STACK = "dual-stack"  # ``@pytest.mark.parametrize("net", [DUAL_STACK], indirect=True)``
+
+
 @pytest.fixture
-def net() -> Iterator[Cluster]:
+def net(request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    """The cluster's namespaces; dual-stack (IPv6 in ULA space too) when parametrized so."""
     if root_available() is not None:
         pytest.fail(f"e2e fixture used without root: {root_available()}")
-    with cluster() as created:
+    with cluster(ipv6=getattr(request, "param", None) == DUAL_STACK) as created:
         yield created
 
 

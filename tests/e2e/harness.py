@@ -35,7 +35,7 @@ Obj = dict[str, Any]
 
 _OPENING = re.compile(
     r'"Opening proxy port" service="(?P<service>[^"]+)" traffic="(?P<traffic>\w+)" '
-    r'address="[^"]*:(?P<port>\d+)"'
+    r'address="(?P<host>[^"]*):(?P<port>\d+)"'
 )
 
 
@@ -243,17 +243,24 @@ class Uproxy:
             message=f"a uproxy sync after {after}",
         )
 
-    def proxy_ports(self) -> dict[tuple[str, str], int]:
-        """(service port name, traffic) -> the proxy port uproxy logged opening last."""
+    def proxy_ports(self, *, ipv6: bool = False) -> dict[tuple[str, str], int]:
+        """(service port name, traffic) -> the proxy port uproxy logged opening last, of the
+        IPv4 listeners (of the IPv6 ones with ``ipv6``)."""
         out: dict[tuple[str, str], int] = {}
         for line in self.proc.stderr_lines:
             m = _OPENING.search(line)
-            if m:
+            if m and m["host"].startswith("[") == ipv6:
                 out[(m["service"], m["traffic"])] = int(m["port"])
         return out
 
 
 # --- clients ---------------------------------------------------------------------------------
+
+
+def url(ip: str, port: int | None = None) -> str:
+    """``http://IP[:PORT]/``, an IPv6 address in brackets."""
+    host = f"[{ip}]" if ":" in ip else ip
+    return f"http://{host}:{port}/" if port is not None else f"http://{host}/"
 
 
 @dataclass(frozen=True)

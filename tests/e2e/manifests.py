@@ -27,12 +27,16 @@ DNS_ANSWER = "192.0.2.53"
 
 
 def backend_argv(net: Cluster) -> list[str]:
-    """The servers module serving ``web-N`` (http) and ``sum-N`` on every backend address."""
+    """The servers module serving ``web-N`` (http) and ``sum-N`` on every backend address;
+    on a dual-stack cluster also ``web6-N`` and ``sum6-N`` on the same backends' IPv6
+    addresses (so an answer tells which family's endpoint served it)."""
     import sys
 
     specs = []
     for i, ip in enumerate(net.backend_ips, start=1):
         specs += [f"web-{i}={ip}:{WEB_PORT}:http", f"sum-{i}={ip}:{SUM_PORT}:sum"]
+    for i, ip in enumerate(net.backend_ips6, start=1):
+        specs += [f"web6-{i}={ip}:{WEB_PORT}:http", f"sum6-{i}={ip}:{SUM_PORT}:sum"]
     return [sys.executable, "-m", "tests.e2e.servers", *specs]
 
 
@@ -119,4 +123,63 @@ def lb_dns(net: Cluster) -> list[Obj]:
     svc["spec"].update(type="LoadBalancer", externalIPs=[EXTERNAL_IP])
     svc["spec"]["ports"][0]["nodePort"] = DNS_NODE_PORT
     svc["status"] = {"loadBalancer": {"ingress": [{"ip": LB_IP}]}}
+    return [svc, eps]
+
+
+# ----- dual-stack ------------------------------------------------------------------------------
+
+WEB_IP6 = "fd00:10:96::10"
+DNS_IP6 = "fd00:10:96::53"
+WEB6_ONLY_IP = "fd00:10:96::11"
+EXTERNAL_IP6 = "2001:db8::10"
+LB_IP6 = "2001:db8::20"
+DNS_ANSWER6 = "192.0.2.66"  # what the DNS server on the backend's IPv6 address answers
+WEB6_NODE_PORT = 30081
+
+
+def dual(svc: Obj, v4: str, v6: str) -> Obj:
+    """Make ``svc`` dual-stack, IPv4 first (the cluster's primary family)."""
+    spec = svc["spec"]
+    spec.update(
+        clusterIP=v4, clusterIPs=[v4, v6], ipFamilies=["IPv4", "IPv6"],
+        ipFamilyPolicy="RequireDualStack",
+    )  # fmt: skip
+    return svc
+
+
+def dual_web(net: Cluster) -> list[Obj]:
+    """``lb_web`` in both families: ClusterIPs, externalIPs and ingress IPs of each, one node
+    port; its IPv4 slice lists web-1 and web-2, its IPv6 slice web6-1 and web6-2."""
+    svc, v4_slice = lb_web(net)
+    dual(svc, WEB_IP, WEB_IP6)["spec"]["externalIPs"] = [EXTERNAL_IP, EXTERNAL_IP6]
+    svc["status"] = {"loadBalancer": {"ingress": [{"ip": LB_IP}, {"ip": LB_IP6}]}}
+    eps = [slice_endpoint(ip) for ip in net.backend_ips6[:2]]
+    v6_slice = web_slice("web-v6", "web", eps)
+    v6_slice["addressType"] = "IPv6"
+    return [svc, v4_slice, v6_slice]
+
+
+def dual_dns(net: Cluster) -> list[Obj]:
+    """``lb_dns`` in both families: the IPv6 ClusterIP and node port reach the DNS server on
+    the backend's IPv6 address (it answers ``DNS_ANSWER6``)."""
+    svc, v4_slice = lb_dns(net)
+    dual(svc, DNS_IP, DNS_IP6)
+    svc["status"] = {"loadBalancer": {"ingress": [{"ip": LB_IP}, {"ip": LB_IP6}]}}
+    v6_slice = endpoint_slice(
+        "dns-v6",
+        "dns",
+        endpoints=[slice_endpoint(net.topo.backend_ip6)],
+        ports=[{"name": "dns", "port": 53, "protocol": "UDP"}],
+        address_type="IPv6",
+    )
+    return [svc, v4_slice, v6_slice]
+
+
+def web6_only(net: Cluster) -> list[Obj]:
+    """An IPv6-only service (its ClusterIP, node port and endpoint all IPv6): web6-3."""
+    svc = web_service("web6", cluster_ip=WEB6_ONLY_IP, type="NodePort")
+    svc["spec"].update(clusterIPs=[WEB6_ONLY_IP], ipFamilies=["IPv6"])
+    svc["spec"]["ports"][0]["nodePort"] = WEB6_NODE_PORT
+    eps = web_slice("web6-1", "web6", [slice_endpoint(net.backend_ips6[2])])
+    eps["addressType"] = "IPv6"
     return [svc, eps]

@@ -35,8 +35,9 @@ def parse_save(text: str) -> Tables:
     return tables
 
 
-def save(topo: Topology, ns: str, mode: str) -> Tables:
-    return parse_save(topo.run(ns, f"iptables-{mode}-save"))
+def save(topo: Topology, ns: str, mode: str, *, family: int = 4) -> Tables:
+    """``iptables-{mode}-save`` (``ip6tables-`` for ``family=6``), parsed."""
+    return parse_save(topo.run(ns, f"{'ip6' if family == 6 else 'ip'}tables-{mode}-save"))
 
 
 def normalized(text: str) -> str:

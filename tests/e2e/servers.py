@@ -66,7 +66,7 @@ async def main(specs: list[str]) -> None:
     servers = []
     for spec in specs:
         name, _, where = spec.partition("=")
-        ip, port, kind = where.split(":")
+        ip, port, kind = where.rsplit(":", 2)  # an IPv6 address has colons of its own
         handler = functools.partial(_http if kind == "http" else _sum, name)
         servers.append(await asyncio.start_server(handler, ip, int(port), reuse_address=True))
     print("ready", flush=True)
@@ -76,5 +76,5 @@ async def main(specs: list[str]) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("listeners", nargs="+", help="NAME=IP:PORT:http|sum")
+    parser.add_argument("listeners", nargs="+", help="NAME=IP:PORT:http|sum (IPv6 bare)")
     asyncio.run(main(parser.parse_args().listeners))

@@ -1,9 +1,12 @@
-"""Issue 4: ``uproxy --cleanup`` restores the tables, and a taken node port is one clear error.
+"""Issues 4 and 12: ``uproxy --cleanup`` restores the tables, and a taken node port is one
+clear error.
 
 Someone else's rules are installed before uproxy starts (in the iptables variant uproxy writes,
-and a table of their own in nft), so "restored" means: theirs still there, uproxy's gone, and
-``iptables-nft-save``, ``iptables-legacy-save`` and ``nft -s list ruleset`` print exactly what
-they printed before (counters left out: the traffic moved them).
+for IPv4 and IPv6, and a table of their own in nft), so "restored" means: theirs still there,
+uproxy's gone, and ``iptables-nft-save``, ``iptables-legacy-save``, their ``ip6tables-``
+counterparts and ``nft -s list ruleset`` print exactly what they printed before (counters left
+out: the traffic moved them). The node is dual-stack, with a dual-stack and an IPv6-only
+service, so uproxy has written both families.
 """
 
 from __future__ import annotations
@@ -15,15 +18,39 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.cluster import Cluster
-from tests.e2e.conftest import StartProc, StartUproxy
-from tests.e2e.harness import ServicesFile, curl, slice_endpoint
-from tests.e2e.manifests import WEB_IP, WEB_NODE_PORT, backend_argv, lb_web, web_service, web_slice
+from tests.e2e.conftest import DUAL_STACK, StartProc, StartUproxy
+from tests.e2e.harness import ServicesFile, curl, slice_endpoint, url
+from tests.e2e.manifests import (
+    WEB6_ONLY_IP,
+    WEB_IP,
+    WEB_NODE_PORT,
+    backend_argv,
+    dual_web,
+    lb_web,
+    web6_only,
+    web_service,
+    web_slice,
+)
 from tests.e2e.saved import normalized
 from tests.netns.helpers import FOREIGN
 
 pytestmark = [pytest.mark.root]
 
 MODES = ("nft", "legacy")
+PROGRAMS = tuple(f"{p}tables-{m}" for p in ("ip", "ip6") for m in MODES)
+# Someone else's IPv6 rules (the IPv4 ones are tests.netns.helpers.FOREIGN).
+FOREIGN6 = """\
+*filter
+:OTHER6 - [0:0]
+-A INPUT -j OTHER6
+-A OTHER6 -p tcp -m tcp --dport 22 -j ACCEPT
+COMMIT
+*nat
+:OTHER6-NAT - [0:0]
+-A OUTPUT -j OTHER6-NAT
+-A PREROUTING -p tcp -m tcp --dport 2222 -j DNAT --to-destination [fd00:200:2::2]:22
+COMMIT
+"""
 
 
 FOREIGN_NFT = """\
@@ -38,11 +65,12 @@ table inet other {
 
 
 def saves(net: Cluster) -> dict[str, str]:
-    out = {m: normalized(net.topo.run(net.topo.node, f"iptables-{m}-save")) for m in MODES}
+    out = {p: normalized(net.topo.run(net.topo.node, f"{p}-save")) for p in PROGRAMS}
     out["ruleset"] = net.topo.run(net.topo.node, "nft", "-s", "list", "ruleset")
     return out
 
 
+@pytest.mark.parametrize("net", [DUAL_STACK], indirect=True)
 @pytest.mark.parametrize(
     ("rules", "mode"),
     [
@@ -65,25 +93,32 @@ def test_cleanup_restores_iptables_save_exactly(
 ) -> None:
     topo = net.topo
     topo.run(topo.node, f"iptables-{mode}-restore", "--noflush", stdin=FOREIGN)
+    topo.run(topo.node, f"ip6tables-{mode}-restore", "--noflush", stdin=FOREIGN6)
     topo.run(topo.node, "nft", "-f", "-", stdin=FOREIGN_NFT)
     before = saves(net)
-    assert "OTHER-NAT" in before[mode]
+    assert "OTHER-NAT" in before[f"iptables-{mode}"]
+    assert "OTHER6-NAT" in before[f"ip6tables-{mode}"]
     assert "table inet other" in before["ruleset"]
 
     start_proc(topo.backend, backend_argv(net), ready_line=True)
-    services.put(*lb_web(net))
+    services.put(*dual_web(net), *web6_only(net))
     services.write()
     proxy = start_uproxy(rules[1], extra=rules[2:])
     proxy.wait_synced()
-    curl(topo, topo.pod, f"http://{WEB_IP}/", body=b"installed", tmp=tmp_path)
+    curl(topo, topo.pod, url(WEB_IP), body=b"installed", tmp=tmp_path)
+    curl(topo, topo.pod, url(WEB6_ONLY_IP), body=b"installed", tmp=tmp_path)
     during = saves(net)
     if rules[1] == "nftables":
         assert "table ip uproxy" in during["ruleset"]
+        assert "table ip6 uproxy" in during["ruleset"]
         assert "KUBE-PORTALS" not in during["ruleset"]
     else:
-        assert "KUBE-PORTALS-CONTAINER" in during[mode]
+        assert "KUBE-PORTALS-CONTAINER" in during[f"iptables-{mode}"]
+        assert "default/web6:http" in during[f"ip6tables-{mode}"]
         assert "table ip uproxy" not in during["ruleset"]
-    assert "-A OUTPUT -j OTHER-NAT" in during[mode]  # someone else's rules are untouched
+    # Someone else's rules are untouched.
+    assert "-A OUTPUT -j OTHER-NAT" in during[f"iptables-{mode}"]
+    assert "-A OUTPUT -j OTHER6-NAT" in during[f"ip6tables-{mode}"]
     assert proxy.stop() == 0
 
     # Exit status 0 is checked by run(); afterwards the tables are exactly as before.

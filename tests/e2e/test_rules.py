@@ -15,8 +15,15 @@ import pytest
 
 from tests.conftest import wait_for_sync
 from tests.e2e.cluster import Cluster
-from tests.e2e.conftest import StartProc, StartUproxy
-from tests.e2e.harness import ServicesFile, curl, dig, slice_endpoint, wait_until_ok
+from tests.e2e.conftest import DUAL_STACK, StartProc, StartUproxy
+from tests.e2e.harness import (
+    ServicesFile,
+    curl,
+    curl_status,
+    dig,
+    slice_endpoint,
+    wait_until_ok,
+)
 from tests.e2e.manifests import (
     DNS_ANSWER,
     DNS_IP,
@@ -47,6 +54,7 @@ RULES = [
     pytest.param("iptables", "legacy", id="python-iptables"),
 ]
 PORT_RANGE = "40000-40019"
+RESET = (7, 56)  # curl: refused, or reset once connected (uproxy resets a connection at once)
 WEB_IP6 = "fd00:10:96::10"
 EXTERNAL_IP6 = "2001:db8::10"
 
@@ -70,32 +78,44 @@ MARK_RETURN = (
 )
 
 
-def expected_tables(node_ip: str, *, web: int | None, dns_port: int | None) -> Tables:
-    """What the node's nat and filter tables must hold (and nothing else)."""
+def expected_tables(
+    node_ip: str, *, web: int | None, dns_port: int | None, family: int = 4
+) -> Tables:
+    """What the node's nat and filter tables of one family must hold (and nothing else).
+
+    IPv6 (``family=6``, ip6tables): the web service's IPv6 ClusterIP and externalIP, and its
+    node port on the node's IPv6 addresses; its LoadBalancer IP and the DNS service are IPv4
+    only, so they have no IPv6 rules.
+    """
+    v6 = family == 6
+    cidr = "128" if v6 else "32"
+    to = f"[{node_ip}]" if v6 else node_ip
+    web_ip, external_ip = (WEB_IP6, EXTERNAL_IP6) if v6 else (WEB_IP, EXTERNAL_IP)
     container: list[str] = []
     host: list[str] = [MARK_RETURN]
     np_container: list[str] = []
     np_host: list[str] = [MARK_RETURN]
     non_local: list[str] = []
-    if dns_port is not None:
+    if dns_port is not None and not v6:
         m = f'-d {DNS_IP}/32 -p udp -m comment --comment "default/dns:dns" -m udp --dport 53'
         container.append(f"{m} -j REDIRECT --to-ports {dns_port}")
         host.append(f"{m} -j DNAT --to-destination {node_ip}:{dns_port}")
     if web is not None:
         c = '-p tcp -m comment --comment "default/web:http" -m tcp'
         redirect = f"-j REDIRECT --to-ports {web}"
-        dnat = f"-j DNAT --to-destination {node_ip}:{web}"
+        dnat = f"-j DNAT --to-destination {to}:{web}"
         container += [
-            f"-d {WEB_IP}/32 {c} --dport 80 {redirect}",
-            f"-d {EXTERNAL_IP}/32 {c} --dport 80 -m physdev ! --physdev-is-in {redirect}",
-            f"-d {EXTERNAL_IP}/32 {c} --dport 80 -m addrtype --dst-type LOCAL {redirect}",
-            f"-d {LB_IP}/32 {c} --dport 80 {redirect}",
+            f"-d {web_ip}/{cidr} {c} --dport 80 {redirect}",
+            f"-d {external_ip}/{cidr} {c} --dport 80 -m physdev ! --physdev-is-in {redirect}",
+            f"-d {external_ip}/{cidr} {c} --dport 80 -m addrtype --dst-type LOCAL {redirect}",
         ]
         host += [
-            f"-d {WEB_IP}/32 {c} --dport 80 {dnat}",
-            f"-d {EXTERNAL_IP}/32 {c} --dport 80 -m addrtype --dst-type LOCAL {dnat}",
-            f"-d {LB_IP}/32 {c} --dport 80 {dnat}",
+            f"-d {web_ip}/{cidr} {c} --dport 80 {dnat}",
+            f"-d {external_ip}/{cidr} {c} --dport 80 -m addrtype --dst-type LOCAL {dnat}",
         ]
+        if not v6:
+            container.append(f"-d {LB_IP}/32 {c} --dport 80 {redirect}")
+            host.append(f"-d {LB_IP}/32 {c} --dport 80 {dnat}")
         np_container.append(f"{c} --dport {WEB_NODE_PORT} {redirect}")
         np_host.append(f"{c} --dport {WEB_NODE_PORT} {dnat}")
         non_local.append(f"{c} --dport {web} -m state --state NEW -j ACCEPT")
@@ -153,6 +173,18 @@ def conntrack_udp(net: Cluster) -> str:
     return net.topo.run(net.topo.node, "conntrack", "-L", "-p", "udp")
 
 
+def dual_stack_web(net: Cluster) -> list[Obj]:
+    """``lb_web`` with an IPv6 ClusterIP and externalIP too (its LoadBalancer IP is IPv4)."""
+    web_objs = lb_web(net)
+    web_spec = web_objs[0]["spec"]
+    web_spec["clusterIPs"] = [WEB_IP, WEB_IP6]
+    web_spec["ipFamilies"] = ["IPv4", "IPv6"]
+    web_spec["ipFamilyPolicy"] = "PreferDualStack"
+    web_spec["externalIPs"].append(EXTERNAL_IP6)
+    return web_objs
+
+
+@pytest.mark.parametrize("net", [DUAL_STACK], indirect=True)
 @pytest.mark.parametrize(("rules", "mode"), RULES)
 def test_rules_are_exact_and_go_with_their_service(
     net: Cluster,
@@ -166,42 +198,41 @@ def test_rules_are_exact_and_go_with_their_service(
     topo = net.topo
     start_proc(topo.backend, backend_argv(net), ready_line=True)
     start_proc(topo.backend, dnsmasq_argv(topo.backend_ip))
-    web_objs = lb_web(net)
-    # Dual-stack: the IPv6 addresses get no rules (IPv4 iptables), and must not break the
-    # commit for every other rule either.
-    web_spec = web_objs[0]["spec"]
-    web_spec["clusterIPs"] = [WEB_IP, WEB_IP6]
-    web_spec["ipFamilies"] = ["IPv4", "IPv6"]
-    web_spec["ipFamilyPolicy"] = "PreferDualStack"
-    web_spec["externalIPs"].append(EXTERNAL_IP6)
-    services.put(*web_objs, *dns(net))
+    # A dual-stack node: iptables and ip6tables, each with its family's addresses only.
+    services.put(*dual_stack_web(net), *dns(net))
     services.write()
     proxy = start_uproxy(rules, extra=["--proxy-port-range", PORT_RANGE])
     proxy.wait_synced()
 
-    ports = proxy.proxy_ports()
+    ports, ports6 = proxy.proxy_ports(), proxy.proxy_ports(ipv6=True)
     web, dns_port = ports[("default/web:http", "cluster")], ports[("default/dns:dns", "cluster")]
-    assert {40000 <= p <= 40019 for p in (web, dns_port)} == {True}
-    assert len(ports) == 2, ports  # one listener each: both policies are Cluster
+    web6 = ports6[("default/web:http", "cluster")]
+    assert {40000 <= p <= 40019 for p in (web, dns_port, web6)} == {True}
+    assert len(ports) == 2 and len(ports6) == 1, (ports, ports6)  # Cluster policies: one each
     want = expected_tables(topo.node_ip, web=web, dns_port=dns_port)
     assert comparable(save(topo, topo.node, mode)) == comparable(want)
-    skipped = [line for line in proxy.proc.stderr_lines if "IPv6 service address" in line]
-    assert len(skipped) == 2 and {WEB_IP6, EXTERNAL_IP6} == {
-        ip for ip in (WEB_IP6, EXTERNAL_IP6) if any(ip in line for line in skipped)
-    }, skipped
+    want6 = expected_tables(topo.node_ip6, web=web6, dns_port=dns_port, family=6)
+    assert comparable(save(topo, topo.node, mode, family=6)) == comparable(want6)
 
-    # Traffic for both, so the UDP service leaves conntrack entries behind.
+    # Traffic for both, so the UDP service leaves conntrack entries behind. The web service
+    # has IPv4 endpoints only: its IPv6 ClusterIP refuses at once (kube-proxy's behaviour:
+    # each family's addresses reach that family's endpoints, and there are none).
     curl(topo, topo.pod, f"http://{WEB_IP}/", body=b"x" * 1000, tmp=tmp_path)
+    assert curl_status(topo, topo.pod, f"http://[{WEB_IP6}]/") in RESET
     wait_until_ok(lambda: dig(topo, topo.pod, DNS_IP, DNS_NAME) == DNS_ANSWER, message="dns")
     assert f"dst={DNS_IP}" in conntrack_udp(net)
 
-    # The web service goes from the file: none of its rules remain, dns's are untouched.
+    # The web service goes from the file: none of its rules remain (in either family), dns's
+    # are untouched.
     started = time.time()
     services.remove("Service", "web")
     services.write()
     proxy.wait_synced(after=started)
     assert comparable(save(topo, topo.node, mode)) == comparable(
         expected_tables(topo.node_ip, web=None, dns_port=dns_port)
+    )
+    assert comparable(save(topo, topo.node, mode, family=6)) == comparable(
+        expected_tables(topo.node_ip6, web=None, dns_port=None, family=6)
     )
 
     # The UDP service goes: its rules and its conntrack entries (to the ClusterIP) are gone.
@@ -308,10 +339,16 @@ PODfib daddr type local meta l4proto { tcp, udp } redirect to :ip daddr . meta l
 NODE_PORT_PODS_RULE = "NPPODfib daddr type local meta l4proto { tcp, udp } redirect to :meta l4proto . th dport map @short-circuit-node-ports"
 
 
-def nft_chains(node_ip: str, *, pods: str = "", nodeports: str = "") -> str:
+def nft_chains(node_ip: str, *, pods: str = "", nodeports: str = "", family: int = 4) -> str:
     """The chains as ``nft list`` prints them; ``pods`` and ``nodeports`` are the matches of
-    --detect-local-mode and --nodeport-addresses (each "" or ending in a space)."""
-    text = NFT_CHAINS.replace("NODE_IP", node_ip)
+    --detect-local-mode and --nodeport-addresses (each "" or ending in a space). The IPv6
+    table (``family=6``) matches ``ip6`` addresses and DNATs to ``[node address]``."""
+    text = NFT_CHAINS
+    node = node_ip
+    if family == 6:
+        text = text.replace("ip daddr", "ip6 daddr").replace("ip saddr", "ip6 saddr")
+        node = f"[{node_ip}]"
+    text = text.replace("NODE_IP", node)
     pod_rule = NODE_PORT_PODS_RULE.replace("POD", pods)
     text = text.replace("NODE_PORT_PODS\n", pod_rule + "\n" if pods else "")
     text = text.replace("PODS\n", PODS_RULES.replace("POD", pods) + "\n" if pods else "")
@@ -322,18 +359,22 @@ ADDR_MAP = "ipv4_addr . inet_proto . inet_service : inet_service"
 PORT_MAP = "inet_proto . inet_service : inet_service"
 
 
-def expected_nft(node_ip: str, *, web: int | None, dns_port: int | None) -> str:
-    """``nft list table ip uproxy`` of the node, normalised like ``nft_normalised``."""
+def expected_nft(node_ip: str, *, web: int | None, dns_port: int | None, family: int = 4) -> str:
+    """``nft list table ip uproxy`` of the node (``ip6`` with ``family=6``: the web
+    service's IPv6 ClusterIP, externalIP and node port), normalised like ``nft_normalised``."""
+    v6 = family == 6
     cluster: list[str] = []
     external: list[str] = []
     node_ports: list[str] = []
     proxy_ports: list[str] = []
-    if dns_port is not None:
+    if dns_port is not None and not v6:
         cluster.append(f'{DNS_IP} . udp . 53 comment "default/dns:dns" : {dns_port}')
     if web is not None:
         c = 'comment "default/web:http"'
-        cluster += [f"{WEB_IP} . tcp . 80 {c} : {web}", f"{LB_IP} . tcp . 80 {c} : {web}"]
-        external.append(f"{EXTERNAL_IP} . tcp . 80 {c} : {web}")
+        cluster.append(f"{WEB_IP6 if v6 else WEB_IP} . tcp . 80 {c} : {web}")
+        if not v6:
+            cluster.append(f"{LB_IP} . tcp . 80 {c} : {web}")
+        external.append(f"{EXTERNAL_IP6 if v6 else EXTERNAL_IP} . tcp . 80 {c} : {web}")
         node_ports.append(f"tcp . {WEB_NODE_PORT} {c} : {web}")
         proxy_ports.append(f"tcp . {web} {c}")
     elements = {
@@ -342,7 +383,7 @@ def expected_nft(node_ip: str, *, web: int | None, dns_port: int | None) -> str:
         "node-ports": node_ports,
         "node-port-proxy-ports": proxy_ports,
     }
-    return nft_listing(elements, nft_chains(node_ip))
+    return nft_listing(elements, nft_chains(node_ip, family=family), family=family)
 
 
 STORES = (
@@ -358,10 +399,12 @@ STORES = (
 )
 
 
-def nft_listing(elements: dict[str, list[str]], chains: str) -> str:
+def nft_listing(elements: dict[str, list[str]], chains: str, *, family: int = 4) -> str:
     """A whole normalised table: every map and set (with ``elements``), then ``chains``."""
-    out = ["table ip uproxy {"]
+    out = [f"table {'ip6' if family == 6 else 'ip'} uproxy {{"]
     for kind, name, type_ in STORES:
+        if family == 6:
+            type_ = type_.replace("ipv4_addr", "ipv6_addr")
         out += [f"{kind} {name} {{", f"type {type_}"]
         if name == "lb-source-ranges":
             out.append("flags interval")
@@ -373,10 +416,12 @@ def nft_listing(elements: dict[str, list[str]], chains: str) -> str:
     return nft_normalised("\n".join(out))
 
 
-def nft_table(net: Cluster) -> str:
-    return nft_normalised(nft(net.topo, "list", "table", "ip", "uproxy"))
+def nft_table(net: Cluster, family: int = 4) -> str:
+    table = "ip6" if family == 6 else "ip"
+    return nft_normalised(nft(net.topo, "list", "table", table, "uproxy"))
 
 
+@pytest.mark.parametrize("net", [DUAL_STACK], indirect=True)
 def test_nft_table_is_exact_and_goes_with_its_service(
     net: Cluster,
     services: ServicesFile,
@@ -387,24 +432,21 @@ def test_nft_table_is_exact_and_goes_with_its_service(
     topo = net.topo
     start_proc(topo.backend, backend_argv(net), ready_line=True)
     start_proc(topo.backend, dnsmasq_argv(topo.backend_ip))
-    web_objs = lb_web(net)
-    web_spec = web_objs[0]["spec"]  # dual-stack: the IPv6 addresses are left out
-    web_spec["clusterIPs"] = [WEB_IP, WEB_IP6]
-    web_spec["ipFamilies"] = ["IPv4", "IPv6"]
-    web_spec["ipFamilyPolicy"] = "PreferDualStack"
-    web_spec["externalIPs"].append(EXTERNAL_IP6)
-    services.put(*web_objs, *dns(net))
+    services.put(*dual_stack_web(net), *dns(net))  # the IPv6 addresses: table ip6 uproxy
     services.write()
     proxy = start_uproxy("nftables", extra=["--proxy-port-range", PORT_RANGE])
     proxy.wait_synced()
 
-    ports = proxy.proxy_ports()
+    ports, ports6 = proxy.proxy_ports(), proxy.proxy_ports(ipv6=True)
     web, dns_port = ports[("default/web:http", "cluster")], ports[("default/dns:dns", "cluster")]
+    web6 = ports6[("default/web:http", "cluster")]
     assert nft_table(net) == expected_nft(topo.node_ip, web=web, dns_port=dns_port)
-    # Nothing in iptables, either variant.
-    for mode in ("nft", "legacy"):
-        assert "KUBE-" not in topo.run(topo.node, f"iptables-{mode}-save")
+    assert nft_table(net, 6) == expected_nft(topo.node_ip6, web=web6, dns_port=None, family=6)
+    # Nothing in iptables, either variant, either family.
+    for program in ("iptables-nft", "iptables-legacy", "ip6tables-nft", "ip6tables-legacy"):
+        assert "KUBE-" not in topo.run(topo.node, f"{program}-save")
     curl(topo, topo.pod, f"http://{WEB_IP}/", body=b"x" * 1000, tmp=tmp_path)
+    assert curl_status(topo, topo.pod, f"http://[{WEB_IP6}]/") in RESET  # no IPv6 endpoints
     wait_until_ok(lambda: dig(topo, topo.pod, DNS_IP, DNS_NAME) == DNS_ANSWER, message="dns")
     assert f"dst={DNS_IP}" in conntrack_udp(net)
 
@@ -413,6 +455,7 @@ def test_nft_table_is_exact_and_goes_with_its_service(
     services.write()
     proxy.wait_synced(after=started)
     assert nft_table(net) == expected_nft(topo.node_ip, web=None, dns_port=dns_port)
+    assert nft_table(net, 6) == expected_nft(topo.node_ip6, web=None, dns_port=None, family=6)
 
     started = time.time()
     services.remove("Service", "dns")

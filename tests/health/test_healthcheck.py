@@ -13,6 +13,7 @@ import pytest
 
 from uproxy.health import ProxyHealth
 from uproxy.healthcheck import HealthCheckServers, HealthCheckSpec
+from uproxy.localnet import has_loopback6
 from uproxy.log import V3
 
 from .helpers import FakeClock, assert_same_bytes, free_port, refused, wait_until
@@ -314,3 +315,23 @@ async def test_invalid_port_is_a_failure_not_a_crash(servers: HealthCheckServers
     await servers.sync({KEY: HealthCheckSpec("shop", "web", 70000)})
     assert servers.failures == {KEY: 70000}
     assert servers.ports == {}
+
+
+@pytest.mark.skipif(not has_loopback6(), reason="this machine has no IPv6 loopback")
+async def test_each_family_answers_with_its_own_count(
+    http: aiohttp.ClientSession, health: ProxyHealth, unused_port: int
+) -> None:
+    """kube-proxy's IPv4 and IPv6 proxiers each answer a dual-stack service's health check with
+    their own family's local endpoints; a check over IPv6 gets the IPv6 count."""
+    hcs = HealthCheckServers(addresses=["127.0.0.1", "::1"], proxy_health=health)
+    try:
+        await hcs.sync({KEY: HealthCheckSpec("shop", "web", unused_port)})
+        hcs.set_local_endpoints({KEY: 2}, ipv6={KEY: 0})
+        assert (await check(http, unused_port))[::2] == (200, 2)
+        status, body, weight = await check(http, unused_port, host="[::1]")
+        assert (status, weight) == (503, 0)
+        assert_same_bytes(body, expected_body("shop", "web", 0, True))
+        hcs.set_local_endpoints({KEY: 1})  # no IPv6 counts given: the same for both
+        assert (await check(http, unused_port, host="[::1]"))[::2] == (200, 1)
+    finally:
+        await hcs.close()

@@ -28,7 +28,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.conftest import wait_for
 from tests.factories import endpoint, endpoint_slice, service
 from tests.integration.backends import NamedBackend, greet
-from uproxy.model import Protocol, ServicePortName
+from uproxy.localnet import has_loopback6
+from uproxy.model import IPFamily, Protocol, ServicePortName
 from uproxy.proxy import Proxy
 from uproxy.settings import Settings
 
@@ -357,6 +358,7 @@ def test_a_stop_drains_every_listener_at_once_and_a_second_signal_exits_now(
         "--workers", "2", "--healthz-bind-address", "", "--metrics-bind-address", "", "-v", "2",
     ]  # fmt: skip
     clients: list[socket.socket] = []
+    proc: subprocess.Popen[str] | None = None
     try:
         proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
         ports = _proxy_ports(proc, 4)
@@ -389,6 +391,9 @@ def test_a_stop_drains_every_listener_at_once_and_a_second_signal_exits_now(
     finally:
         for s in (*clients, *held, sink):
             s.close()
+        if proc is not None and proc.poll() is None:  # a failed assertion: leave nothing behind
+            proc.kill()
+            proc.wait(timeout=10)
 
 
 def _wait_log(proc: subprocess.Popen[str], text: str) -> None:
@@ -414,3 +419,50 @@ def _proxy_ports(proc: subprocess.Popen[str], n: int) -> list[int]:
         if '"Opening proxy port"' in line:
             ports.append(int(line.rsplit(":", 1)[1].strip().rstrip('"')))
     return ports
+
+
+@pytest.mark.skipif(not has_loopback6(), reason="this machine has no IPv6 loopback")
+async def test_each_family_has_its_own_balancer_in_every_worker(
+    tmp_path: Path, backends: list[NamedBackend], proxies: list[Proxy]
+) -> None:
+    """A dual-stack service on the laptop: a listener on 127.0.0.1 and one on ::1, each
+    reaching its own family's endpoints in both workers, and following its own changes."""
+    six = [await NamedBackend(f"v6-{i}", "::1").start() for i in (1, 2)]
+    try:
+        path = tmp_path / "services.yaml"
+
+        def write(v6: NamedBackend) -> None:
+            svc = service(ports=[{"name": "http", "port": 1, "protocol": "TCP"}])
+            svc["spec"].update(clusterIPs=["10.96.0.10", "fd00:96::10"], sessionAffinity="ClientIP")
+            slices = [
+                endpoint_slice(
+                    f"web-{family}",
+                    endpoints=[endpoint(b.host)],
+                    ports=[{"name": "http", "port": b.port, "protocol": "TCP"}],
+                    address_type=family,
+                )
+                for family, b in (("IPv4", backends[0]), ("IPv6", v6))
+            ]
+            path.write_text(yaml.safe_dump_all([svc, *slices]))
+
+        write(six[0])
+        proxy = await start_proxy(path)
+        proxies.append(proxy)
+        families = proxy.syncer.ports[WEB].families
+        listeners = {f: fp.cluster for f, fp in families.items()}
+        v4, v6 = listeners[IPFamily.V4], listeners[IPFamily.V6]
+        assert v4 is not None and v6 is not None and (v4.host, v6.host) == ("127.0.0.1", "::1")
+        for _ in range(20):  # many connections: both workers answer, always the same family
+            assert await greet("127.0.0.1", v4.port) == "b1"
+            assert await greet("::1", v6.port) == "v6-1"
+        write(six[1])  # an IPv6 endpoint change: the IPv6 balancers follow, the IPv4 ones stay
+
+        async def moved() -> bool:
+            return await greet("::1", v6.port) == "v6-2"
+
+        await wait_for(moved, timeout=5.0, message="the IPv6 endpoint change")
+        assert {await greet("::1", v6.port) for _ in range(10)} == {"v6-2"}
+        assert {await greet("127.0.0.1", v4.port) for _ in range(10)} == {"b1"}
+    finally:
+        for b in six:
+            await b.close()

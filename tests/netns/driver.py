@@ -13,7 +13,7 @@ import json
 import sys
 from typing import Any
 
-from uproxy.model import Protocol, ServicePortName
+from uproxy.model import IPFamily, Protocol, ServicePortName
 from uproxy.rules import (
     LocalTraffic,
     RulesBackend,
@@ -37,6 +37,7 @@ def portal_to_json(p: Portal) -> dict[str, Any]:
         "proxy_port": p.proxy_port,
         "cluster_proxy_port": p.cluster_proxy_port,
         "source_ranges": list(p.source_ranges),
+        "node_family": p.node_family.value,
     }
 
 
@@ -50,6 +51,7 @@ def portal_from_json(d: dict[str, Any]) -> Portal:
         d["proxy_port"],
         d.get("cluster_proxy_port", 0),
         tuple(d.get("source_ranges", ())),
+        IPFamily(d.get("node_family", 4)),
     )
 
 
@@ -112,7 +114,7 @@ async def _op(backend: RulesBackend, op: dict[str, Any]) -> Any:
         await conntrack.clear_udp(op["ip"], op["port"])
         return None
     if kind == "clear_udp_node_port":
-        await conntrack.clear_udp_node_port(op["port"])
+        await conntrack.clear_udp_node_port(op["port"], ipv6=op.get("ipv6", False))
         return None
     if kind == "shell":
         return (await SPAWNS._run(op["argv"], stdin=op.get("stdin"))).stdout

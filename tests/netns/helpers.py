@@ -58,16 +58,21 @@ def run_ops(
     dial_mark: int = DIAL_MARK,
     nodeport_cidrs: tuple[str, ...] = (),
     local: dict[str, Any] | None = None,
+    host_ips: tuple[str, ...] | None = None,
 ) -> list[Any]:
     """Run ``ops`` with one backend instance inside the node; fail on any error.
 
     ``nodeport_cidrs`` and ``local`` (LocalTraffic's fields) configure the backend as
-    --nodeport-addresses and --detect-local-mode would.
+    --nodeport-addresses and --detect-local-mode would; ``host_ips`` are the node addresses
+    of the families it serves (default: the node's IPv4 address, and its IPv6 one on a
+    dual-stack topology).
     """
+    if host_ips is None:
+        host_ips = (topo.node_ip, topo.node_ip6) if topo.ipv6 else (topo.node_ip,)
     spec = {
         "name": backend,
         "mode": mode,
-        "host_ip": topo.node_ip,
+        "host_ip": list(host_ips),
         "dial_mark": dial_mark,
         "nodeport_cidrs": list(nodeport_cidrs),
         "local": local or {},

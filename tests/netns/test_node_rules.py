@@ -239,8 +239,10 @@ def test_primary_without_a_node_address_stops_with_one_line(tmp_path: Path) -> N
     finally:
         subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
     assert done.returncode == 1, done.stderr
+    # No address of either family: nothing can be served, and that is said first (with one
+    # family found, "primary" would have named its address).
     assert done.stderr.strip().splitlines()[-1] == (
-        "uproxy: error: --nodeport-addresses primary: cannot find this node's primary IPv4 "
-        "address; set --bind-address to it, or give CIDRs"
+        "uproxy: error: cannot find this node's IPv4 or IPv6 address for the host portal "
+        "rules; set --bind-address to it"
     )
     assert "Traceback" not in done.stderr

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from tests.rules.test_portals import DNS, HOST_IP, PORTALS, WEB
-from uproxy.model import Protocol, ServicePortName
+from uproxy.model import IPFamily, Protocol, ServicePortName
 from uproxy.rules import NftablesBackend, RulesError, command, make_backend, nftables
 from uproxy.rules.base import LocalTraffic, Portal, PortalKind
 from uproxy.rules.nftables import (
@@ -646,3 +646,21 @@ async def test_new_pod_detection_reloads_the_table_whole(nft: FakeNft) -> None:
     b.set_local_traffic(LocalTraffic(cidrs=("10.244.0.0/16",)))  # the same: nothing
     await b.sync(SPLIT)
     assert len(nft.loads()) == 2
+
+
+async def test_both_families_in_one_transaction_and_deltas_per_table(nft: FakeNft) -> None:
+    from tests.rules.test_portals import HOST6, SIX
+
+    gen, clock = FakeGen(), Clock()
+    b = NftablesBackend(host_ip=[HOST_IP, HOST6], dial_mark=MARK, watch=gen, clock=clock)
+    await b.sync([*PORTALS, *SIX])
+    (load,) = nft.loads()  # one nft process, one generation step for both tables
+    assert load.startswith(EXPECTED_FULL)
+    assert "\nadd table ip6 uproxy\ndelete table ip6 uproxy\ntable ip6 uproxy {" in load
+    assert "dnat to [fd00:200:3::1]:ip6 daddr . meta l4proto . th dport map" in load
+    assert "fd00:96::10 . tcp . 80" in load and "tcp . 30080" in load.split("ip6 uproxy {")[1]
+    await b.sync([*PORTALS, *SIX])
+    assert len(nft.calls) == 1  # nothing changed: nothing run
+    await b.sync([*PORTALS, *SIX[1:]])
+    assert nft.loads()[1:] == ["delete element ip6 uproxy cluster-ips { fd00:96::10 . tcp . 80 }\n"]
+    assert b.families == (IPFamily.V4, IPFamily.V6)

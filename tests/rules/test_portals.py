@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from uproxy.model import Protocol, ServicePortName
-from uproxy.rules.base import LocalTraffic, Portal, PortalKind
+from uproxy.model import IPFamily, Protocol, ServicePortName
+from uproxy.rules.base import LocalTraffic, Portal, PortalKind, Stack
 from uproxy.rules.portals import (
     CHAINS,
     FILTER,
@@ -17,6 +17,8 @@ from uproxy.rules.portals import (
     mark_match,
     quote,
     restore_payload,
+    split_by_family,
+    stacks,
     within,
 )
 
@@ -325,3 +327,77 @@ def test_cidrs_of_every_address_narrow_nothing() -> None:
     every_pod = build_rules(SPLIT, host_ip=HOST_IP, local=LocalTraffic(cidrs=("0.0.0.0/0",)))
     first = every_pod.rules_in_chain("KUBE-NODEPORT-CONTAINER")[0]
     assert (first.src, first.to_ports) == (None, "40001")
+
+
+# ----- IPv6 (ip6tables) ------------------------------------------------------------------------
+
+HOST6 = "fd00:200:3::1"
+SIX = [
+    Portal(WEB, PortalKind.CLUSTER_IP, "fd00:96::10", 80, 40011),
+    Portal(WEB, PortalKind.EXTERNAL_IP, "2001:db8::5", 80, 40012, 40011),
+    Portal(WEB, PortalKind.LB_INGRESS, "2001:db8::9", 80, 40012, 40011, ("2001:db8:1::/48",)),
+    Portal(WEB, PortalKind.NODE_PORT, None, 30080, 40012, 40011, (), IPFamily.V6),
+]
+
+
+def test_ipv6_rules_are_the_same_rules_with_ipv6_cidrs_only() -> None:
+    # Dual-stack settings: each family's rules take the CIDRs of their own family alone.
+    local = LocalTraffic(cidrs=("10.244.0.0/16", "fd00:244::/48"))
+    ruleset = build_rules(
+        SIX,
+        host_ip=HOST6,
+        dial_mark=0x1000,
+        local=local,
+        nodeport_cidrs=("10.0.0.0/8", "fd00:200:3::/64"),
+    )
+    cluster, external = "-j REDIRECT --to-ports 40011", "-j REDIRECT --to-ports 40012"
+    to = f"-j DNAT --to-destination [{HOST6}]"
+    pods, ext, lb = "-s fd00:244::/48", "-d 2001:db8::5/128", "-d 2001:db8::9/128"
+    assert lines(ruleset, "KUBE-PORTALS-CONTAINER") == [
+        f"-d fd00:96::10/128 {C} 80 {cluster}",
+        f"{pods} {ext} {C} 80 -m physdev ! --physdev-is-in {cluster}",
+        f"{pods} {ext} {C} 80 -m addrtype --dst-type LOCAL {cluster}",
+        f"{ext} {C} 80 -m physdev ! --physdev-is-in {external}",
+        f"{ext} {C} 80 -m addrtype --dst-type LOCAL {external}",
+        f"-s 2001:db8:1::/48 {lb} {C} 80 {external}",  # pods are not in the source range
+    ]
+    assert lines(ruleset, "KUBE-PORTALS-HOST")[1:] == [
+        f"-d fd00:96::10/128 {C} 80 {to}:40011",
+        f"{ext} {C} 80 -m addrtype --dst-type LOCAL {to}:40011",
+        f"{lb} {C} 80 {to}:40011",
+    ]
+    assert lines(ruleset, "KUBE-NODEPORT-CONTAINER") == [
+        f"{pods} {C} 30080 {cluster}",
+        f"{C} 30080 {external}",
+    ]
+    assert lines(ruleset, "KUBE-NODEPORT-HOST")[1:] == [f"{C} 30080 {to}:40011"]
+    assert lines(ruleset, "KUBE-PORTALS-FIREWALL") == [f"{lb} {C} 80 -j DROP"]
+    assert [j.dst for j in ruleset.jumps if j.target == "KUBE-NODEPORT-HOST"] == ["fd00:200:3::/64"]
+
+
+def test_a_portal_of_the_other_family_is_refused() -> None:
+    with pytest.raises(ValueError, match="is IPv4, these rules are IPv6"):
+        build_rules(PORTALS[:1], host_ip=HOST6)
+    with pytest.raises(ValueError, match="is IPv6, these rules are IPv4"):
+        build_rules(SIX[3:], host_ip=HOST_IP)  # an IPv6 node port
+
+
+def test_stacks_pair_each_host_address_with_a_listen_address_of_its_family() -> None:
+    assert stacks(HOST_IP) == [Stack(IPFamily.V4, HOST_IP, "0.0.0.0")]
+    assert stacks([HOST_IP, HOST6], "0.0.0.0") == [
+        Stack(IPFamily.V4, HOST_IP, "0.0.0.0"),
+        Stack(IPFamily.V6, HOST6, "::"),
+    ]
+    assert stacks(HOST6, HOST6) == [Stack(IPFamily.V6, HOST6, HOST6)]
+    with pytest.raises(ValueError, match="two host addresses of IPv4"):
+        stacks([HOST_IP, "10.0.0.1"])
+    with pytest.raises(ValueError, match="not ::1"):
+        stacks("::1")  # never loopback: DNAT to ::1 would not work (and 127/8 needs route_localnet)
+
+
+def test_portals_split_by_family() -> None:
+    split = split_by_family([*PORTALS, *SIX], [IPFamily.V4, IPFamily.V6])
+    assert split[IPFamily.V4] == frozenset(PORTALS)
+    assert split[IPFamily.V6] == frozenset(SIX)
+    given = frozenset(PORTALS)
+    assert split_by_family(given, [IPFamily.V4])[IPFamily.V4] is given  # one family: no copy

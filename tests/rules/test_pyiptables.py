@@ -37,7 +37,7 @@ class RecordingWorker:
 
     threads: list[str] = []
 
-    def __init__(self) -> None:
+    def __init__(self, family: Any = None) -> None:
         self.iptc = SimpleNamespace(IPTCError=FakeIPTCError)
 
     def sync(self, ruleset: Any, *, full: bool, watch: Any = None) -> None:
@@ -56,7 +56,7 @@ async def test_every_call_runs_on_one_worker_thread(monkeypatch: pytest.MonkeyPa
         await backend.sync([PORTAL])
     await backend.cleanup()
     await backend.close()
-    assert len(RecordingWorker.threads) == 4
+    assert len(RecordingWorker.threads) == 4  # three syncs and a cleanup (its one family)
     assert len(set(RecordingWorker.threads)) == 1
     assert RecordingWorker.threads[0].startswith("uproxy-iptc")
     assert threading.current_thread().name not in RecordingWorker.threads

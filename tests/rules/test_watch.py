@@ -113,16 +113,19 @@ def test_generation_watch_unreadable() -> None:
 @dataclass
 class FakeLegacy:
     names: frozenset[str] | None = frozenset({"nat"})
+    names6: frozenset[str] | None = frozenset()
     infos: dict[str, bytes | None] = field(default_factory=lambda: {"nat": GETINFO})
     asked: list[str] = field(default_factory=list)
 
-    def info(self, table: str) -> bytes | None:
-        self.asked.append(table)
-        return self.infos[table]
+    def info(self, table: str, version: int) -> bytes | None:
+        self.asked.append(table if version == 4 else f"{table}6")
+        return self.infos[table if version == 4 else f"{table}6"]
 
 
-def legacy(fake: FakeLegacy) -> LegacyWatch:
-    return LegacyWatch(names=lambda: fake.names, info=fake.info)
+def legacy(fake: FakeLegacy, versions: tuple[int, ...] = (4,)) -> LegacyWatch:
+    return LegacyWatch(
+        names=lambda v: fake.names if v == 4 else fake.names6, info=fake.info, versions=versions
+    )
 
 
 def test_legacy_watch_never_asks_about_a_missing_table() -> None:
@@ -130,8 +133,19 @@ def test_legacy_watch_never_asks_about_a_missing_table() -> None:
     fake = FakeLegacy()
     watch = legacy(fake)
     token = watch.read()
-    assert token == (("nat", parse_getinfo(GETINFO)), ("filter", None))
+    assert token == ((4, "nat", parse_getinfo(GETINFO)), (4, "filter", None))
     assert fake.asked == ["nat"]
+
+
+def test_legacy_watch_reads_the_ip6_tables_too() -> None:
+    fake = FakeLegacy(names6=frozenset({"filter"}))
+    fake.infos["filter6"] = GETINFO
+    watch = legacy(fake, versions=(4, 6))
+    watch.mark_after_commit(None)
+    assert fake.asked == ["nat", "filter6"]  # ip6 nat does not exist: never asked
+    assert watch.changed() is False
+    fake.infos["filter6"] = GETINFO[:-8] + struct.pack("=II", 6, 936)  # an ip6tables rule
+    assert watch.changed() is True
 
 
 def test_legacy_watch_sees_a_changed_shape() -> None:
@@ -226,3 +240,22 @@ async def test_restore_backend_stays_idle_while_nothing_changes(iptables: FakeIp
     await backend.sync(PORTALS[:-1])
     assert iptables.programs()[first + 2 + 2 * len(reads) :] == [*reads, "iptables-nft-restore"]
     assert backend.restores == 4
+
+
+async def test_dual_stack_restores_only_the_family_that_changed(iptables: FakeIptables) -> None:
+    from tests.rules.test_portals import HOST6, SIX
+
+    gen = Gen()
+    backend = RestoreBackend(host_ip=[HOST_IP, HOST6], mode="nft", watch_factory=lambda m: gen)
+    await backend.sync([*PORTALS, *SIX])
+    reads = ["iptables-nft"] * 4 + ["ip6tables-nft"] * 4  # every family's jumps at first
+    assert iptables.programs() == [*reads, "iptables-nft-restore", "ip6tables-nft-restore"]
+    first = len(iptables.calls)
+    # Both restores counted as our own commits: nothing to read or write now.
+    await backend.sync([*PORTALS, *SIX])
+    assert await backend.check() is True
+    assert len(iptables.calls) == first
+    # An IPv6 portal goes: only ip6tables-nft-restore runs.
+    await backend.sync([*PORTALS, *SIX[:-1]])
+    assert iptables.programs()[first:] == ["ip6tables-nft-restore"]
+    assert await backend.check() is True  # one generation step, ours

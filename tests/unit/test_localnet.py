@@ -17,18 +17,22 @@ import pytest
 
 from tests.factories import endpoint, endpoint_slice, service
 from tests.unit.test_syncer import Factory, RecordingRules
+from uproxy import localnet
 from uproxy.cli import parse_settings
 from uproxy.dataplane.settings import DataplaneSettings
 from uproxy.localnet import (
     EVERYWHERE,
+    NodePortAddresses,
     check_interface,
+    has_loopback6,
     local_traffic,
     local_traffic_of,
     nodeport_addresses,
+    stacks_at_start,
 )
-from uproxy.model import LbAlgorithm, NodeInfo, Protocol, ServicePortName
+from uproxy.model import IPFamily, LbAlgorithm, NodeInfo, Protocol, ServicePortName
 from uproxy.objects import InvalidObject, node_info
-from uproxy.rules.base import LocalTraffic, Portal, PortalKind
+from uproxy.rules.base import LocalTraffic, Portal, PortalKind, Stack
 from uproxy.settings import Settings, SettingsError
 from uproxy.syncer import Syncer, SyncerOptions
 from uproxy.tracker import Kind, Tracker
@@ -123,7 +127,7 @@ LOCAL_IPS = ["127.0.0.1", "10.200.1.1", "10.200.3.1", "192.168.5.9"]
 
 
 def npa(setting: tuple[str, ...], primary: str | None = "10.200.3.1") -> Any:
-    return nodeport_addresses(setting, primary_ip=lambda: primary, local_ips=lambda: LOCAL_IPS)
+    return nodeport_addresses(setting, primary_ip=lambda f: primary, local_ips=lambda f: LOCAL_IPS)
 
 
 def test_nodeport_addresses_on_a_node() -> None:
@@ -202,7 +206,7 @@ async def portals_of(**spec: Any) -> frozenset[Portal]:
         rules=rules,
         listener_factory=Factory(),
         options=SyncerOptions(
-            listen_host="0.0.0.0",
+            listen_hosts=("0.0.0.0",),
             node_name="node-a",
             laptop=False,
             port_range=range(40000, 40100),
@@ -240,9 +244,65 @@ async def test_other_policies_do_not_short_circuit(spec: dict[str, Any]) -> None
     assert all(p.cluster_proxy_port == 0 for p in await portals_of(**spec))
 
 
-async def test_source_ranges_go_to_lb_portals_only_ipv4() -> None:
+async def test_source_ranges_go_to_lb_portals_of_their_family() -> None:
     ranges = ["10.0.0.0/8", "fd00::/8", "192.0.2.7/32"]
     found = by_kind(await portals_of(loadBalancerSourceRanges=ranges))
     assert found[PortalKind.LB_INGRESS].source_ranges == ("10.0.0.0/8", "192.0.2.7/32")
     others = (PortalKind.CLUSTER_IP, PortalKind.EXTERNAL_IP, PortalKind.NODE_PORT)
     assert all(found[k].source_ranges == () for k in others)
+
+
+# ----- dual-stack ------------------------------------------------------------------------------
+
+V4, V6 = IPFamily.V4, IPFamily.V6
+LOCAL = {V4: ["10.200.1.1", "10.200.3.1"], V6: ["fd00:200:1::1", "fd00:200:3::1", "fe80::1"]}
+PRIMARY_IPS = {V4: "10.200.3.1", V6: "fd00:200:3::1"}
+
+
+def npa2(setting: tuple[str, ...], primaries: dict[IPFamily, str] = PRIMARY_IPS) -> Any:
+    return nodeport_addresses(
+        setting, primary_ip=primaries.get, local_ips=LOCAL.__getitem__, families=(V4, V6)
+    )
+
+
+def test_nodeport_addresses_count_per_family() -> None:
+    assert npa2(()) == NodePortAddresses((), ("0.0.0.0", "::"))
+    # An IPv4 CIDR only: IPv4 narrowed, IPv6 everywhere (kube-proxy: per family).
+    assert npa2(("10.200.3.0/24",)) == NodePortAddresses(("10.200.3.0/24",), ("10.200.3.1", "::"))
+    both = npa2(("10.200.3.0/24", "fd00:200:3::/64"))
+    assert both.cidrs == ("10.200.3.0/24", "fd00:200:3::/64")
+    assert both.bind == ("10.200.3.1", "fd00:200:3::1")
+    primary = npa2(("primary",))
+    assert primary.cidrs == ("10.200.3.1/32", "fd00:200:3::1/128")
+    assert primary.bind == ("10.200.3.1", "fd00:200:3::1")
+    with pytest.raises(ValueError, match="primary IPv6 address"):
+        npa2(("primary",), {V4: "10.200.3.1"})
+
+
+def test_families_served(monkeypatch: pytest.MonkeyPatch) -> None:
+    addresses: dict[IPFamily, str] = dict(PRIMARY_IPS)
+    monkeypatch.setattr(localnet, "primary_address", lambda f: addresses.get(f))
+    node = Settings(rules="iptables-restore")
+    assert stacks_at_start(node) == (
+        Stack(V4, "10.200.3.1", "0.0.0.0"),
+        Stack(V6, "fd00:200:3::1", "::"),
+    )
+    # The rules cannot program IPv6 here (no ip6tables-restore): IPv4 alone.
+    assert [s.family for s in stacks_at_start(node, rules_support=lambda f: f is V4)] == [V4]
+    # --bind-address: its family alone; an unspecified one takes the node's address of it.
+    assert stacks_at_start(Settings(rules="nftables", bind_address="::")) == (
+        Stack(V6, "fd00:200:3::1", "::"),
+    )
+    only = Settings(rules="nftables", bind_address="10.200.3.1")
+    assert stacks_at_start(only) == (Stack(V4, "10.200.3.1", "10.200.3.1"),)
+    # An IPv6-only node.
+    del addresses[V4]
+    assert [s.family for s in stacks_at_start(node)] == [V6]
+    addresses.clear()
+    with pytest.raises(ValueError, match="cannot find this node's IPv4 or IPv6 address"):
+        stacks_at_start(node)
+    # Laptop mode: the loopback addresses, or --bind-address.
+    laptop = stacks_at_start(Settings(rules="none"))
+    assert laptop[0] == Stack(V4, "", "127.0.0.1")
+    assert laptop[1:] == ((Stack(V6, "", "::1"),) if has_loopback6() else ())
+    assert stacks_at_start(Settings(rules="none", bind_address="::1")) == (Stack(V6, "", "::1"),)

@@ -17,15 +17,23 @@ from prometheus_client import REGISTRY
 
 from tests.factories import endpoint, endpoint_slice, service
 from uproxy.dataplane.settings import DataplaneSettings
-from uproxy.model import LbAlgorithm, Protocol, ServicePortName, Traffic
-from uproxy.rules.base import LocalTraffic, Portal, RulesError
-from uproxy.syncer import Syncer, SyncerOptions
+from uproxy.model import (
+    Endpoint,
+    IPFamily,
+    LbAlgorithm,
+    Protocol,
+    ServicePort,
+    ServicePortName,
+    Traffic,
+)
+from uproxy.rules.base import LocalTraffic, Portal, PortalKind, RulesError
+from uproxy.syncer import Syncer, SyncerOptions, TableRow
 from uproxy.tracker import Kind, Tracker
 
 
 class FakeListener:
-    def __init__(self, port: int) -> None:
-        self.host = "0.0.0.0"
+    def __init__(self, port: int, host: str = "0.0.0.0") -> None:
+        self.host = host
         self.port = port
         self.closed = False
 
@@ -45,11 +53,13 @@ class Factory:
         self.opened: list[ServicePortName] = []
         self.refuse: set[ServicePortName] = set()
 
-    async def __call__(self, *, name: ServicePortName, port: int, **_: Any) -> FakeListener:
+    async def __call__(
+        self, *, name: ServicePortName, port: int, host: str = "0.0.0.0", **_: Any
+    ) -> FakeListener:
         if name in self.refuse:
             raise OSError(errno.EADDRINUSE, "Address already in use")
         self.opened.append(name)
-        return FakeListener(port)
+        return FakeListener(port, host)
 
 
 class RecordingRules:
@@ -93,7 +103,7 @@ def make(n: int) -> tuple[Tracker, Syncer, Factory, RecordingRules]:
         rules=rules,
         listener_factory=factory,
         options=SyncerOptions(
-            listen_host="0.0.0.0",
+            listen_hosts=("0.0.0.0",),
             node_name="node-a",
             laptop=False,
             port_range=range(40000, 60000),
@@ -213,3 +223,168 @@ async def test_a_failed_restore_is_counted() -> None:
     with pytest.raises(RulesError):
         await syncer.sync()
     assert gauge(failures) == before + 1
+
+
+# ----- dual-stack ------------------------------------------------------------------------------
+
+V4, V6 = IPFamily.V4, IPFamily.V6
+
+
+class RecordingLink:
+    """Stands in for the worker pool: what each (service port, family) balancer was given."""
+
+    def __init__(self) -> None:
+        self.endpoints: dict[tuple[ServicePortName, IPFamily], tuple[Endpoint, ...]] = {}
+        self.forgotten: list[tuple[ServicePortName, IPFamily]] = []
+
+    def set_endpoints(
+        self, name: ServicePortName, family: IPFamily, port: ServicePort, endpoints: Any
+    ) -> None:
+        self.endpoints[(name, family)] = tuple(endpoints)
+
+    def forget(self, name: ServicePortName, family: IPFamily) -> None:
+        self.forgotten.append((name, family))
+        self.endpoints.pop((name, family), None)
+
+
+def dual_service(name: str = "web", **spec: Any) -> dict[str, Any]:
+    svc = service(name, cluster_ip="10.96.0.10", type="LoadBalancer", **spec)
+    svc["spec"].update(
+        clusterIPs=["10.96.0.10", "fd00:96::10"],
+        externalIPs=["203.0.113.5", "2001:db8::5"],
+        loadBalancerSourceRanges=["192.0.2.0/24", "2001:db8:1::/48"],
+    )
+    svc["spec"]["ports"][0]["nodePort"] = 30080
+    svc["status"] = {"loadBalancer": {"ingress": [{"ip": "198.51.100.9"}, {"ip": "2001:db8::9"}]}}
+    return svc
+
+
+def dual_slices(name: str = "web") -> list[dict[str, Any]]:
+    v4 = [endpoint("10.1.0.1", nodeName="node-a"), endpoint("10.1.0.2", nodeName="node-b")]
+    v6 = [endpoint("fd00:1::1", nodeName="node-a"), endpoint("fd00:1::2", nodeName="node-b")]
+    return [
+        endpoint_slice(f"{name}-v4", name, endpoints=v4),
+        endpoint_slice(f"{name}-v6", name, endpoints=v6, address_type="IPv6"),
+    ]
+
+
+def make_dual(
+    hosts: tuple[str, ...] = ("0.0.0.0", "::"), *, laptop: bool = False
+) -> tuple[Tracker, Syncer, RecordingRules, RecordingLink, list[TableRow]]:
+    tracker, rules, link = Tracker(), RecordingRules(), RecordingLink()
+    rows: list[TableRow] = []
+    tracker.replace(Kind.SERVICE, [])
+    tracker.replace(Kind.ENDPOINT_SLICE, [])
+    syncer = Syncer(
+        tracker=tracker,
+        rules=rules,
+        listener_factory=Factory(),
+        options=SyncerOptions(
+            listen_hosts=hosts,
+            node_name="node-a",
+            laptop=laptop,
+            port_range=range(40000, 40100),
+            default_algorithm=LbAlgorithm.ROUND_ROBIN,
+            dataplane=DataplaneSettings(),
+            link=link,
+            on_table=rows.extend,
+        ),
+    )
+    return tracker, syncer, rules, link, rows
+
+
+def family_eps(syncer: Syncer, family: IPFamily, name: str = "web") -> list[str]:
+    fp = syncer.ports[spn(name)].families[family]
+    return sorted(e.ip for e in fp.balancer.endpoints(Traffic.CLUSTER))
+
+
+async def test_each_family_has_its_listener_balancer_and_portals() -> None:
+    tracker, syncer, rules, link, _ = make_dual()
+    tracker.upsert(Kind.SERVICE, dual_service())
+    for s in dual_slices():
+        tracker.upsert(Kind.ENDPOINT_SLICE, s)
+    await syncer.sync()
+    pp = syncer.ports[spn("web")]
+    assert list(pp.families) == [V4, V6]  # the primary family first
+    v4, v6 = pp.families[V4], pp.families[V6]
+    assert v4.cluster is not None and v4.cluster.host == "0.0.0.0"
+    assert v6.cluster is not None and v6.cluster.host == "::"
+    # Each family's balancer holds that family's endpoints only; so do the workers'.
+    assert family_eps(syncer, V4) == ["10.1.0.1", "10.1.0.2"]
+    assert family_eps(syncer, V6) == ["fd00:1::1", "fd00:1::2"]
+    assert [e.ip for e in link.endpoints[(spn("web"), V6)]] == ["fd00:1::1", "fd00:1::2"]
+    # Every address leads to its own family's proxy port, and the node port is one portal
+    # per family; LoadBalancer IPs carry their family's source ranges.
+    by_address = {(p.kind, p.ip, p.node_family): p for p in rules.syncs[-1]}
+    port = {V4: v4.cluster.port, V6: v6.cluster.port}
+    for kind, ip in (
+        (PortalKind.CLUSTER_IP, "10.96.0.10"),
+        (PortalKind.CLUSTER_IP, "fd00:96::10"),
+        (PortalKind.EXTERNAL_IP, "2001:db8::5"),
+        (PortalKind.LB_INGRESS, "2001:db8::9"),
+    ):
+        portal = by_address[(kind, ip, V4)]
+        assert portal.proxy_port == port[portal.family], portal
+    assert by_address[(PortalKind.LB_INGRESS, "2001:db8::9", V4)].source_ranges == (
+        "2001:db8:1::/48",
+    )
+    assert by_address[(PortalKind.LB_INGRESS, "198.51.100.9", V4)].source_ranges == (
+        "192.0.2.0/24",
+    )
+    node_ports = {p.node_family: p.proxy_port for p in rules.syncs[-1] if p.ip is None}
+    assert node_ports == port
+    # An endpoint change goes to the right family's balancer.
+    v6_only = endpoint_slice("web-v6", endpoints=[endpoint("fd00:1::7")], address_type="IPv6")
+    tracker.upsert(Kind.ENDPOINT_SLICE, v6_only)
+    assert syncer.apply_endpoints() == {spn("web")}
+    assert family_eps(syncer, V6) == ["fd00:1::7"]
+    assert family_eps(syncer, V4) == ["10.1.0.1", "10.1.0.2"]
+
+
+async def test_a_service_is_proxied_in_the_families_of_its_cluster_ips() -> None:
+    tracker, syncer, rules, link, _ = make_dual()
+    v6_only = service("six", cluster_ip="fd00:96::6")
+    tracker.upsert(Kind.SERVICE, v6_only)
+    tracker.upsert(Kind.SERVICE, dual_service())
+    for s in dual_slices():
+        tracker.upsert(Kind.ENDPOINT_SLICE, s)
+    await syncer.sync()
+    assert list(syncer.ports[spn("six")].families) == [V6]
+    # The service loses its IPv6 ClusterIP: its IPv6 listener, balancer and portals go.
+    v6_listener = syncer.ports[spn("web")].families[V6].cluster
+    tracker.upsert(Kind.SERVICE, service("web", cluster_ip="10.96.0.10"))
+    await syncer.sync()
+    assert list(syncer.ports[spn("web")].families) == [V4]
+    assert isinstance(v6_listener, FakeListener) and v6_listener.closed
+    assert (spn("web"), V6) in link.forgotten
+    assert {p.family for p in rules.syncs[-1] if p.service == spn("web")} == {V4}
+
+
+async def test_a_family_the_node_does_not_serve_is_left_out_with_one_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    tracker, syncer, rules, _, _ = make_dual(("0.0.0.0",))  # an IPv4-only node
+    tracker.upsert(Kind.SERVICE, dual_service())
+    tracker.upsert(Kind.SERVICE, service("six", cluster_ip="fd00:96::6"))
+    for s in dual_slices():
+        tracker.upsert(Kind.ENDPOINT_SLICE, s)
+    await syncer.sync()
+    assert list(syncer.ports[spn("web")].families) == [V4]
+    assert family_eps(syncer, V4) == ["10.1.0.1", "10.1.0.2"]  # never an IPv6 endpoint
+    assert {p.family for p in rules.syncs[-1]} == {V4}
+    assert spn("six") not in syncer.ports
+    tracker.upsert(Kind.SERVICE, service("six", cluster_ip="fd00:96::6", labels={"a": "b"}))
+    await syncer.sync()
+    lines = [r for r in caplog.records if "not proxied" in r.getMessage()]
+    assert len(lines) == 1 and "default/six" in str(lines[0].kv)  # type: ignore[attr-defined]
+
+
+async def test_laptop_listens_on_both_loopbacks() -> None:
+    tracker, syncer, rules, _, rows = make_dual(("127.0.0.1", "::1"), laptop=True)
+    tracker.upsert(Kind.SERVICE, dual_service())
+    for s in dual_slices():
+        tracker.upsert(Kind.ENDPOINT_SLICE, s)
+    await syncer.sync()
+    assert rows[-1].listen == "127.0.0.1:80, [::1]:80"  # the service's own port in each
+    assert rows[-1].endpoints == "10.1.0.1:8080, 10.1.0.2:8080, [fd00:1::1]:8080, [fd00:1::2]:8080"
+    assert rules.syncs[-1] == frozenset()

@@ -39,7 +39,7 @@ def test_union_of_three_slices_and_delete_one() -> None:
     assert calls == ["sync", "sync", "eps"]
 
 
-def test_dual_stack_slices_give_the_ipv4_endpoints_once() -> None:
+def test_dual_stack_slices_keep_both_families_once_per_address() -> None:
     t = Tracker()
     t.replace(Kind.SERVICE, [service(), service("v6only", cluster_ip="fd00::20")])
     pods = [("10.0.0.1", "fd00:1::1"), ("10.0.0.2", "fd00:1::2")]
@@ -50,14 +50,17 @@ def test_dual_stack_slices_give_the_ipv4_endpoints_once() -> None:
             endpoint_slice(
                 "web-v6", endpoints=[endpoint(v6) for _, v6 in pods], address_type="IPv6"
             ),
+            # The same IPv6 address again in another slice (mid-migration): listed once.
+            endpoint_slice("web-v6b", endpoints=[endpoint("fd00:1::2")], address_type="IPv6"),
             endpoint_slice(
                 "v6only-1", "v6only", endpoints=[endpoint("fd00:1::3")], address_type="IPv6"
             ),
         ],
     )
-    assert ips(t) == ["10.0.0.1", "10.0.0.2"]  # each pod once
+    # Each family's addresses once: the syncer gives each family's service addresses its own.
+    assert ips(t) == ["10.0.0.1", "10.0.0.2", "fd00:1::1", "fd00:1::2"]
     assert ips(t, ServicePortName("default", "v6only", "http", Protocol.TCP)) == ["fd00:1::3"]
-    # The IPv4 slice goes (the family is being removed): the IPv6 endpoints serve.
+    # The IPv4 slice goes (the family is being removed): the IPv6 endpoints stay.
     t.delete(Kind.ENDPOINT_SLICE, endpoint_slice("web-v4", endpoints=[]))
     assert ips(t) == ["fd00:1::1", "fd00:1::2"]
 

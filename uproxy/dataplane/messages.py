@@ -5,12 +5,18 @@ health, metrics); a worker only accepts, dials and relays. Between them is one n
 channel per worker, carrying the data-plane state as changes, in order:
 
     control -> worker   Configure       once, first: settings and how to choose endpoints
-                        SetEndpoints    a service port's spec and endpoints (its balancer)
+                        SetEndpoints    a service port's spec and one family's endpoints (the
+                                        balancer of that port and family)
                         OpenListener    + its listening socket (SCM_RIGHTS): start serving it
                         CloseListener   stop accepting; established connections carry on
                         Steer           ClientIP affinity switched on or off for a listener
-                        Forget          a service port is gone: drop its balancer
+                        Forget          a service port (in one family) is gone: drop its balancer
     worker -> control   Ready           the worker runs and has applied everything so far
+
+Dual-stack: a service port has a balancer per IP family (each family's service addresses go
+to that family's endpoints only) and listeners per family, so a worker keys its balancers by
+(service port, family) and its listeners by (service port, traffic, family); a listener of
+one family picks from the balancer of the same family.
 
 A worker never parses Kubernetes objects, runs a subprocess or touches rules: everything it
 knows arrives here. Counters go the other way through shared memory (``counters``), and a
@@ -38,7 +44,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from uproxy.dataplane.settings import DataplaneSettings
-from uproxy.model import Endpoint, LbAlgorithm, Protocol, ServicePort, ServicePortName, Traffic
+from uproxy.model import (
+    Endpoint,
+    IPFamily,
+    LbAlgorithm,
+    Protocol,
+    ServicePort,
+    ServicePortName,
+    Traffic,
+)
 
 log = logging.getLogger("uproxy.dataplane.messages")
 
@@ -58,6 +72,7 @@ class Configure:
 @dataclass(frozen=True, slots=True)
 class SetEndpoints:
     name: ServicePortName
+    family: IPFamily  # the balancer's: ``endpoints`` are all of this family
     port: ServicePort
     endpoints: tuple[Endpoint, ...]
 
@@ -68,13 +83,14 @@ class OpenListener:
 
     name: ServicePortName
     traffic: Traffic
-    family: int  # of the socket (its type follows from the protocol)
+    family: IPFamily  # of the socket (its type follows from the protocol) and its balancer
 
 
 @dataclass(frozen=True, slots=True)
 class CloseListener:
     name: ServicePortName
     traffic: Traffic
+    family: IPFamily
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,12 +100,14 @@ class Steer:
 
     name: ServicePortName
     traffic: Traffic
+    family: IPFamily
     workers: int
 
 
 @dataclass(frozen=True, slots=True)
 class Forget:
     name: ServicePortName
+    family: IPFamily
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,7 +262,8 @@ class Channel:
                     if message.name.protocol is Protocol.TCP
                     else socket.SOCK_DGRAM
                 )
-                sock = socket.socket(message.family, kind, 0, fileno=next(sockets))
+                family = socket.AF_INET6 if message.family is IPFamily.V6 else socket.AF_INET
+                sock = socket.socket(family, kind, 0, fileno=next(sockets))
             self._on_message(message, sock)
 
     def _lost(self, exc: BaseException | None) -> None:

@@ -5,7 +5,9 @@ first datagram from a client address creates a flow: a socket connected to the e
 the balancer picked, so the endpoint's replies arrive on a socket that already identifies
 the client. Replies leave through the listener socket, from the address the client sent
 to: behind REDIRECT, conntrack only turns the reply's source back into the ClusterIP if it
-comes from the address the request was delivered to.
+comes from the address the request was delivered to. The same holds for IPv6 (REDIRECT in
+ip6tables or an ``ip6`` nft table delivers to an address of the incoming interface):
+IPV6_RECVPKTINFO tells the destination, IPV6_PKTINFO sets the reply's source.
 
 Why raw sockets with ``loop.add_reader`` rather than ``DatagramProtocol``: to pick a reply's
 source address on a wildcard-bound socket we need ``recvmsg``/``sendmsg`` with IP_PKTINFO
@@ -93,6 +95,23 @@ class UdpFlow:
                 pass  # a full send buffer drops the reply, as the network would
 
 
+def reply_pktinfo(ancdata: list[tuple[int, int, bytes]]) -> list[tuple[int, int, bytes]]:
+    """Ancillary data that makes a reply leave from the request's destination address."""
+    for level, kind, data in ancdata:
+        if level == socket.IPPROTO_IP and kind == IP_PKTINFO and len(data) >= 12:
+            # struct in_pktinfo {int ifindex; in_addr spec_dst; in_addr addr}: send from
+            # addr (the request's destination) and let routing choose the interface.
+            return [(level, kind, struct.pack("=i4s4s", 0, data[8:12], bytes(4)))]
+        if level == socket.IPPROTO_IPV6 and kind == socket.IPV6_PKTINFO and len(data) >= 20:
+            # struct in6_pktinfo {in6_addr addr; int ifindex}: send from addr; the interface
+            # is routing's choice too, unless the address is link-local (only meaningful on
+            # its own link).
+            addr = data[:16]
+            link_local = addr[0] == 0xFE and addr[1] & 0xC0 == 0x80
+            return [(level, kind, addr + (data[16:20] if link_local else bytes(4)))]
+    return []
+
+
 class UdpListener:
     """One UDP proxy port of one service port and traffic class."""
 
@@ -127,6 +146,7 @@ class UdpListener:
         self.bytes_to_endpoint = metrics.BYTES.labels(service, "to_endpoint")
         self.bytes_to_client = metrics.BYTES.labels(service, "to_client")
         self._flows_gauge = metrics.UDP_FLOWS.labels(service)
+        self._flows_counted = 0  # this listener's share of the gauge
         self._new_flows = metrics.CONNECTIONS.labels(service, name.protocol.value, "ok")
         self._refused = metrics.CONNECTIONS.labels(service, name.protocol.value, "no_endpoints")
         self._failed = metrics.CONNECTIONS.labels(service, name.protocol.value, "dial_failed")
@@ -197,17 +217,6 @@ class UdpListener:
         """Live UDP flows."""
         return len(self.flows)
 
-    def _reply_pktinfo(self, ancdata: list[tuple[int, int, bytes]]) -> list[tuple[int, int, bytes]]:
-        """Ancillary data that makes a reply leave from the request's destination address."""
-        for level, kind, data in ancdata:
-            if level == socket.IPPROTO_IP and kind == IP_PKTINFO and len(data) >= 12:
-                # struct in_pktinfo {int ifindex; in_addr spec_dst; in_addr addr}: send from
-                # addr (the request's destination) and let routing choose the interface.
-                return [(level, kind, struct.pack("=i4s4s", 0, data[8:12], bytes(4)))]
-            if level == socket.IPPROTO_IPV6 and kind == socket.IPV6_PKTINFO:
-                return [(level, kind, data[:20])]  # in6_pktinfo: send as received
-        return []
-
     def _on_datagrams(self) -> None:
         sock = self.sock
         if sock is None:
@@ -243,7 +252,7 @@ class UdpListener:
                 pass  # dropped, as a full network queue would
             except OSError:
                 self.drop_flow(flow)  # e.g. ECONNREFUSED from an earlier datagram
-        self._flows_gauge.value = len(flows)
+        self._count_flows()
 
     def _new_flow(
         self,
@@ -288,7 +297,7 @@ class UdpListener:
             self._failed.value += 1
             self.balancer.dial_failed(client[0], ep)
             return None
-        reply_anc = self._reply_pktinfo(ancdata) if ancdata is not None else None
+        reply_anc = reply_pktinfo(ancdata) if ancdata is not None else None
         flow = UdpFlow(self, client, ep, sock, reply_anc or None, now)
         self.loop.add_reader(sock.fileno(), flow.on_reply)
         self._new_flows.value += 1
@@ -304,9 +313,17 @@ class UdpListener:
         deadline = self.loop.time() - self.settings.udp_timeout_s
         for flow in [f for f in self.flows.values() if f.last <= deadline]:
             self.drop_flow(flow)
-        self._flows_gauge.value = len(self.flows)
+        self._count_flows()
         if self.flows and self.sock is not None:
             self._sweeper = self.loop.call_later(self._sweep_interval(), self._sweep)
+
+    def _count_flows(self) -> None:
+        """Add this listener's change to the service port's gauge: a UDP service port has a
+        listener per traffic class and IP family, all counted in the one series."""
+        n = len(self.flows)
+        if n != self._flows_counted:
+            self._flows_gauge.value += n - self._flows_counted
+            self._flows_counted = n
 
     def drop_flow(self, flow: UdpFlow) -> None:
         if self.flows.get(flow.client) is flow:
@@ -329,7 +346,7 @@ class UdpListener:
             self._sweeper = None
         for flow in list(self.flows.values()):
             self.drop_flow(flow)
-        self._flows_gauge.value = 0
+        self._count_flows()
 
     async def shutdown(self, timeout: float) -> None:
         """Close at once: UDP has no connections to drain (``timeout`` is for symmetry)."""

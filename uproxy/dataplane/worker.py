@@ -3,9 +3,10 @@
 Started by the control process (``uproxy.workers``) as ``python -m uproxy.dataplane.worker``
 with three inherited fds: its end of the channel and the two memfds of its counters. It
 learns everything from the channel (``messages``): its settings, each service port's
-endpoints (one ``Balancer`` per service port, the same class the in-process data plane
-uses) and the listening sockets it serves, each one socket of a SO_REUSEPORT group whose
-other sockets belong to the other workers.
+endpoints (one ``Balancer`` per service port and IP family, the same class the in-process
+data plane uses) and the listening sockets it serves, each one socket of a SO_REUSEPORT group
+whose other sockets belong to the other workers. A listener uses the balancer of its own
+family: an IPv6 proxy port never dials an IPv4 endpoint.
 
 Signals: SIGTERM drains (listeners close at once, established connections get up to the
 drain timeout, all listeners in parallel), then the worker exits. SIGINT is ignored: Ctrl-C
@@ -42,7 +43,7 @@ from uproxy.dataplane.messages import (
     Steer,
 )
 from uproxy.log import V2, kv
-from uproxy.model import ServicePortName, Traffic
+from uproxy.model import IPFamily, ServicePortName, Traffic
 
 if TYPE_CHECKING:  # imported at run time only after metrics.share() (they bind label sets)
     from uproxy.dataplane.tcp import TcpListener
@@ -93,8 +94,10 @@ class Worker:
         self._channel_fd = channel_fd
         self.index = index
         self.config: Configure | None = None
-        self.balancers: dict[ServicePortName, Balancer] = {}
-        self.listeners: dict[tuple[ServicePortName, Traffic], TcpListener | UdpListener] = {}
+        self.balancers: dict[tuple[ServicePortName, IPFamily], Balancer] = {}
+        self.listeners: dict[
+            tuple[ServicePortName, Traffic, IPFamily], TcpListener | UdpListener
+        ] = {}
         # Closed (no longer accepting) but maybe still relaying: a stop drains them too.
         self.closing: list[TcpListener | UdpListener] = []
         self._stop = asyncio.Event()
@@ -140,20 +143,22 @@ class Worker:
         elif isinstance(message, OpenListener) and sock is not None:
             self._open(message, sock)
         elif isinstance(message, CloseListener):
-            listener = self.listeners.pop((message.name, message.traffic), None)
+            key = (message.name, message.traffic, message.family)
+            listener = self.listeners.pop(key, None)
             if listener is not None:
                 listener.close()
                 self.closing = [lst for lst in self.closing if lst.active] + [listener]
         elif isinstance(message, Steer):
             self._steer(message)
         elif isinstance(message, Forget):
-            self.balancers.pop(message.name, None)
+            self.balancers.pop((message.name, message.family), None)
 
     def _set_endpoints(self, message: SetEndpoints) -> None:
         config = self._configured()
-        balancer = self.balancers.get(message.name)
+        key = (message.name, message.family)
+        balancer = self.balancers.get(key)
         if balancer is None:
-            balancer = self.balancers[message.name] = Balancer(
+            balancer = self.balancers[key] = Balancer(
                 message.name,
                 node_name=config.node_name,
                 default_algorithm=config.default_algorithm,
@@ -163,8 +168,8 @@ class Worker:
 
     def _open(self, message: OpenListener, sock: socket.socket) -> None:
         config = self._configured()
-        balancer = self.balancers[message.name]
-        key = (message.name, message.traffic)
+        balancer = self.balancers[(message.name, message.family)]
+        key = (message.name, message.traffic, message.family)
         old = self.listeners.pop(key, None)
         if old is not None:
             old.close()
@@ -181,7 +186,7 @@ class Worker:
     def _steer(self, message: Steer) -> None:
         from uproxy.dataplane.sockets import steer, unsteer
 
-        listener = self.listeners.get((message.name, message.traffic))
+        listener = self.listeners.get((message.name, message.traffic, message.family))
         sock = listener.socket if listener is not None else None
         if sock is None:
             return

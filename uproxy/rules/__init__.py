@@ -1,14 +1,15 @@
 """Rules backends: how traffic to service addresses is steered into uproxy's proxy ports.
 
 ``make_backend`` maps the ``--rules`` flag to a backend; ``cleanup_all`` is ``uproxy
---cleanup``: it removes whatever any backend ever installed, uproxy's nft tables and its
-chains in either iptables variant, and nothing else.
+--cleanup``: it removes whatever any backend ever installed, uproxy's nft tables (``ip`` and
+``ip6``) and its chains in either iptables variant of either family (``iptables`` and
+``ip6tables``), and nothing else.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 from uproxy.rules.base import (
     NO_LOCAL_TRAFFIC,
@@ -17,12 +18,13 @@ from uproxy.rules.base import (
     PortalKind,
     RulesBackend,
     RulesError,
+    Stack,
 )
 from uproxy.rules.nftables import NftablesBackend, cleanup_tables
 from uproxy.rules.none import NoRules
 from uproxy.rules.portals import ANY_IPV4
 from uproxy.rules.pyiptables import IptcBackend
-from uproxy.rules.restore import MODES, RestoreBackend, cleanup_mode
+from uproxy.rules.restore import FAMILIES, MODES, RestoreBackend, cleanup_mode
 
 __all__ = [
     "BACKEND_NAMES",
@@ -35,6 +37,7 @@ __all__ = [
     "RestoreBackend",
     "RulesBackend",
     "RulesError",
+    "Stack",
     "cleanup_all",
     "make_backend",
 ]
@@ -47,14 +50,18 @@ BACKEND_NAMES = ("auto", "iptables-restore", "nftables", "iptables", "none")
 def make_backend(
     name: str,
     *,
-    host_ip: str,
+    host_ip: str | Sequence[str],
     iptables_mode: str = "auto",
-    listen_ip: str = ANY_IPV4,
+    listen_ip: str | Sequence[str] = ANY_IPV4,
     dial_mark: int = 0,
     nodeport_cidrs: Collection[str] = (),
     local: LocalTraffic = NO_LOCAL_TRAFFIC,
 ) -> RulesBackend:
     """The backend for ``--rules NAME``; RulesError naming the choices for an unknown one.
+
+    ``host_ip`` is the node address the node's own traffic is DNATed to, one per IP family
+    the rules serve (a single address: one family); ``listen_ip`` where each family's proxy
+    ports listen (a family not named: any address of it, so REDIRECT).
 
     ``dial_mark`` is the packet mark on uproxy's own dials (``--dial-mark``): the host portal
     chains return on it first thing. 0: no such rule. ``nodeport_cidrs`` limit node ports to
@@ -86,14 +93,15 @@ def make_backend(
 
 async def cleanup_all() -> bool:
     """Remove uproxy's nft tables and every uproxy jump, rule and chain from nft and legacy
-    iptables.
+    iptables and ip6tables.
 
     The python-iptables backend writes the legacy tables, so the legacy pass removes its rules
     too. Returns whether anything was removed; succeeds when nothing is installed.
     """
     removed = await cleanup_tables()
     for mode in MODES:
-        removed = await cleanup_mode(mode) or removed
+        for family in FAMILIES:
+            removed = await cleanup_mode(mode, family) or removed
     if not removed:
         log.info("No rules to remove")
     return removed

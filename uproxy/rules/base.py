@@ -13,7 +13,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Protocol as TypingProtocol
 
-from uproxy.model import Protocol, ServicePortName
+from uproxy.model import IPFamily, Protocol, ServicePortName, ip_family
 
 
 class PortalKind(enum.StrEnum):
@@ -33,6 +33,10 @@ class Portal:
     them, or the node itself) goes there, to every endpoint, as kube-proxy short-circuits it;
     only traffic from outside goes to ``proxy_port`` and the node's local endpoints.
     ``source_ranges`` (LoadBalancer IPs only) are the allowed clients; others are dropped.
+
+    A portal belongs to one IP family, and so do its rules (``iptables`` or ``ip6tables``,
+    ``table ip`` or ``table ip6``) and its proxy ports: the family of its address, or for a
+    node port (no address) ``node_family``, the family of the node addresses it answers on.
     """
 
     service: ServicePortName
@@ -42,10 +46,15 @@ class Portal:
     proxy_port: int  # where uproxy listens for this traffic
     cluster_proxy_port: int = 0  # where traffic from the cluster goes instead; 0: proxy_port
     source_ranges: tuple[str, ...] = ()  # CIDRs allowed to reach a LoadBalancer IP; (): all
+    node_family: IPFamily = IPFamily.V4  # a node port's family (others: their address's)
 
     @property
     def protocol(self) -> Protocol:
         return self.service.protocol
+
+    @property
+    def family(self) -> IPFamily:
+        return self.node_family if self.ip is None else ip_family(self.ip)
 
     @property
     def short_circuit(self) -> bool:
@@ -85,6 +94,18 @@ class LocalTraffic:
 
 
 NO_LOCAL_TRAFFIC = LocalTraffic()
+
+
+@dataclass(frozen=True, slots=True)
+class Stack:
+    """One IP family the rules serve: where the node's own traffic to a service address is
+    DNATed (``host_ip``: a node address of the family, never loopback, which would need
+    route_localnet, CVE-2020-8558), and where that family's proxy ports listen
+    (``listen_ip``; an unspecified address: traffic from elsewhere is REDIRECTed)."""
+
+    family: IPFamily
+    host_ip: str
+    listen_ip: str
 
 
 class RulesError(Exception):

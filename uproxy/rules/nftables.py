@@ -4,9 +4,14 @@ Why a table of its own and maps: in an iptables chain every new connection walks
 rules one by one, so its cost grows with the number of services (at 10,000 services a legacy
 chain kept 0.65x of the connection rate, an nft chain 0.31x). One lookup in an nft map costs
 the same at any size (8,968 vs 8,935 conn/s from 1 to 10,000 services). The table is programmed
-with ``nft -f -``, one transaction per sync, and touches nothing outside ``table ip uproxy``.
+with ``nft -f -``, one transaction per sync, and touches nothing outside uproxy's tables.
 
-The table (the ``ip`` family; an ``ip6`` twin differs only in the ``Family`` parameters)::
+One table per IP family the node serves: ``table ip uproxy`` for IPv4 and its twin ``table ip6
+uproxy`` for IPv6, which differs only in the ``Family`` parameters (address types, ``ip6
+daddr``, DNAT to ``[node address]:port``). Both are written in one transaction per sync, so
+one generation step covers both and a sync is still one ``nft`` process.
+
+The IPv4 table (the IPv6 one has ``ipv6_addr`` and ``ip6 daddr/saddr`` where this has IPv4)::
 
     table ip uproxy {
       map cluster-ips   ipv4_addr . inet_proto . inet_service : inet_service
@@ -92,12 +97,20 @@ import logging
 import shutil
 import socket
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from uproxy.model import IPFamily
 from uproxy.rules import command
-from uproxy.rules.base import NO_LOCAL_TRAFFIC, LocalTraffic, Portal, PortalKind, RulesError
+from uproxy.rules.base import (
+    NO_LOCAL_TRAFFIC,
+    LocalTraffic,
+    Portal,
+    PortalKind,
+    RulesError,
+    Stack,
+)
 from uproxy.rules.portals import (
     ANY_IPV4,
     DIAL_MARK_COMMENT,
@@ -106,6 +119,8 @@ from uproxy.rules.portals import (
     narrowing,
     portal_key,
     source_ranges,
+    split_by_family,
+    stacks,
 )
 from uproxy.rules.restore import MODES, cleanup_mode
 from uproxy.rules.watch import FULL_SYNC_PERIOD_S, GenerationWatch, Token, Watch
@@ -190,6 +205,7 @@ def network_text(net: ipaddress.IPv4Network | ipaddress.IPv6Network) -> str:
 IPV4 = Family("ip", "ipv4_addr", "ip daddr", socket.AF_INET, "ip saddr", 4)
 IPV6 = Family("ip6", "ipv6_addr", "ip6 daddr", socket.AF_INET6, "ip6 saddr", 6)
 FAMILIES = (IPV4, IPV6)  # what cleanup removes
+FAMILY_OF = {IPFamily.V4: IPV4, IPFamily.V6: IPV6}
 
 Key = tuple[str | int, ...]
 
@@ -639,99 +655,140 @@ async def cleanup_tables(families: Iterable[Family] = FAMILIES) -> bool:
     return True
 
 
+class _Table:
+    """One family's table: its layout, how its elements are built, and what is installed."""
+
+    def __init__(self, stack: Stack, options: dict[str, Any], local: LocalTraffic) -> None:
+        self.stack = stack
+        self.family = FAMILY_OF[stack.family]
+        self.layout = _layout(self.family, stack, options, local)
+        self.builder = ElementBuilder(self.family)
+        self.installed: Elements | None = None  # None: not known to hold anything of ours
+
+    @property
+    def where(self) -> str:
+        return f"{self.family.table} {TABLE}"
+
+
 class NftablesBackend:
-    """Programs the portals into ``table ip uproxy`` with ``nft -f -``."""
+    """Programs the portals into ``table ip uproxy`` (and ``table ip6 uproxy``) with
+    ``nft -f -``, one transaction per sync for every family."""
 
     name = "nftables"
 
     def __init__(
         self,
         *,
-        host_ip: str,
-        listen_ip: str = ANY_IPV4,
+        host_ip: str | Sequence[str],
+        listen_ip: str | Sequence[str] = ANY_IPV4,
         dial_mark: int = 0,
         nodeport_cidrs: Collection[str] = (),
         local: LocalTraffic = NO_LOCAL_TRAFFIC,
-        family: Family = IPV4,
         watch: Watch | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._options: dict[str, Any] = {
-            "host_ip": host_ip,
-            "listen_ip": listen_ip,
             "dial_mark": dial_mark,
             "nodeport_cidrs": tuple(nodeport_cidrs),
         }
-        self.layout = _layout(family, self._options, local)
+        try:
+            served = stacks(host_ip, listen_ip)
+        except ValueError as exc:
+            raise RulesError(str(exc)) from None
+        self._tables = {s.family: _Table(s, self._options, local) for s in served}
         self.local = local
-        self.family = family
-        self.host_ip = host_ip
-        self.listen_ip = listen_ip
-        self._builder = ElementBuilder(family)
+        self.host_ip = served[0].host_ip
+        self.listen_ip = served[0].listen_ip
         self._watch = watch if watch is not None else GenerationWatch()
         self._clock = clock
         self._lock = asyncio.Lock()
-        self._installed: Elements | None = None  # None: nothing of ours installed (as far as known)
-        self._damaged = False  # the table does not hold _installed: the next sync loads it whole
-        self._reload = False  # the layout changed: the next sync loads the table whole
+        self._damaged = False  # the tables do not hold what was installed: load them whole
+        self._reload = False  # the layout changed: the next sync loads the tables whole
         self._last_full = float("-inf")
         self._conflicts: frozenset[str] = frozenset()
         self.transactions = 0  # nft -f runs, failed ones included
         self.full_loads = 0
 
+    @property
+    def families(self) -> tuple[IPFamily, ...]:
+        return tuple(self._tables)
+
+    @property
+    def layout(self) -> Layout:
+        """The first family's layout (the only one on a single-stack node)."""
+        return next(iter(self._tables.values())).layout
+
     def set_local_traffic(self, local: LocalTraffic) -> None:
-        """A new layout (its pod rules change): the next sync loads the table whole."""
+        """New layouts (their pod rules change): the next sync loads the tables whole."""
         if local != self.local:
-            self.layout = _layout(self.family, self._options, local)
+            for table in self._tables.values():
+                table.layout = _layout(table.family, table.stack, self._options, local)
             self.local = local
             self._reload = True
 
     @property
     def _where(self) -> str:
-        return f"{self.family.table} {TABLE}"
+        return ", ".join(t.where for t in self._tables.values())
+
+    @property
+    def _installed(self) -> bool:
+        return all(t.installed is not None for t in self._tables.values())
+
+    def _build(self, portals: Collection[Portal]) -> dict[IPFamily, Elements]:
+        split = split_by_family(portals, self._tables)
+        return {f: t.builder.build(split[f]) for f, t in self._tables.items()}
 
     async def sync(self, portals: Collection[Portal]) -> None:
         async with self._lock:
             try:
                 # Off the loop: building 10,000 portals' elements is ~60 ms of Python.
-                want = await asyncio.to_thread(self._builder.build, portals)
+                want = await asyncio.to_thread(self._build, portals)
             except ValueError as exc:
                 raise RulesError(str(exc)) from None
             self._report_conflicts()
-            installed = self._installed
-            if installed is not None and not await self._full_due():
-                text = render_delta(self.family, *diff(installed, want))
+            if self._installed and not await self._full_due():
+                text = "".join(
+                    render_delta(t.family, *diff(t.installed or {}, want[f]))
+                    for f, t in self._tables.items()
+                )
                 if not text:
                     return
                 try:
                     await self._commit(text, before=self._watch.marked)
                 except RulesError as exc:
                     log.info(
-                        "Updating the nft table failed, loading it whole",
+                        "Updating the nft tables failed, loading them whole",
                         extra={"kv": {"err": str(exc)}},
                     )
                 else:
-                    self._installed = want
+                    self._set_installed(want)
                     return
             await self._load(want)
 
+    def _set_installed(self, want: Mapping[IPFamily, Elements] | None) -> None:
+        for family, table in self._tables.items():
+            table.installed = want[family] if want is not None else None
+
     async def _full_due(self) -> bool:
-        if self._installed is None or self._damaged or self._reload:
+        if self._damaged or self._reload:
             return True
         if self._clock() - self._last_full >= FULL_SYNC_PERIOD_S:
             return True
         return self._watch.changed() and not await self._intact()
 
-    async def _load(self, want: Elements) -> None:
+    def _render_full(self, want: Mapping[IPFamily, Elements]) -> str:
+        return "".join(render_full(t.layout, want[f]) for f, t in self._tables.items())
+
+    async def _load(self, want: Mapping[IPFamily, Elements]) -> None:
         try:
-            text = await asyncio.to_thread(render_full, self.layout, want)
+            text = await asyncio.to_thread(self._render_full, want)
             await self._commit(text, before=self._watch.read())
         except RulesError as exc:
-            self._installed = None
+            self._set_installed(None)
             raise RulesError(f"cannot load table {self._where}: {exc}") from None
         if self._damaged:
-            log.info("Reloaded the nft table", extra={"kv": {"table": self._where}})
-        self._installed = want
+            log.info("Reloaded the nft tables", extra={"kv": {"table": self._where}})
+        self._set_installed(want)
         self._damaged = self._reload = False
         self._last_full = self._clock()
         self.full_loads += 1
@@ -748,9 +805,12 @@ class NftablesBackend:
     async def _intact(self) -> bool:
         """The real check: chains, their rule counts, maps and sets, without elements."""
         token = self._watch.read()
-        argv = ["nft", "-t", "-j", "list", "table", self.family.table, TABLE]
-        done = await command.run(argv, check=False)
-        ok = done.returncode == 0 and parse_skeleton(done.stdout) == self.layout.skeleton()
+        ok = True
+        for table in self._tables.values():
+            argv = ["nft", "-t", "-j", "list", "table", table.family.table, TABLE]
+            done = await command.run(argv, check=False)
+            ok = ok and done.returncode == 0
+            ok = ok and parse_skeleton(done.stdout) == table.layout.skeleton()
         if ok:
             self._watch.mark(token)
         else:
@@ -759,15 +819,15 @@ class NftablesBackend:
         return ok
 
     def _report_conflicts(self) -> None:
-        conflicts = frozenset(self._builder.conflicts)
+        conflicts = frozenset(c for t in self._tables.values() for c in t.builder.conflicts)
         for text in sorted(conflicts - self._conflicts):
             log.warning("Two portals want one map key, the first wins", extra={"kv": {"key": text}})
         self._conflicts = conflicts
 
     async def check(self) -> bool:
-        """Whether the table is still as last synced; no process unless someone committed."""
+        """Whether the tables are still as last synced; no process unless someone committed."""
         async with self._lock:
-            if self._installed is None:
+            if not self._installed:
                 return True
             if self._damaged:
                 return False
@@ -776,25 +836,29 @@ class NftablesBackend:
             return await self._intact()
 
     async def verify(self) -> bool:
-        """Full comparison with the last sync, elements included (lists the whole table)."""
+        """Full comparison with the last sync, elements included (lists the whole tables)."""
         async with self._lock:
-            if self._installed is None:
+            if not self._installed:
                 return True
-            argv = ["nft", "-j", "list", "table", self.family.table, TABLE]
-            done = await command.run(argv, check=False)
-            if done.returncode != 0:
-                return False
-            if parse_skeleton(done.stdout) != self.layout.skeleton():
-                return False
-            return parse_elements(done.stdout) == self._installed
+            for table in self._tables.values():
+                argv = ["nft", "-j", "list", "table", table.family.table, TABLE]
+                done = await command.run(argv, check=False)
+                if done.returncode != 0:
+                    return False
+                if parse_skeleton(done.stdout) != table.layout.skeleton():
+                    return False
+                if parse_elements(done.stdout) != table.installed:
+                    return False
+            return True
 
     async def cleanup(self) -> None:
         """Remove uproxy's nft tables and whatever the iptables backends installed."""
         async with self._lock:
             await cleanup_tables()
             for mode in MODES:
-                await cleanup_mode(mode)
-            self._installed = None
+                for family in IPFamily:
+                    await cleanup_mode(mode, family)
+            self._set_installed(None)
             self._damaged = False
             self._watch.forget()
 
@@ -802,8 +866,10 @@ class NftablesBackend:
         return None
 
 
-def _layout(family: Family, options: dict[str, Any], local: LocalTraffic) -> Layout:
+def _layout(family: Family, stack: Stack, options: dict[str, Any], local: LocalTraffic) -> Layout:
     try:
-        return Layout(family, **options, local=local)
+        return Layout(
+            family, host_ip=stack.host_ip, listen_ip=stack.listen_ip, **options, local=local
+        )
     except ValueError as exc:
         raise RulesError(str(exc)) from None

@@ -11,6 +11,11 @@ reservation binds each of those addresses rather than 0.0.0.0: the port stays fr
 programs on the other addresses, and a client reaching one of those finds nothing listening
 (a reservation listening on 0.0.0.0 would complete its handshake and then never answer).
 When no address of the node is in those CIDRs, ownership is still recorded, with no socket.
+
+Node ports are held per IP family: a service is proxied in the families of its ClusterIPs,
+and its node port answers on the node's addresses of those families only (an IPv4-only
+service's node port is free on the node's IPv6 addresses, as in kube-proxy). An IPv6 socket
+is IPv6-only, so ``::`` never takes the port on IPv4 addresses too.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from uproxy.model import Protocol, ServicePortName
+from uproxy.model import IPFamily, Protocol, ServicePortName, ip_family
 
 log = logging.getLogger("uproxy.rules.nodeports")
 
@@ -35,11 +40,12 @@ class _Reservation:
     socks: list[socket.socket]
 
 
-Key = tuple[Protocol, int]
+Key = tuple[Protocol, int, IPFamily]
 
 
 class NodePortReservations:
-    """Bound sockets per (protocol, node port): one per address in ``bind_ips``."""
+    """Bound sockets per (protocol, node port, family): one per address of that family in
+    ``bind_ips``."""
 
     def __init__(self, *, bind_ips: Sequence[str] = ("0.0.0.0",)) -> None:
         self.bind_ips = tuple(bind_ips)
@@ -51,26 +57,35 @@ class NodePortReservations:
     def __contains__(self, key: object) -> bool:
         return key in self._held
 
-    def owner(self, protocol: Protocol, port: int) -> ServicePortName | None:
-        held = self._held.get((protocol, port))
+    def owner(
+        self, protocol: Protocol, port: int, family: IPFamily = IPFamily.V4
+    ) -> ServicePortName | None:
+        held = self._held.get((protocol, port, family))
         return held.owner if held is not None else None
 
-    def _open(self, protocol: Protocol, port: int) -> list[socket.socket]:
-        """One socket per address, or none at all (OSError naming the address)."""
+    def _open(self, protocol: Protocol, port: int, family: IPFamily) -> list[socket.socket]:
+        """One socket per address of ``family``, or none at all (OSError naming the address)."""
+        ips = [ip for ip in self.bind_ips if ip_family(ip) is family]
         socks: list[socket.socket] = []
         try:
-            for ip in self.bind_ips:
+            for ip in ips:
                 socks.append(_bind(ip, protocol, port))
         except OSError as exc:
             for sock in socks:
                 sock.close()
-            where = f" on {self.bind_ips[len(socks)]}" if len(self.bind_ips) > 1 else ""
+            where = f" on {ips[len(socks)]}" if len(ips) > 1 else ""
             raise OSError(exc.errno, f"{exc.strerror or exc}{where}") from None
         return socks
 
-    def reserve(self, service: ServicePortName, protocol: Protocol, port: int) -> None:
+    def reserve(
+        self,
+        service: ServicePortName,
+        protocol: Protocol,
+        port: int,
+        family: IPFamily = IPFamily.V4,
+    ) -> None:
         """Hold ``port`` for ``service``; idempotent; NodePortError when it is taken."""
-        key = (protocol, port)
+        key = (protocol, port, family)
         held = self._held.get(key)
         if held is not None:
             if held.owner != service:
@@ -81,11 +96,11 @@ class NodePortReservations:
                 held.owner = service
             return
         try:
-            socks = self._open(protocol, port)
+            socks = self._open(protocol, port, family)
         except OSError as exc:
+            which = f"{port}/{protocol.value}" + (" (IPv6)" if family is IPFamily.V6 else "")
             raise NodePortError(
-                f"node port {port}/{protocol.value} for service {service} is not available: "
-                f"{exc.strerror or exc}"
+                f"node port {which} for service {service} is not available: {exc.strerror or exc}"
             ) from None
         self._held[key] = _Reservation(service, socks)
         log.debug(
@@ -93,9 +108,9 @@ class NodePortReservations:
             extra={"kv": {"service": str(service), "port": port, "protocol": protocol.value}},
         )
 
-    def release(self, protocol: Protocol, port: int) -> None:
+    def release(self, protocol: Protocol, port: int, family: IPFamily = IPFamily.V4) -> None:
         """Close the reservation for ``port`` (no-op when not held)."""
-        held = self._held.pop((protocol, port), None)
+        held = self._held.pop((protocol, port, family), None)
         if held is not None:
             for sock in held.socks:
                 sock.close()
@@ -105,9 +120,9 @@ class NodePortReservations:
         for key in [k for k in self._held if k not in desired]:
             self.release(*key)
         failures: list[NodePortError] = []
-        for (protocol, port), service in sorted(desired.items()):
+        for (protocol, port, family), service in sorted(desired.items()):
             try:
-                self.reserve(service, protocol, port)
+                self.reserve(service, protocol, port, family)
             except NodePortError as exc:
                 failures.append(exc)
         return failures
@@ -122,6 +137,8 @@ def _bind(ip: str, protocol: Protocol, port: int) -> socket.socket:
     kind = socket.SOCK_STREAM if protocol is Protocol.TCP else socket.SOCK_DGRAM
     sock = socket.socket(family, kind)
     try:
+        if family == socket.AF_INET6:  # "::" must not take the port on IPv4 addresses too
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
         if protocol is Protocol.TCP:
             # Lets us re-take a port with TIME_WAIT leftovers; still fails on a live listener.
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

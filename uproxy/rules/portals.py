@@ -47,17 +47,25 @@ dial to an address that happens to be a portal would be sent back into uproxy.
 
 Rules render in the exact canonical form ``iptables-save`` prints, so "installed == expected"
 is a plain text comparison.
+
+Each IP family has its own rule set, built from that family's portals: ``iptables`` for IPv4,
+``ip6tables`` for IPv6 (the same chains, comments and matches; addresses as ``/128``, DNAT to
+``[node address]:port``; REDIRECT works in ip6tables' nat PREROUTING too). The CIDRs of
+``--nodeport-addresses``, ``--cluster-cidr`` and ``loadBalancerSourceRanges`` count in their
+own family only: a family without node-port CIDRs answers on every address of that family,
+as in kube-proxy.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import socket
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from ipaddress import IPv4Network, IPv6Network
 
-from uproxy.rules.base import NO_LOCAL_TRAFFIC, LocalTraffic, Portal, PortalKind
+from uproxy.model import IPFamily, ip_family
+from uproxy.rules.base import NO_LOCAL_TRAFFIC, LocalTraffic, Portal, PortalKind, Stack
 
 NAT = "nat"
 FILTER = "filter"
@@ -85,6 +93,8 @@ _FIREWALL_COMMENT = "drop LoadBalancer traffic from outside its loadBalancerSour
 DIAL_MARK_COMMENT = "uproxy dials to endpoints skip the portals"
 
 ANY_IPV4 = "0.0.0.0"
+ANY_IPV6 = "::"
+ANY = {IPFamily.V4: ANY_IPV4, IPFamily.V6: ANY_IPV6}
 
 
 _PLAIN = frozenset("_-0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
@@ -314,6 +324,24 @@ def check_host_ip(host_ip: str) -> None:
         raise ValueError(f"host_ip must be a routable node address, not {host_ip}")
 
 
+def stacks(host_ip: str | Sequence[str], listen_ip: str | Sequence[str] = ANY_IPV4) -> list[Stack]:
+    """The families the rules serve: one per host address (at most one per family), each
+    with the listen address of its family (none given: any address of it)."""
+    hosts = [host_ip] if isinstance(host_ip, str) else list(host_ip)
+    listens = [listen_ip] if isinstance(listen_ip, str) else list(listen_ip)
+    out: list[Stack] = []
+    for host in hosts:
+        family = ip_family(host)
+        if any(s.family is family for s in out):
+            raise ValueError(f"two host addresses of {family.label}: {', '.join(hosts)}")
+        check_host_ip(host)
+        listen = next((ip for ip in listens if ip_family(ip) is family), ANY[family])
+        out.append(Stack(family, host, listen))
+    if not out:
+        raise ValueError("no host address: the rules serve no IP family")
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class _Target:
     target: str
@@ -332,14 +360,30 @@ class Source:
 ANYWHERE = Source()
 
 
-def pod_sources(local: LocalTraffic) -> tuple[Source, ...]:
+def split_by_family(
+    portals: Collection[Portal], families: Collection[IPFamily]
+) -> dict[IPFamily, Collection[Portal]]:
+    """The portals of each family the rules serve.
+
+    With one family the collection itself is handed on (no copy: a builder recognises the
+    syncer's unchanged set), and a portal of the other family fails in that family's build.
+    """
+    if len(families) == 1:
+        return {next(iter(families)): portals}
+    out: dict[IPFamily, set[Portal]] = {f: set() for f in IPFamily}
+    for portal in portals:
+        out[portal.family].add(portal)
+    return {f: frozenset(out[f]) for f in families}
+
+
+def pod_sources(local: LocalTraffic, version: int = 4) -> tuple[Source, ...]:
     """The matches for traffic from pods (``--detect-local-mode``); none when not told apart.
 
-    One per IPv4 CIDR; an interface prefix as iptables writes it (``veth+``).
+    One per CIDR of this IP version; an interface prefix as iptables writes it (``veth+``).
     """
     if local.interface:
         return (Source(in_interface=local.interface + ("+" if local.prefix else "")),)
-    nets = collapse(local.cidrs)
+    nets = collapse(local.cidrs, version)
     if any(n.prefixlen == 0 for n in nets):
         return (ANYWHERE,)  # every source is a pod
     return tuple(Source(src=str(net)) for net in nets)
@@ -463,7 +507,7 @@ def _address_rules(portal: Portal, t: _Targets) -> Iterable[PortalRule]:
     """ClusterIP and LoadBalancer ingress IP (the latter with source ranges, maybe)."""
     to_cluster = t.from_container(portal.from_cluster_port)
     to_external = t.from_container(portal.proxy_port)
-    ranges = tuple(str(net) for net in source_ranges(portal))
+    ranges = tuple(str(net) for net in source_ranges(portal, portal.family.value))
     allowed: tuple[str | None, ...] = ranges or (None,)
     for cidr in allowed:
         for pods in within(cidr, t.pods_of(portal)):
@@ -483,7 +527,7 @@ def _rules_for(portal: Portal, targets: _Targets) -> Iterable[PortalRule]:
     return _address_rules(portal, targets)
 
 
-PortalKey = tuple[str, str, str, str, str, str, int, int, int, tuple[str, ...]]
+PortalKey = tuple[str, str, str, str, str, str, int, int, int, tuple[str, ...], int]
 
 
 def portal_key(p: Portal) -> PortalKey:
@@ -500,11 +544,13 @@ def portal_key(p: Portal) -> PortalKey:
         p.proxy_port,
         p.cluster_proxy_port,
         p.source_ranges,
+        p.node_family,
     )
 
 
 class RuleBuilder:
-    """Builds rule sets, remembering each portal's rules (and their text) between syncs.
+    """Builds one IP family's rule sets (the family of ``host_ip``), remembering each portal's
+    rules (and their text) between syncs.
 
     A sync at 10,000 service ports mostly repeats the last one; rebuilding 20,000 rules costs
     ~0.4 s of Python, looking them up ~20 ms. The memory is pruned to the current portals.
@@ -520,11 +566,15 @@ class RuleBuilder:
         local: LocalTraffic = NO_LOCAL_TRAFFIC,
     ) -> None:
         check_host_ip(host_ip)
+        self.family = ip_family(host_ip)
         redirect = _is_any(listen_ip)
+        if not redirect and ip_family(listen_ip) is not self.family:
+            raise ValueError(f"listen address {listen_ip} is not of the family of {host_ip}")
         host = host_ip if redirect else listen_ip
-        self._targets = _Targets(redirect, listen_ip, host, pod_sources(local))
+        version = self.family.value
+        self._targets = _Targets(redirect, listen_ip, host, pod_sources(local, version))
         self._mark_rules = dial_mark_rules(dial_mark)
-        self.jumps = make_jumps(tuple(str(n) for n in narrowing(nodeport_cidrs)))
+        self.jumps = make_jumps(tuple(str(n) for n in narrowing(nodeport_cidrs, version)))
         self._by_portal: dict[Portal, tuple[PortalRule, ...]] = {}
         self._last: tuple[frozenset[Portal], RuleSet] | None = None
         self.lines: dict[PortalRule, str] = {}
@@ -546,10 +596,7 @@ class RuleBuilder:
         for portal in sorted(portals, key=portal_key):
             rules = self._by_portal.get(portal)
             if rules is None:
-                if portal.kind is not PortalKind.NODE_PORT and portal.ip is None:
-                    raise ValueError(
-                        f"portal of kind {portal.kind} for {portal.service} has no address"
-                    )
+                self._check(portal)
                 rules = tuple(_rules_for(portal, self._targets))
             by_portal[portal] = rules
             for rule in rules:
@@ -561,6 +608,15 @@ class RuleBuilder:
         # Stable per chain: group by chain in the fixed chain order, keeping portal order within.
         ordered.sort(key=lambda r: _CHAIN_ORDER[r.chain])
         return RuleSet(jumps=self.jumps, rules=tuple(ordered))
+
+    def _check(self, portal: Portal) -> None:
+        if portal.kind is not PortalKind.NODE_PORT and portal.ip is None:
+            raise ValueError(f"portal of kind {portal.kind} for {portal.service} has no address")
+        if portal.family is not self.family:
+            raise ValueError(
+                f"portal {portal.ip or portal.port} of {portal.service} is {portal.family.label}, "
+                f"these rules are {self.family.label}"
+            )
 
 
 _CHAIN_ORDER = {c: i for i, c in enumerate(c for t in TABLES for c in CHAINS[t])}

@@ -22,6 +22,15 @@ Whether anything changed at all is read from the legacy tables' shape (``watch``
 the same portals with the tables as uproxy's own last commit left them does nothing (no 40 ms
 table rewrite every periodic sync), and ``check`` runs ``iptables-legacy-save`` only when the
 shape moved. The shape is taken still under the xtables lock, right after the commit.
+
+IPv6 goes to the legacy ip6 tables (``iptc.Table6``, ``iptc.Rule6``; ``ip6tables-legacy-save``
+shows them). One process can program one family only: libxtables up to 1.8.10 (Debian 12 has
+1.8.9) registers an extension for the IP family that is current when its library is first
+loaded, and the NAT targets (REDIRECT, DNAT) have one definition per family, so the second
+family would never find them ("can't find target"), and loading them again aborts the
+process. The first family the node serves therefore runs on the backend's worker thread, and
+a second one in a child process of its own (started once, with ``spawn``: a fresh libxtables),
+which runs the very same worker code.
 """
 
 from __future__ import annotations
@@ -31,15 +40,18 @@ import difflib
 import errno
 import fcntl
 import logging
+import multiprocessing
 import os
 import time
-from collections.abc import Callable, Collection, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Collection, Iterator, Sequence
+from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from typing import Any
 
+from uproxy.model import IPFamily
 from uproxy.rules import command
-from uproxy.rules.base import NO_LOCAL_TRAFFIC, LocalTraffic, Portal, RulesError
+from uproxy.rules.base import NO_LOCAL_TRAFFIC, LocalTraffic, Portal, RulesError, Stack
 from uproxy.rules.portals import (
     ALL_CHAINS,
     ANY_IPV4,
@@ -51,7 +63,10 @@ from uproxy.rules.portals import (
     RuleSet,
     insert_positions,
     mark_match,
+    split_by_family,
+    stacks,
 )
+from uproxy.rules.restore import program
 from uproxy.rules.saved import matches, parse_save
 from uproxy.rules.watch import FULL_SYNC_PERIOD_S, LegacyWatch, Token, Watch
 
@@ -60,7 +75,7 @@ log = logging.getLogger("uproxy.rules.pyiptables")
 DEFAULT_LOCKFILE = "/run/xtables.lock"
 LOCK_TIMEOUT_S = 10.0
 COMMIT_ATTEMPTS = 5
-_TABLE_NAMES = "/proc/net/ip_tables_names"
+_TABLE_NAMES = {IPFamily.V4: "/proc/net/ip_tables_names", IPFamily.V6: "/proc/net/ip6_tables_names"}
 
 
 def lockfile_path() -> str:
@@ -109,19 +124,24 @@ def _is_eagain(exc: Exception) -> bool:
     return "temporarily unavailable" in str(exc) or getattr(exc, "errno", None) == errno.EAGAIN
 
 
-def _existing_tables() -> set[str]:
+def _existing_tables(family: IPFamily) -> set[str]:
     try:
-        with open(_TABLE_NAMES) as fh:
+        with open(_TABLE_NAMES[family]) as fh:
             return {line.strip() for line in fh if line.strip()}
     except OSError:
         return set()
 
 
 class _Worker:
-    """Everything that touches libiptc; runs only on the backend's single worker thread."""
+    """Everything that touches libiptc for one family; runs only on the backend's single
+    worker thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, family: IPFamily = IPFamily.V4) -> None:
         self.iptc = _import_iptc()
+        self.family = family
+        v6 = family is IPFamily.V6
+        self.table_class: Any = self.iptc.Table6 if v6 else self.iptc.Table
+        self.rule_class: Any = self.iptc.Rule6 if v6 else self.iptc.Rule
         self.cache: dict[PortalRule, tuple[Any, Any]] = {}
         # What the last successful sync left in each chain; None: unknown, rewrite whole.
         self.installed: dict[str, list[PortalRule]] | None = None
@@ -141,7 +161,7 @@ class _Worker:
 
     def _build(self, rule: PortalRule) -> Any:
         # Match.parse directly: attribute assignment does the same plus a dir() per call.
-        r = self.iptc.Rule()
+        r = self.rule_class()
         if rule.src is not None:
             r.src = rule.src
         if rule.dst is not None:
@@ -169,7 +189,7 @@ class _Worker:
         return r
 
     def _jump(self, jump: JumpRule) -> Any:
-        r = self.iptc.Rule()
+        r = self.rule_class()
         if jump.dst is not None:
             r.dst = jump.dst
         if jump.ct_new:
@@ -188,12 +208,12 @@ class _Worker:
         out of nowhere). Its per-class cache of "available" tables is the one knob: uproxy's
         chains and the jumps into them live only in nat and filter.
         """
-        self.iptc.Table.existing_table_names.update(
-            {name: name in names for name in self.iptc.Table.ALL}
+        self.table_class.existing_table_names.update(
+            {name: name in names for name in self.table_class.ALL}
         )
 
     def _table(self, name: str) -> Any:
-        table = self.iptc.Table(name)
+        table = self.table_class(name)
         table.autocommit = False
         table.refresh()
         return table
@@ -305,7 +325,7 @@ class _Worker:
                 table.insert_entry(name, self._entry(rule)[0], i1 + offset)
 
     def cleanup(self) -> bool:
-        existing = _existing_tables()
+        existing = _existing_tables(self.family)
         self._scope_tables(existing & set(TABLES))
         removed = False
         for name in TABLES:
@@ -343,16 +363,16 @@ class _Worker:
 
 
 class IptcBackend:
-    """Programs the portal rules with python-iptables on the legacy tables."""
+    """Programs the portal rules with python-iptables on the legacy tables (ip and ip6)."""
 
     name = "iptables"
 
     def __init__(
         self,
         *,
-        host_ip: str,
+        host_ip: str | Sequence[str],
         mode: str = "auto",
-        listen_ip: str = ANY_IPV4,
+        listen_ip: str | Sequence[str] = ANY_IPV4,
         dial_mark: int = 0,
         nodeport_cidrs: Collection[str] = (),
         local: LocalTraffic = NO_LOCAL_TRAFFIC,
@@ -361,70 +381,107 @@ class IptcBackend:
     ) -> None:
         del mode  # legacy tables only; accepted for a uniform constructor
         self._options: dict[str, Any] = {
-            "host_ip": host_ip,
-            "listen_ip": listen_ip,
             "dial_mark": dial_mark,
             "nodeport_cidrs": tuple(nodeport_cidrs),
         }
-        self._builder = _builder(self._options, local)
+        try:
+            self._stacks = {s.family: s for s in stacks(host_ip, listen_ip)}
+        except ValueError as exc:
+            raise RulesError(str(exc)) from None
+        self._builders = {f: _builder(s, self._options, local) for f, s in self._stacks.items()}
         self.local = local
-        self.host_ip = host_ip
-        self.listen_ip = listen_ip
+        first = next(iter(self._stacks.values()))
+        self.host_ip = first.host_ip
+        self.listen_ip = first.listen_ip
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="uproxy-iptc")
-        self._worker: _Worker | None = None
+        self._child: Executor | None = None  # a second family's process
+        self._workers: dict[IPFamily, _Worker] = {}
         self._lock = asyncio.Lock()
-        self._installed: RuleSet | None = None
+        self._installed: dict[IPFamily, RuleSet] = {}
         self._full = True  # rewrite whole chains on the next sync (first sync, failed check)
-        self._watch = watch if watch is not None else LegacyWatch()
+        versions = [f.value for f in self._stacks]
+        self._watch = watch if watch is not None else LegacyWatch(versions=versions)
         self._committed: Token | None = None  # the watch's token right after our last commit
         self._clock = clock
         self._last_full = float("-inf")
         self.commits = 0
-        self.saves = 0  # iptables-legacy-save runs by check
+        self.saves = 0  # ip{,6}tables-legacy-save runs by check
+
+    @property
+    def families(self) -> tuple[IPFamily, ...]:
+        return tuple(self._stacks)
 
     def set_local_traffic(self, local: LocalTraffic) -> None:
         if local != self.local:
-            self._builder = _builder(self._options, local)
+            self._builders = {f: _builder(s, self._options, local) for f, s in self._stacks.items()}
             self.local = local
 
-    async def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        def call() -> Any:
-            if self._worker is None:
-                self._worker = _Worker()
-            try:
-                return getattr(self._worker, name)(*args, **kwargs)
-            except RulesError:
-                raise
-            except self._worker.iptc.IPTCError as exc:
-                raise _translate(exc) from None
+    async def _call(self, family: IPFamily, name: str, *args: Any, **kwargs: Any) -> Any:
+        """Run ``_Worker.name`` for ``family``: on the worker thread for the first family, in
+        the child process for a second one (see the module docstring)."""
+        loop = asyncio.get_running_loop()
+        if family is next(iter(self._stacks)):
+            return await loop.run_in_executor(
+                self._executor, self._in_thread, family, name, args, kwargs
+            )
+        if self._child is None:
+            context = multiprocessing.get_context("spawn")
+            self._child = ProcessPoolExecutor(1, context, _child_start, (family.value,))
+        try:
+            return await loop.run_in_executor(self._child, _child_call, name, args, kwargs)
+        except BrokenProcessPool:
+            self._child = None  # the next call starts a new one
+            raise RulesError(
+                f"the python-iptables process for {family.label} died; starting a new one"
+            ) from None
 
-        return await asyncio.get_running_loop().run_in_executor(self._executor, call)
+    def _in_thread(
+        self, family: IPFamily, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        worker = self._workers.get(family)
+        if worker is None:
+            worker = self._workers[family] = _Worker(family)
+        return _run(worker, name, args, kwargs)
+
+    def _build(self, portals: Collection[Portal]) -> dict[IPFamily, RuleSet]:
+        split = split_by_family(portals, self._stacks)
+        return {f: b.build(split[f]) for f, b in self._builders.items()}
 
     async def sync(self, portals: Collection[Portal]) -> None:
         """Edit the chains by difference; nothing at all when neither the portals nor the
         tables changed since uproxy's last commit (see ``watch``)."""
         async with self._lock:
             try:
-                ruleset = await asyncio.to_thread(self._builder.build, portals)  # off the loop
+                rulesets = await asyncio.to_thread(self._build, portals)  # off the loop
             except ValueError as exc:
                 raise RulesError(str(exc)) from None
             full = self._full or self._clock() - self._last_full >= FULL_SYNC_PERIOD_S
-            if not full and ruleset == self._installed and self._untouched():
+            changed = [f for f, r in rulesets.items() if r != self._installed.get(f)]
+            if not full and not changed and self._untouched():
                 return
-            if not full and self._installed is not None and self._watch.changed():
-                full = not await self._inspect(self._installed)  # edits need intact chains
-            self._committed = None
-            self.commits += 1
-            try:
-                token = await self._call("sync", ruleset, full=full, watch=self._watch)
-            except BaseException:
-                self._watch.forget()
-                raise
-            self._committed = token
-            self._installed = ruleset
+            if not full and self._installed and self._watch.changed():
+                full = not await self._inspect()  # edits need intact chains
+            todo = list(rulesets) if full or not changed else changed
+            await self._commit({f: rulesets[f] for f in todo}, full=full)
             self._full = False
             if full:
                 self._last_full = self._clock()
+
+    async def _commit(self, rulesets: dict[IPFamily, RuleSet], *, full: bool) -> None:
+        """Each family's chains; the watch is read after the last family's commit."""
+        self._committed = None
+        self.commits += 1
+        last = list(rulesets)[-1]
+        try:
+            for family, ruleset in rulesets.items():
+                watch = self._watch if family is last else None
+                token = await self._call(family, "sync", ruleset, full=full, watch=watch)
+                self._installed[family] = ruleset
+        except BaseException:
+            self._watch.forget()
+            raise
+        self._watch.mark(token)  # a child process marked its own copy of the watch
+        self._committed = token
 
     def _untouched(self) -> bool:
         return self._committed is not None and self._watch.read() == self._committed
@@ -438,18 +495,20 @@ class IptcBackend:
         A legacy save is cheap (~0.1 s at 20,000 rules).
         """
         async with self._lock:
-            if self._installed is None:
+            if not self._installed:
                 return True
             if not self._watch.changed():
                 return True
-            return await self._inspect(self._installed)
+            return await self._inspect()
 
-    async def _inspect(self, installed: RuleSet) -> bool:
-        """The real check: one ``iptables-legacy-save``; marks the watch when all is well."""
+    async def _inspect(self) -> bool:
+        """The real check: one legacy save per family; marks the watch when all is well."""
         token = self._watch.read()
-        self.saves += 1
-        saved = await command.run(["iptables-legacy-save"])
-        ok = matches(parse_save(saved.stdout), installed)
+        ok = True
+        for family, installed in self._installed.items():
+            self.saves += 1
+            saved = await command.run([program(family, "legacy", "-save")])
+            ok = ok and matches(parse_save(saved.stdout), installed)
         if ok:
             self._watch.mark(token)
         else:
@@ -459,15 +518,21 @@ class IptcBackend:
     async def verify(self) -> bool:
         """The real check, whatever the watch says."""
         async with self._lock:
-            if self._installed is None:
+            if not self._installed:
                 return True
-            return await self._inspect(self._installed)
+            return await self._inspect()
 
     async def cleanup(self) -> None:
+        """Remove what this backend installs, in the families it serves (``--cleanup``
+        removes every family's, with the restore programs)."""
         async with self._lock:
-            if await self._call("cleanup"):
-                log.info("Removed iptables rules", extra={"kv": {"mode": "legacy"}})
-            self._installed = None
+            for family in self._stacks:
+                if await self._call(family, "cleanup"):
+                    log.info(
+                        "Removed iptables rules",
+                        extra={"kv": {"mode": "legacy", "family": family.label}},
+                    )
+            self._installed = {}
             self._full = True
             self._committed = None
             self._watch.forget()
@@ -475,10 +540,35 @@ class IptcBackend:
     async def close(self) -> None:
         async with self._lock:
             self._executor.shutdown(wait=True)
+            if self._child is not None:
+                self._child.shutdown(wait=True)
 
 
-def _builder(options: dict[str, Any], local: LocalTraffic) -> RuleBuilder:
+def _run(worker: _Worker, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     try:
-        return RuleBuilder(**options, local=local)
+        return getattr(worker, name)(*args, **kwargs)
+    except RulesError:
+        raise
+    except worker.iptc.IPTCError as exc:
+        raise _translate(exc) from None
+
+
+_child_worker: _Worker | None = None  # in a second family's child process
+
+
+def _child_start(family: int) -> None:
+    global _child_worker
+    _child_worker = _Worker(IPFamily(family))
+
+
+def _child_call(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if _child_worker is None:
+        raise RulesError("python-iptables child process was not started")
+    return _run(_child_worker, name, args, kwargs)
+
+
+def _builder(stack: Stack, options: dict[str, Any], local: LocalTraffic) -> RuleBuilder:
+    try:
+        return RuleBuilder(host_ip=stack.host_ip, listen_ip=stack.listen_ip, **options, local=local)
     except ValueError as exc:
         raise RulesError(str(exc)) from None

@@ -11,6 +11,14 @@ has (an earlier ``--nodeport-addresses``) are deleted in that commit.
 nft or legacy: chosen the way kube-proxy's image does it (iptables-wrappers' DetectMode), so
 uproxy writes to the same variant as the kubelet; ``mode`` overrides it.
 
+Each IP family the node serves has its own rules, written with its own program:
+``iptables-{nft,legacy}-restore`` for IPv4, ``ip6tables-{nft,legacy}-restore`` for IPv6 (the
+same variant for both). A sync restores only the families whose rules changed, unless
+somebody else committed (then every family is read and rewritten); one change detector
+covers both families (the nf_tables generation is per namespace; the legacy shape reads
+both ``ip_tables`` and ``ip6_tables``). A restore input holds two tables, nat and filter, and
+each ``COMMIT`` is a transaction of its own: uproxy's restore moves the generation by two.
+
 Reading rules costs processes, so a change detector (``watch``: the nf_tables generation, or
 the shape of the legacy tables) decides when to read: ``check`` reads the four built-in
 chains only when somebody committed something since uproxy last looked, a sync skips that
@@ -25,11 +33,12 @@ import asyncio
 import logging
 import shutil
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
+from uproxy.model import IPFamily
 from uproxy.rules import command
-from uproxy.rules.base import NO_LOCAL_TRAFFIC, LocalTraffic, Portal, RulesError
+from uproxy.rules.base import NO_LOCAL_TRAFFIC, LocalTraffic, Portal, RulesError, Stack
 from uproxy.rules.portals import (
     ANY_IPV4,
     JUMP_CHAINS,
@@ -38,6 +47,8 @@ from uproxy.rules.portals import (
     RuleBuilder,
     RuleSet,
     restore_payload,
+    split_by_family,
+    stacks,
 )
 from uproxy.rules.saved import (
     SavedTable,
@@ -52,8 +63,15 @@ from uproxy.rules.watch import FULL_SYNC_PERIOD_S, Token, Watch, watch_for
 log = logging.getLogger("uproxy.rules.restore")
 
 MODES = ("nft", "legacy")
+FAMILIES = (IPFamily.V4, IPFamily.V6)  # what cleanup removes
 _HINTS = ("KUBE-IPTABLES-HINT", "KUBE-KUBELET-CANARY")
 LOCK_WAIT_S = 5
+_PROGRAMS = {IPFamily.V4: "iptables", IPFamily.V6: "ip6tables"}
+
+
+def program(family: IPFamily, mode: str, suffix: str = "") -> str:
+    """``iptables-nft``, ``ip6tables-legacy-restore``...: the binary for a family and mode."""
+    return f"{_PROGRAMS[family]}-{mode}{suffix}"
 
 
 def _has_hint(save_output: str) -> bool:
@@ -64,6 +82,7 @@ async def detect_mode() -> str:
     """nft when the kubelet's hint chain is in nft mangle; legacy when it is in legacy; else nft.
 
     The legacy probe saves *all* tables: ``-t mangle`` would create the legacy mangle table.
+    Both families follow the IPv4 variant (the kubelet writes its hint there).
     """
     if shutil.which("iptables-nft-save"):
         done = await command.run(["iptables-nft-save", "-t", "mangle"], check=False)
@@ -76,12 +95,17 @@ async def detect_mode() -> str:
     return "nft"
 
 
-async def save(mode: str) -> str:
-    """Every table of ``mode`` (does not create legacy tables)."""
-    return (await command.run([f"iptables-{mode}-save"])).stdout
+def supports(family: IPFamily) -> bool:
+    """Whether this host has the restore programs for ``family`` (in either variant)."""
+    return any(shutil.which(program(family, mode, "-restore")) for mode in MODES)
 
 
-async def builtin_rules(mode: str) -> dict[str, SavedTable]:
+async def save(mode: str, family: IPFamily = IPFamily.V4) -> str:
+    """Every table of ``mode`` in one family (does not create legacy tables)."""
+    return (await command.run([program(family, mode, "-save")])).stdout
+
+
+async def builtin_rules(mode: str, family: IPFamily = IPFamily.V4) -> dict[str, SavedTable]:
     """The rules of the built-in chains uproxy jumps from, as ``-A`` lines.
 
     ``-S CHAIN`` reads one chain: ~2 ms with nft at any number of services, where a full
@@ -89,71 +113,87 @@ async def builtin_rules(mode: str) -> dict[str, SavedTable]:
     """
     tables: dict[str, SavedTable] = {}
     for table, chain in JUMP_CHAINS:
-        argv = [f"iptables-{mode}", "-w", str(LOCK_WAIT_S), "-t", table, "-S", chain]
+        argv = [program(family, mode), "-w", str(LOCK_WAIT_S), "-t", table, "-S", chain]
         out = (await command.run(argv)).stdout
         lines = [line for line in out.splitlines() if line.startswith("-A ")]
         tables.setdefault(table, SavedTable(table)).chains[chain] = lines
     return tables
 
 
-async def restore(mode: str, payload: str) -> None:
-    await command.run(
-        [f"iptables-{mode}-restore", "--noflush", "-w", str(LOCK_WAIT_S)], stdin=payload
-    )
+async def restore(mode: str, payload: str, family: IPFamily = IPFamily.V4) -> None:
+    argv = [program(family, mode, "-restore"), "--noflush", "-w", str(LOCK_WAIT_S)]
+    await command.run(argv, stdin=payload)
 
 
-async def cleanup_mode(mode: str) -> bool:
-    """Remove uproxy's jumps and chains from one variant; False when nothing was installed."""
-    if not shutil.which(f"iptables-{mode}-save"):
+async def cleanup_mode(mode: str, family: IPFamily = IPFamily.V4) -> bool:
+    """Remove uproxy's jumps and chains from one variant of one family; False when nothing
+    was installed (or the family's programs are missing)."""
+    if not shutil.which(program(family, mode, "-save")):
         return False
-    payload = cleanup_payload(parse_save(await save(mode)), delete_emptied_builtins=mode == "nft")
+    parsed = parse_save(await save(mode, family))
+    payload = cleanup_payload(parsed, delete_emptied_builtins=mode == "nft")
     if payload is None:
         return False
-    await restore(mode, payload)
-    log.info("Removed iptables rules", extra={"kv": {"mode": mode}})
+    await restore(mode, payload, family)
+    log.info("Removed iptables rules", extra={"kv": {"mode": mode, "family": family.label}})
     return True
 
 
+class _Family:
+    """One family's rules: how they are built and what uproxy's last restore installed."""
+
+    def __init__(self, stack: Stack, builder: RuleBuilder) -> None:
+        self.stack = stack
+        self.builder = builder
+        self.installed: RuleSet | None = None
+
+
 class RestoreBackend:
-    """Programs the portal rules with ``iptables-{nft,legacy}-restore``."""
+    """Programs the portal rules with ``ip{,6}tables-{nft,legacy}-restore``."""
 
     name = "iptables-restore"
 
     def __init__(
         self,
         *,
-        host_ip: str,
+        host_ip: str | Sequence[str],
         mode: str = "auto",
-        listen_ip: str = ANY_IPV4,
+        listen_ip: str | Sequence[str] = ANY_IPV4,
         dial_mark: int = 0,
         nodeport_cidrs: Collection[str] = (),
         local: LocalTraffic = NO_LOCAL_TRAFFIC,
-        watch_factory: Callable[[str], Watch] = watch_for,
+        watch_factory: Callable[[str], Watch] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if mode not in ("auto", *MODES):
             raise RulesError(f"unknown iptables mode {mode!r}: use auto, nft or legacy")
-        self._options = {
-            "host_ip": host_ip,
-            "listen_ip": listen_ip,
+        self._options: dict[str, Any] = {
             "dial_mark": dial_mark,
             "nodeport_cidrs": tuple(nodeport_cidrs),
         }
-        self._builder = _builder(self._options, local)
+        self._families = {
+            stack.family: _Family(stack, _builder(stack, self._options, local))
+            for stack in _stacks(host_ip, listen_ip)
+        }
         self.local = local
-        self.host_ip = host_ip
-        self.listen_ip = listen_ip
+        first = next(iter(self._families.values())).stack
+        self.host_ip = first.host_ip
+        self.listen_ip = first.listen_ip
         self._requested_mode = mode
         self._mode: str | None = None if mode == "auto" else mode
         self._lock = asyncio.Lock()
-        self._installed: RuleSet | None = None
-        self._watch_factory = watch_factory
+        versions = [f.value for f in self._families]
+        self._watch_factory = watch_factory or (lambda m: watch_for(m, versions))
         self._watch: Watch | None = None
         self._committed: Token | None = None  # the watch's token right after our last restore
         self._clock = clock
         self._last_full = float("-inf")
         self.restores = 0
-        self.reads = 0  # reads of the built-in chains (each is four processes)
+        self.reads = 0  # reads of one family's built-in chains (each is four processes)
+
+    @property
+    def families(self) -> tuple[IPFamily, ...]:
+        return tuple(self._families)
 
     async def mode(self) -> str:
         """The variant in use (detected once, on first use)."""
@@ -164,45 +204,55 @@ class RestoreBackend:
 
     def set_local_traffic(self, local: LocalTraffic) -> None:
         if local != self.local:
-            self._builder = _builder(self._options, local)
+            for fam in self._families.values():
+                fam.builder = _builder(fam.stack, self._options, local)
             self.local = local
 
-    async def _read_jumps(self, mode: str) -> dict[str, SavedTable]:
+    async def _read_jumps(self, mode: str, family: IPFamily) -> dict[str, SavedTable]:
         self.reads += 1
-        return await builtin_rules(mode)
+        return await builtin_rules(mode, family)
 
     def watch(self, mode: str) -> Watch:
         if self._watch is None:
             self._watch = self._watch_factory(mode)
         return self._watch
 
+    def _build(self, portals: Collection[Portal]) -> dict[IPFamily, RuleSet]:
+        split = split_by_family(portals, self._families)
+        return {f: fam.builder.build(split[f]) for f, fam in self._families.items()}
+
     async def sync(self, portals: Collection[Portal]) -> None:
         async with self._lock:
             try:
                 # Off the loop: the first build of 20,000 rules is ~0.4 s of Python (a thread
                 # takes the GIL from the loop for at most the 5 ms switch interval at a time).
-                ruleset = await asyncio.to_thread(self._builder.build, portals)
+                rulesets = await asyncio.to_thread(self._build, portals)
             except ValueError as exc:
                 raise RulesError(str(exc)) from None
             mode = await self.mode()
             watch = self.watch(mode)
             full = self._clock() - self._last_full >= FULL_SYNC_PERIOD_S
-            if not full and ruleset == self._installed and self._untouched(watch):
+            changed = [f for f, r in rulesets.items() if r != self._families[f].installed]
+            if not full and not changed and self._untouched(watch):
                 return  # exactly what our last restore left, and nobody committed since
-            stale: list[str] = []
+            jumps: dict[IPFamily, tuple[list[JumpRule], list[str]]] = {}
             if full or watch.changed():
                 before = watch.read()
-                builtin = await self._read_jumps(mode)
-                missing = missing_jumps(builtin, ruleset)
-                stale = stale_jumps(builtin, ruleset)
+                for family, ruleset in rulesets.items():  # every family: repair them all
+                    builtin = await self._read_jumps(mode, family)
+                    jumps[family] = (missing_jumps(builtin, ruleset), stale_jumps(builtin, ruleset))
             else:  # the jumps are as our last commit or check left them
-                before, missing = watch.marked, []
-            await self._restore(mode, ruleset, missing, before, stale)
+                before = watch.marked
+                jumps = {f: ([], []) for f in changed}
+            await self._restore(mode, {f: rulesets[f] for f in jumps}, jumps, before)
             if full:
                 self._last_full = self._clock()
 
-    def _payload(self, ruleset: RuleSet, missing: list[JumpRule], stale: list[str]) -> str:
-        lines = self._builder.lines
+    def _payload(
+        self, family: IPFamily, ruleset: RuleSet, jumps: tuple[list[JumpRule], list[str]]
+    ) -> str:
+        missing, stale = jumps
+        lines = self._families[family].builder.lines
         return "".join(
             restore_payload(ruleset, t, missing_jumps=missing, stale_jumps=stale, lines=lines)
             for t in TABLES
@@ -214,70 +264,70 @@ class RestoreBackend:
     async def _restore(
         self,
         mode: str,
-        ruleset: RuleSet,
-        missing: list[JumpRule],
+        rulesets: dict[IPFamily, RuleSet],
+        jumps: dict[IPFamily, tuple[list[JumpRule], list[str]]],
         before: Token | None,
-        stale: list[str],
     ) -> None:
-        payload = await asyncio.to_thread(self._payload, ruleset, missing, stale)
         watch = self.watch(mode)
-        self._committed = None  # unknown until the commit is through
-        try:
-            self.restores += 1
-            await restore(mode, payload)
-        except RulesError:
-            watch.forget()
-            raise
-        self._committed = watch.mark_after_commit(before, commits=1)
-        self._installed = ruleset
-        if missing:
-            log.info(
-                "Installed jumps into uproxy chains",
-                extra={"kv": {"mode": mode, "count": len(missing)}},
-            )
-        if stale:
-            log.info(
-                "Removed jumps of another configuration",
-                extra={"kv": {"mode": mode, "count": len(stale)}},
-            )
+        self._committed = None  # unknown until the commits are through
+        for family, ruleset in rulesets.items():
+            payload = await asyncio.to_thread(self._payload, family, ruleset, jumps[family])
+            try:
+                self.restores += 1
+                await restore(mode, payload, family)
+            except RulesError:
+                watch.forget()
+                raise
+            self._families[family].installed = ruleset
+            _log_jumps(mode, family, *jumps[family])
+        # Each table's COMMIT line is a transaction of its own: one generation step each.
+        commits = len(rulesets) * len(TABLES)
+        self._committed = watch.mark_after_commit(before, commits=commits)
 
     async def check(self) -> bool:
-        """Whether the jumps into uproxy's chains are all in place.
+        """Whether the jumps into uproxy's chains are all in place, in every family.
 
         Free unless somebody committed a change since uproxy last looked (see ``watch``);
-        then four short built-in chains are read. That notices what actually happens to
-        nodes: a flushed table, a firewall reload, deleted chains (a chain cannot be deleted
-        while a jump refers to it). A rule deleted by hand from inside uproxy's chains is not
-        looked for: the watch saw a change, so the next sync rewrites those chains whole.
-        ``verify`` compares everything.
+        then four short built-in chains per family are read. That notices what actually
+        happens to nodes: a flushed table, a firewall reload, deleted chains (a chain cannot
+        be deleted while a jump refers to it). A rule deleted by hand from inside uproxy's
+        chains is not looked for: the watch saw a change, so the next sync rewrites those
+        chains whole. ``verify`` compares everything.
         """
         async with self._lock:
-            if self._installed is None:
+            installed = {f: fam.installed for f, fam in self._families.items() if fam.installed}
+            if not installed:
                 return True
             mode = await self.mode()
             watch = self.watch(mode)
             if not watch.changed():
                 return True
             token = watch.read()
-            builtin = await self._read_jumps(mode)
-            ok = not missing_jumps(builtin, self._installed)
-            ok = ok and not stale_jumps(builtin, self._installed)
-            if ok:
-                watch.mark(token)
-            return ok
+            for family, ruleset in installed.items():
+                builtin = await self._read_jumps(mode, family)
+                if missing_jumps(builtin, ruleset) or stale_jumps(builtin, ruleset):
+                    return False
+            watch.mark(token)
+            return True
 
     async def verify(self) -> bool:
         """Full comparison of the installed chains with the last sync (reads every table)."""
         async with self._lock:
-            if self._installed is None:
-                return True
-            return matches(parse_save(await save(await self.mode())), self._installed)
+            mode = await self.mode()
+            for family, fam in self._families.items():
+                if fam.installed is None:
+                    continue
+                if not matches(parse_save(await save(mode, family)), fam.installed):
+                    return False
+            return True
 
     async def cleanup(self) -> None:
         async with self._lock:
             for mode in MODES:
-                await cleanup_mode(mode)
-            self._installed = None
+                for family in FAMILIES:
+                    await cleanup_mode(mode, family)
+            for fam in self._families.values():
+                fam.installed = None
             self._committed = None
             if self._watch is not None:
                 self._watch.forget()
@@ -286,8 +336,27 @@ class RestoreBackend:
         return None
 
 
-def _builder(options: dict[str, Any], local: LocalTraffic) -> RuleBuilder:
+def _log_jumps(mode: str, family: IPFamily, missing: list[JumpRule], stale: list[str]) -> None:
+    where = {"mode": mode, "family": family.label}
+    if missing:
+        log.info(
+            "Installed jumps into uproxy chains", extra={"kv": {**where, "count": len(missing)}}
+        )
+    if stale:
+        log.info(
+            "Removed jumps of another configuration", extra={"kv": {**where, "count": len(stale)}}
+        )
+
+
+def _stacks(host_ip: str | Sequence[str], listen_ip: str | Sequence[str]) -> list[Stack]:
     try:
-        return RuleBuilder(**options, local=local)
+        return stacks(host_ip, listen_ip)
+    except ValueError as exc:
+        raise RulesError(str(exc)) from None
+
+
+def _builder(stack: Stack, options: dict[str, Any], local: LocalTraffic) -> RuleBuilder:
+    try:
+        return RuleBuilder(host_ip=stack.host_ip, listen_ip=stack.listen_ip, **options, local=local)
     except ValueError as exc:
         raise RulesError(str(exc)) from None

@@ -9,11 +9,15 @@ cheaply that nothing changed at all:
 - nf_tables (``iptables-nft`` and uproxy's own nft table) keeps one *generation id* per network
   namespace, bumped by every committed transaction, whoever commits it. One netlink request
   (NFT_MSG_GETGEN on a NETLINK_NETFILTER socket) reads it: ~12 µs.
+  The generation covers every family: one read tells whether anything changed in uproxy's
+  IPv4 or IPv6 rules (``iptables-nft`` and ``ip6tables-nft`` alike).
 - legacy iptables has no generation, but ``getsockopt(IPT_SO_GET_INFO)`` describes a table in
   84 bytes: its hook entry points, underflows, rule count and blob size. Any rule added,
   removed or flushed changes them: ~9 µs per table. Python's ``socket.getsockopt`` cannot pass
   the table name in, so libc's getsockopt is called through ctypes. Only tables listed in
-  ``/proc/net/ip_tables_names`` are asked about: asking creates a missing legacy table.
+  ``/proc/net/ip_tables_names`` are asked about: asking creates a missing legacy table. The
+  legacy IPv6 tables are separate: ``IP6T_SO_GET_INFO`` on an IPv6 socket (the same number
+  and struct), for the tables in ``/proc/net/ip6_tables_names``.
 
 A watch records a *token* with ``mark`` (right after uproxy's own commit, or after a real check
 found everything in place); ``changed`` reads the token again and compares. Whatever cannot be
@@ -55,10 +59,16 @@ _NLATTR = struct.Struct("=HH")  # len, type
 _NLA_TYPE_MASK = 0x3FFF
 _GEN_MODULO = 1 << 32
 
-# IPT_SO_GET_INFO (linux/netfilter_ipv4/ip_tables.h) and struct ipt_getinfo.
+# IPT_SO_GET_INFO (linux/netfilter_ipv4/ip_tables.h) and struct ipt_getinfo; IPv6 has the
+# same number (IP6T_SO_GET_INFO) and layout (struct ip6t_getinfo) at the IPv6 level.
 IPT_SO_GET_INFO = 64
 _IPT_GETINFO = struct.Struct("=32sI5I5III")  # name, valid_hooks, hook_entry, underflow, n, size
 LEGACY_TABLE_NAMES = "/proc/net/ip_tables_names"
+LEGACY_TABLE_NAMES6 = "/proc/net/ip6_tables_names"
+_GETINFO_SOCKET = {
+    4: (socket.AF_INET, socket.IPPROTO_IP),
+    6: (socket.AF_INET6, socket.IPPROTO_IPV6),
+}
 
 Token = Hashable
 
@@ -148,18 +158,18 @@ def _getsockopt() -> Callable[..., int]:
     return fn
 
 
-def read_getinfo(table: str) -> bytes | None:
-    """``IPT_SO_GET_INFO`` for one legacy table (which must exist), or None if it fails."""
+def read_getinfo(table: str, version: int = 4) -> bytes | None:
+    """``IPT_SO_GET_INFO`` (``IP6T_SO_GET_INFO`` for version 6) for one legacy table (which
+    must exist), or None if it fails."""
     name = table.encode("ascii")
     if len(name) >= 32:
         return None
     buf = ctypes.create_string_buffer(name, _IPT_GETINFO.size)
     size = ctypes.c_uint32(_IPT_GETINFO.size)
+    family, level = _GETINFO_SOCKET[version]
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW) as sock:
-            ok = _getsockopt()(
-                sock.fileno(), socket.IPPROTO_IP, IPT_SO_GET_INFO, buf, ctypes.byref(size)
-            )
+        with socket.socket(family, socket.SOCK_RAW, socket.IPPROTO_RAW) as sock:
+            ok = _getsockopt()(sock.fileno(), level, IPT_SO_GET_INFO, buf, ctypes.byref(size))
             err = ctypes.get_errno()
     except OSError:
         return None
@@ -245,7 +255,8 @@ class GenerationWatch(Watch):
 
 
 class LegacyWatch(Watch):
-    """legacy iptables: the shape of the tables uproxy writes (nat and filter)."""
+    """legacy iptables: the shape of the tables uproxy writes (nat and filter), per IP
+    version (``versions``: 4 for ip_tables, 6 for ip6_tables)."""
 
     kind = "legacy iptables table info"
 
@@ -253,28 +264,31 @@ class LegacyWatch(Watch):
         self,
         tables: Sequence[str] = ("nat", "filter"),
         *,
-        names: Callable[[], frozenset[str] | None] = legacy_table_names,
-        info: Callable[[str], bytes | None] = read_getinfo,
+        versions: Sequence[int] = (4,),
+        names: Callable[[int], frozenset[str] | None] | None = None,
+        info: Callable[[str, int], bytes | None] = read_getinfo,
     ) -> None:
         super().__init__()
         self.tables = tuple(tables)
-        self._names = names
+        self.versions = tuple(versions)
+        self._names = names or _table_names
         self._info = info
 
-    def read(self) -> tuple[tuple[str, tuple[int, ...] | None], ...] | None:
-        existing = self._names()
-        if existing is None:
-            return None
-        out: list[tuple[str, tuple[int, ...] | None]] = []
-        for table in self.tables:
-            if table not in existing:
-                out.append((table, None))  # absent: never ask, asking creates it
-                continue
-            raw = self._info(table)
-            shape = parse_getinfo(raw) if raw is not None else None
-            if shape is None:
+    def read(self) -> tuple[tuple[int, str, tuple[int, ...] | None], ...] | None:
+        out: list[tuple[int, str, tuple[int, ...] | None]] = []
+        for version in self.versions:
+            existing = self._names(version)
+            if existing is None:
                 return None
-            out.append((table, shape))
+            for table in self.tables:
+                if table not in existing:
+                    out.append((version, table, None))  # absent: never ask, asking creates it
+                    continue
+                raw = self._info(table, version)
+                shape = parse_getinfo(raw) if raw is not None else None
+                if shape is None:
+                    return None
+                out.append((version, table, shape))
         return tuple(out)
 
     def mark_after_commit(self, before: Token | None, commits: int = 1) -> Token | None:
@@ -285,6 +299,10 @@ class LegacyWatch(Watch):
         return after
 
 
-def watch_for(mode: str) -> Watch:
-    """The watch for an iptables variant (``nft`` or ``legacy``)."""
-    return GenerationWatch() if mode == "nft" else LegacyWatch()
+def _table_names(version: int) -> frozenset[str] | None:
+    return legacy_table_names(LEGACY_TABLE_NAMES6 if version == 6 else LEGACY_TABLE_NAMES)
+
+
+def watch_for(mode: str, versions: Sequence[int] = (4,)) -> Watch:
+    """The watch for an iptables variant (``nft`` or ``legacy``) and the IP versions written."""
+    return GenerationWatch() if mode == "nft" else LegacyWatch(versions=versions)
