@@ -474,6 +474,7 @@ class Syncer:
         self._release_nodeport(spn, pp.port, pp.families)
         self._set_portals(spn, frozenset())
         self._note_no_local(spn, None, None)
+        metrics.forget_service(str(spn))  # its series go (workers forget theirs on Forget)
         if spn.protocol is Protocol.UDP and not self.options.laptop:
             await _clear_conntrack(pp.port, tuple(pp.families))
         log.log(V2, "Removed service port", extra=kv(service=str(spn)))

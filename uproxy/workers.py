@@ -256,6 +256,8 @@ class WorkerPool:
     def forget(self, name: ServicePortName, family: IPFamily) -> None:
         if self._endpoints.pop((name, family), None) is not None:
             self._broadcast(Forget(name, family))
+        if not any(key[0] == name for key in self._endpoints):
+            self._totals.forget_service(str(name))  # gone in every family
 
     # ----- metrics -----
 

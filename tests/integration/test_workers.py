@@ -466,3 +466,33 @@ async def test_each_family_has_its_own_balancer_in_every_worker(
     finally:
         for b in six:
             await b.close()
+
+
+async def test_a_deleted_services_series_leave_metrics(
+    tmp_path: Path, backends: list[NamedBackend], proxies: list[Proxy]
+) -> None:
+    path = tmp_path / "services.yaml"
+    services_file(path, backends)
+    other = yaml.safe_dump(service("other", ports=[{"name": "http", "port": 1, "protocol": "TCP"}]))
+    path.write_text(path.read_text() + "---\n" + other)
+    proxy = await start_proxy(path)
+    proxies.append(proxy)
+    assert proxy.metrics_server is not None
+    assert await greet("127.0.0.1", proxy_port(proxy)) in {"b1", "b2", "b3"}
+    ok = ("uproxy_connections_total", ("default/web:http", "TCP", "ok"))
+    await wait_for(lambda: sum(per_worker(proxy, ok[0], ok[1])) == 1)
+    got = await scrape(proxy.metrics_server.port)
+    assert got[ok] == 1
+    assert ("uproxy_open_connections", ("default/other:http", "TCP")) in got
+    # web goes; other stays. The workers forget web's label sets, and so does /metrics.
+    path.write_text(other)
+    await wait_for(lambda: WEB not in proxy.syncer.ports, timeout=5)
+
+    async def forgotten() -> bool:
+        assert proxy.metrics_server is not None
+        got = await scrape(proxy.metrics_server.port)
+        return not any(labels[:1] == ("default/web:http",) for _, labels in got)
+
+    await wait_for(forgotten, timeout=5)
+    got = await scrape(proxy.metrics_server.port)
+    assert ("uproxy_open_connections", ("default/other:http", "TCP")) in got

@@ -91,28 +91,57 @@ _DIAL_DURATION = metrics.DIAL_DURATION
 
 
 class Stats:
-    """Metric tallies for one listener, bound once (``.labels()`` is a dict lookup)."""
+    """Metric tallies for one listener, bound once (``.labels()`` is a dict lookup).
+
+    The failure tallies are bound at their first event: most listeners never have one, and
+    binding a label set in a worker costs a shared-memory slot and a directory record (three
+    of the seven per listener were a fifth of a worker's start at 10,000 service ports).
+    """
 
     __slots__ = (
+        "_dial_failed",
+        "_no_endpoints",
+        "_refused",
         "bytes_to_client",
         "bytes_to_endpoint",
-        "dial_failed",
-        "no_endpoints",
         "ok",
         "open",
-        "refused",
+        "protocol",
+        "service",
+        "traffic",
     )
 
     def __init__(self, name: ServicePortName, traffic: Traffic) -> None:
-        service = str(name)
-        protocol = name.protocol.value
+        self.service = service = str(name)
+        self.protocol = protocol = name.protocol.value
+        self.traffic = traffic.value
         self.ok = metrics.CONNECTIONS.labels(service, protocol, "ok")
-        self.refused = metrics.CONNECTIONS.labels(service, protocol, "no_endpoints")
-        self.dial_failed = metrics.CONNECTIONS.labels(service, protocol, "dial_failed")
         self.open = metrics.OPEN_CONNECTIONS.labels(service, protocol)
         self.bytes_to_endpoint = metrics.BYTES.labels(service, "to_endpoint")
         self.bytes_to_client = metrics.BYTES.labels(service, "to_client")
-        self.no_endpoints = metrics.NO_ENDPOINTS.labels(service, traffic.value)
+        self._refused: metrics.AnyTally | None = None
+        self._dial_failed: metrics.AnyTally | None = None
+        self._no_endpoints: metrics.AnyTally | None = None
+
+    @property
+    def refused(self) -> metrics.AnyTally:
+        if self._refused is None:
+            self._refused = metrics.CONNECTIONS.labels(self.service, self.protocol, "no_endpoints")
+        return self._refused
+
+    @property
+    def dial_failed(self) -> metrics.AnyTally:
+        if self._dial_failed is None:
+            self._dial_failed = metrics.CONNECTIONS.labels(
+                self.service, self.protocol, "dial_failed"
+            )
+        return self._dial_failed
+
+    @property
+    def no_endpoints(self) -> metrics.AnyTally:
+        if self._no_endpoints is None:
+            self._no_endpoints = metrics.NO_ENDPOINTS.labels(self.service, self.traffic)
+        return self._no_endpoints
 
 
 def reset_socket(sock: socket.socket) -> None:

@@ -152,6 +152,10 @@ class Worker:
             self._steer(message)
         elif isinstance(message, Forget):
             self.balancers.pop((message.name, message.family), None)
+            if not any(key[0] == message.name for key in self.balancers):
+                # Gone in every family: its series go (the control process stops showing
+                # them; connections still draining keep counting into slots nobody reads).
+                metrics.forget_service(str(message.name))
 
     def _set_endpoints(self, message: SetEndpoints) -> None:
         config = self._configured()
