@@ -281,7 +281,11 @@ class Tracker:
             return False
         if old is not None:
             owner = (old.namespace, old.service)
-            self._slices_of.get(owner, set()).discard(key)
+            slices = self._slices_of.get(owner)
+            if slices is not None:
+                slices.discard(key)
+                if not slices:
+                    del self._slices_of[owner]  # a deleted service leaves no empty set
             self._mark(owner, service=False)
             del self._slices[key]
         if info is not None:

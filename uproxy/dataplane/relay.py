@@ -17,8 +17,9 @@ machine was shared, so figures move by about +-10 % between runs):
   37.0 through uvloop's transports, 48.0 with the dial mark (connect_accepted_socket and
   create_connection(sock=) probe each socket with getsockname x3, getpeername x2, FIONBIO,
   SO_ERROR and re-register it with epoll), against 23.0 and 24.1 here: accept, the wrap's
-  getsockname, TCP_NODELAY, one epoll registration per socket, socket/[SO_MARK]/connect,
-  3 reads, 2 writes, one shutdown, 2 closes, and the polls.
+  getsockname, TCP_NODELAY (since then inherited from the listener: one less), one epoll
+  registration per socket, socket/[SO_MARK]/connect, 3 reads, 2 writes, one shutdown,
+  2 closes, and the polls.
 * Proxy CPU per connection: 129 us (128-131) through transports, 140 (137-143) with the
   mark; 94 (91-100) and 93 (91-100) here, 6 runs each. User time went from 41 to 21 us,
   system time from 96 to 83 us. A relay on raw sockets driven by the loop's
@@ -489,9 +490,7 @@ class Connection(_Side):
         self.sock = sock
         self.fd = fd = sock.fileno()
         try:
-            # A relay must not hold back small writes (Nagle). Linux copies TCP_NODELAY
-            # from the listening socket to accepted ones: set there, this call could go.
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            # TCP_NODELAY comes from the listening socket (``sockets.bind_tcp``).
             # Watched from the start: a client that resets while we dial is seen at once.
             self.poller.register(fd, self, READ_EVENTS)
         except OSError:

@@ -52,6 +52,9 @@ def bind_tcp(host: str, port: int, *, backlog: int, reuseport: bool = False) -> 
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         if family == socket.AF_INET6:
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        # A relay must not hold back small writes (Nagle). Accepted sockets inherit the
+        # option from their listener: one system call here instead of one per connection.
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.bind((host, port))
         sock.listen(backlog)
         sock.setblocking(False)
