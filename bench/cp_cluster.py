@@ -3,7 +3,7 @@
 Every service is a single-port ClusterIP service with one EndpointSlice holding one ready
 endpoint, so N services are N proxy ports, N listeners and 2N portal rules (one for traffic
 from pods, one for traffic from the node). The same objects are served by
-``uproxy.testing.apiserver.ApiServerDouble`` (the real wire format: TLS, paged lists, chunked
+``tests.apiserver.ApiServerDouble`` (the real wire format: TLS, paged lists, chunked
 watches) or written as a services file, so the two cold starts read the same cluster.
 
 The double runs in its own process, on the load core, in the node's network namespace (where
@@ -132,7 +132,7 @@ async def serve(
 ) -> None:
     """Serve the cluster until SIGTERM; ``ready`` gets the URL once everything is in place.
     ``address`` is every service's endpoint, ``node_ip`` the Node's InternalIP."""
-    from uproxy.testing.apiserver import ApiServerDouble
+    from tests.apiserver import ApiServerDouble
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

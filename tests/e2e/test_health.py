@@ -17,12 +17,12 @@ import aiohttp
 import pytest
 import yaml
 
+from tests.apiserver import ApiServerDouble
 from tests.conftest import wait_for
 from tests.factories import service
 from uproxy.proxy import Proxy
 from uproxy.rules.base import LocalTraffic, Portal
 from uproxy.settings import Settings
-from uproxy.testing import ApiServerDouble
 
 
 class BlockingRules:

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from kubernetes_asyncio.client import ApiClient
 
+from tests.apiserver import ApiServerDouble
 from uproxy.sources.kube import KubeSource, make_api_client
-from uproxy.testing import ApiServerDouble
 from uproxy.tracker import Tracker
 
 if TYPE_CHECKING:

@@ -18,9 +18,9 @@ import pytest
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client import ApiClient
 
+from tests.apiserver import ApiServerDouble
+from tests.apiserver.selectors import parse_label_selector
 from tests.conftest import wait_for
-from uproxy.testing import ApiServerDouble
-from uproxy.testing.selectors import parse_label_selector
 
 from .helpers import node, service
 

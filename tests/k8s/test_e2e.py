@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from tests.apiserver import ApiServerDouble
 from tests.conftest import wait_for
 from uproxy.model import Protocol, ServicePortName, Traffic
-from uproxy.testing import ApiServerDouble
 
 from .conftest import ProxyFactory
 from .helpers import (

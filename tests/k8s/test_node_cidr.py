@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 
+from tests.apiserver import ApiServerDouble
 from tests.conftest import wait_for
 from tests.k8s.conftest import NODE
 from tests.k8s.helpers import node
 from uproxy.proxy import Proxy
 from uproxy.rules.base import LocalTraffic, Portal
 from uproxy.settings import Settings
-from uproxy.testing import ApiServerDouble
 
 
 class RecordingRules:

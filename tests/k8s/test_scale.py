@@ -12,8 +12,8 @@ import time
 
 import pytest
 
+from tests.apiserver import ApiServerDouble
 from tests.conftest import wait_for
-from uproxy.testing import ApiServerDouble
 
 from .conftest import ProxyFactory, SourceFactory
 from .helpers import endpoint_slice, service

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.apiserver import ApiServerDouble
 from tests.conftest import wait_for
 from uproxy.model import Protocol, ServicePortName
 from uproxy.sources.kube import KubeConfigError, make_api_client, service_label_selector
-from uproxy.testing import ApiServerDouble
 from uproxy.tracker import Tracker
 
 from .conftest import NODE, SourceFactory

@@ -1,7 +1,7 @@
 """An API-server double that speaks the real Kubernetes wire format, for tests and benchmarks.
 
-No Kubernetes API server installs on a test machine (see FACTS.md), and a mocked client would
-test the mock. This double serves the three resources uproxy follows over HTTPS with the JSON
+No Kubernetes API server installs on a test machine, and a mocked client would test the
+mock. This double serves the three resources uproxy follows over HTTPS with the JSON
 shapes, query parameters and failure modes of kube-apiserver, so that uproxy's source runs
 through the unpatched kubernetes-asyncio client exactly as in a cluster:
 
@@ -47,8 +47,8 @@ from typing import Any
 import yaml
 from aiohttp import web
 
-from uproxy.testing.certs import write_certificates
-from uproxy.testing.selectors import Filter, parse_field_selector, parse_label_selector
+from tests.apiserver.certs import write_certificates
+from tests.apiserver.selectors import Filter, parse_field_selector, parse_label_selector
 
 Obj = dict[str, Any]
 
