@@ -45,6 +45,7 @@ What a scrape contains, and why:
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import resource
@@ -347,6 +348,10 @@ class LabelledFamily(ScrapeFamily):
         self.sparse = sparse
         self._header = _header(name, documentation, self.kind)
         self._tallies: dict[tuple[str, ...], AnyTally] = {}
+        # Label sets by service: forgetting a deleted service costs its own series, not a
+        # walk over every series (10,000 services deleted at once were 10,000 such walks).
+        self._service_at = labelnames.index("service") if "service" in labelnames else None
+        self._by_service: dict[str, set[tuple[str, ...]]] = {}
 
     def labels(self, *values: str) -> AnyTally:
         """The tally of one label set: created at zero on first use, then the same one
@@ -357,6 +362,22 @@ class LabelledFamily(ScrapeFamily):
             if len(values) != len(self.labelnames):
                 raise ValueError(f"{self.name}: expected labels {self.labelnames}, got {values}")
             tally = self._tallies[values] = self._bind(values)
+            self._indexed(values)
+        return tally
+
+    def _indexed(self, values: tuple[str, ...]) -> None:
+        if self._service_at is not None:
+            self._by_service.setdefault(values[self._service_at], set()).add(values)
+
+    def _drop(self, values: tuple[str, ...]) -> AnyTally | None:
+        tally = self._tallies.pop(values, None)
+        if tally is not None and self._service_at is not None:
+            service = values[self._service_at]
+            same = self._by_service.get(service)
+            if same is not None:
+                same.discard(values)
+                if not same:
+                    del self._by_service[service]
         return tally
 
     def _bind(self, values: tuple[str, ...]) -> AnyTally:
@@ -374,22 +395,27 @@ class LabelledFamily(ScrapeFamily):
         """
         if label not in self.labelnames:
             return
-        at = self.labelnames.index(label)
-        for values in [v for v in self._tallies if v[at] == value]:
-            tally = self._tallies.pop(values)
+        if label == "service":
+            doomed = list(self._by_service.get(value, ()))
+        else:
+            at = self.labelnames.index(label)
+            doomed = [v for v in self._tallies if v[at] == value]
+        for values in doomed:
+            tally = self._drop(values)
             if isinstance(tally, SharedTally) and _shared is not None:
                 _shared.forget_slot(tally.slot)
 
     def keep_only(self, wanted: Collection[tuple[str, ...]]) -> None:
         """The control process: drop the label sets no worker reports any more."""
         for values in [v for v in self._tallies if v not in wanted]:
-            del self._tallies[values]
+            self._drop(values)
 
     def local(self, *values: str) -> Tally:
         """The control process's own tally of a label set (where worker totals are summed)."""
         tally = self._tallies.get(values)
         if not isinstance(tally, Tally):
             tally = self._tallies[values] = self._new_tally(values)
+            self._indexed(values)
         return tally
 
     def _new_tally(self, values: tuple[str, ...]) -> Tally:
@@ -586,6 +612,7 @@ class WorkerTotals:
 
     def __init__(self) -> None:
         self._retired: dict[tuple[str, tuple[str, ...]], float] = {}
+        self._retired_by_service: dict[str, set[tuple[str, tuple[str, ...]]]] = {}
 
     def retire(self, reader: SlotReader) -> None:
         """A worker is gone: keep its counters (its last state is in shared memory)."""
@@ -595,6 +622,9 @@ class WorkerTotals:
             if family not in gauges:
                 key = (family, labels)
                 self._retired[key] = self._retired.get(key, 0.0) + value
+                at = _service_label_at().get(family)
+                if at is not None:
+                    self._retired_by_service.setdefault(labels[at], set()).add(key)
 
     def add_up(self, readers: Iterable[SlotReader]) -> None:
         totals = dict(self._retired)
@@ -619,8 +649,18 @@ class WorkerTotals:
 
     def forget_service(self, service: str) -> None:
         """A service port was deleted: the counts of the dead for it go too."""
-        for key in [k for k in self._retired if service in k[1]]:
-            del self._retired[key]
+        for key in self._retired_by_service.pop(service, ()):
+            self._retired.pop(key, None)
+
+
+@functools.cache
+def _service_label_at() -> dict[str, int]:
+    """Where each data-plane family keeps the service label."""
+    return {
+        f.name: f.labelnames.index("service")
+        for f in DATA_PLANE
+        if isinstance(f, LabelledFamily) and "service" in f.labelnames
+    }
 
 
 def exposition(

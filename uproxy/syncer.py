@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
@@ -267,15 +268,21 @@ class Syncer:
         opened = closed = 0
         ts = TimeSlice()
         with heap.bulk(len(todo)):
+            keep: list[tuple[ServicePortName, ServiceState, tuple[IPFamily, ...]]] = []
+            # Removals first: their listeners close before new ones open, so a sync that
+            # replaces many services never holds both sets of sockets.
             for spn in sorted(todo):
                 state = self.tracker.state(spn)
                 if state is None:
                     self._unserved.discard(spn)
                 families = self._families_of(spn, state.port) if state is not None else ()
                 if state is not None and families:
-                    opened += await self._ensure(spn, state, families)
+                    keep.append((spn, state, families))
                 elif spn in self.ports:
                     closed += await self._remove(spn)
+                await ts.tick()
+            for spn, state, families in keep:
+                opened += await self._ensure(spn, state, families)
                 await ts.tick()
         if opened or closed:
             log.info("Proxy ports changed", extra=kv(opened=opened, closed=closed))
@@ -470,7 +477,9 @@ class Syncer:
                 closed += 1
             if self.options.link is not None:
                 self.options.link.forget(spn, fp.family)
-        self._failed = {k: v for k, v in self._failed.items() if k[0] != spn}
+        for traffic in Traffic:
+            for family in IPFamily:
+                self._failed.pop((spn, traffic, family), None)
         self._release_nodeport(spn, pp.port, pp.families)
         self._set_portals(spn, frozenset())
         self._note_no_local(spn, None, None)
@@ -493,8 +502,10 @@ class Syncer:
             # The service's own port, unless another of our listeners has it: with workers
             # every listener is a SO_REUSEPORT group, and a second group bound to the same
             # port would silently join the first rather than fail.
+            # Otherwise a port of uproxy's own choosing, as on a node: binding port 0 makes
+            # the kernel search for a free port, which grows with every port already bound.
             own = () if pp.port.port in alloc.in_use else (pp.port.port,)
-            candidates: Iterable[int] = (*own, 0)
+            candidates: Iterable[int] = itertools.chain(own, alloc.candidates(_MAX_BIND_TRIES))
         else:
             candidates = alloc.candidates(_MAX_BIND_TRIES)
         key = (spn, traffic, fp.family)

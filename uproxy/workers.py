@@ -108,6 +108,7 @@ class _Worker:
     reader: SlotReader
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     started_at: float = field(default_factory=time.monotonic)
+    buried: bool = False
 
 
 class RemoteListener:
@@ -256,7 +257,7 @@ class WorkerPool:
     def forget(self, name: ServicePortName, family: IPFamily) -> None:
         if self._endpoints.pop((name, family), None) is not None:
             self._broadcast(Forget(name, family))
-        if not any(key[0] == name for key in self._endpoints):
+        if not any((name, other) in self._endpoints for other in IPFamily):
             self._totals.forget_service(str(name))  # gone in every family
 
     # ----- metrics -----
@@ -330,6 +331,7 @@ class WorkerPool:
         w.channel.send(self._configure)
         for message in self._endpoints.values():
             w.channel.send(message)
+        failed: list[tuple[ServicePortName, int, OSError]] = []
         for (name, traffic, family), listener in list(self._listeners.items()):
             try:
                 (sock,) = bind_group(
@@ -342,12 +344,21 @@ class WorkerPool:
                     steer_by_client=False,  # the group keeps its program
                 )
             except OSError as exc:
-                log.error(
-                    "Worker cannot join a proxy port",
-                    extra=kv(worker=w.index, service=str(name), port=listener.port, err=exc),
-                )
+                failed.append((name, listener.port, exc))
                 continue
             w.channel.send(OpenListener(name, traffic, family), sock)
+        if failed:
+            # One line however many: the same cause (say, the open-file limit) fails them all.
+            first_name, first_port, first_err = failed[0]
+            log.error(
+                "Worker cannot join proxy ports; the other workers serve them",
+                extra=kv(
+                    worker=w.index,
+                    ports=len(failed),
+                    first=f"{first_name} {first_port}",
+                    err=first_err,
+                ),
+            )
 
     async def _wait_ready(self, workers: list[_Worker]) -> None:
         waits = [asyncio.wait_for(w.ready.wait(), READY_TIMEOUT_S) for w in workers]
@@ -388,7 +399,11 @@ class WorkerPool:
             _signal(worker.process, signal.SIGKILL)  # the supervisor sees it exit, tries again
 
     def _bury(self, w: _Worker) -> None:
-        """A worker is gone: keep its counts, free its channel and shared memory."""
+        """A worker is gone: keep its counts, free its channel and shared memory. Once: a
+        stop during a replacement's back-off finds the dead worker still in its slot."""
+        if w.buried:
+            return
+        w.buried = True
         w.channel.close()
         self._totals.retire(w.reader)
         w.reader.close()

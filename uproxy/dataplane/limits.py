@@ -1,9 +1,13 @@
 """Process limits the data plane depends on.
 
-Each relayed TCP connection holds two fds and each UDP flow one; the usual soft limit of
-1,024 fds would cap uproxy at ~500 connections. Raising the soft limit to the hard limit
-needs no privilege, so it is done once at start. Exhaustion is still handled (listeners
-pause accepting on EMFILE), this only moves the ceiling.
+Each relayed TCP connection holds two fds and each UDP flow one; every proxy port holds a
+listening socket in every worker, two while a relist swaps it for another. The usual soft
+limit of 1,024 fds would cap uproxy at ~500 connections, and a hard limit of 20,000 at
+fewer than 10,000 service ports. At start uproxy raises its limit to ``WANTED`` (capped by
+``fs.nr_open``) when it may raise the hard limit (CAP_SYS_RESOURCE, as a DaemonSet runs it),
+else its soft limit to the hard one, which needs no privilege. Workers inherit it.
+Exhaustion is still handled (listeners pause accepting on EMFILE); this only moves the
+ceiling.
 """
 
 from __future__ import annotations
@@ -13,12 +17,35 @@ import resource
 
 log = logging.getLogger("uproxy.dataplane.limits")
 
+WANTED = 1 << 20
 
-def raise_nofile_limit() -> int:
-    """Raise the soft RLIMIT_NOFILE to the hard limit and return the new soft limit."""
+
+def _nr_open() -> int:
+    try:
+        with open("/proc/sys/fs/nr_open") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return WANTED
+
+
+def raise_nofile_limit(wanted: int = WANTED) -> int:
+    """Raise RLIMIT_NOFILE towards ``wanted`` as far as allowed; the new soft limit."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or soft == hard:
-        return soft if hard == resource.RLIM_INFINITY else hard
+    target = min(wanted, _nr_open())
+    if hard == resource.RLIM_INFINITY:
+        hard = target
+    if soft != resource.RLIM_INFINITY and soft >= target:
+        return soft
+    if hard < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, target))
+        except (ValueError, OSError):
+            pass  # no CAP_SYS_RESOURCE: up to the hard limit only
+        else:
+            log.debug("Raised the open-file limit", extra={"kv": {"from": soft, "to": target}})
+            return target
+    if soft >= hard:
+        return soft
     try:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     except (ValueError, OSError) as exc:

@@ -183,6 +183,7 @@ class Channel:
         self._flush_soon = False
         self._writing = False
         self.closed = False
+        self.sockets_missed = 0  # OpenListener sockets the kernel could not hand over
         self._loop.add_reader(sock.fileno(), self._readable)
 
     def send(self, message: Message, fd: socket.socket | None = None) -> None:
@@ -252,18 +253,43 @@ class Channel:
             if not data:
                 self._lost(None)
                 return
-            if flags & socket.MSG_TRUNC or flags & socket.MSG_CTRUNC:
+            if flags & socket.MSG_TRUNC:
                 for fd in fds:
                     socket.close(fd)
                 self._lost(OSError(errno.EMSGSIZE, "channel packet truncated"))
                 return
-            self._deliver(pickle.loads(data), fds)
+            messages = pickle.loads(data)
+            if flags & socket.MSG_CTRUNC:
+                # The kernel could not give us every socket (this process is at its open-file
+                # limit) and closed the rest. The messages still hold: the listeners that came
+                # without their socket are served by the other workers.
+                self._sockets_lost(messages, fds)
+            elif self.sockets_missed:
+                log.warning(
+                    "Channel receives sockets again",
+                    extra={"kv": {"missed": self.sockets_missed}},
+                )
+                self.sockets_missed = 0
+            self._deliver(messages, fds)
+
+    def _sockets_lost(self, messages: list[Message], fds: list[int]) -> None:
+        missed = sum(isinstance(m, OpenListener) for m in messages) - len(fds)
+        if not self.sockets_missed:
+            log.error(
+                "Channel lost sockets: the open-file limit is reached (ulimit -n)",
+                extra={"kv": {"received": len(fds), "lost": missed}},
+            )
+        self.sockets_missed += missed
 
     def _deliver(self, messages: list[Message], fds: list[int]) -> None:
         sockets = iter(fds)
         for message in messages:
             sock = None
             if isinstance(message, OpenListener):
+                fd = next(sockets, None)
+                if fd is None:  # its socket did not make it (see _sockets_lost)
+                    self._on_message(message, None)
+                    continue
                 # Family, type and protocol given: no getsockopt/getsockname to guess them.
                 kind = (
                     socket.SOCK_STREAM
@@ -271,7 +297,7 @@ class Channel:
                     else socket.SOCK_DGRAM
                 )
                 family = socket.AF_INET6 if message.family is IPFamily.V6 else socket.AF_INET
-                sock = socket.socket(family, kind, 0, fileno=next(sockets))
+                sock = socket.socket(family, kind, 0, fileno=fd)
             self._on_message(message, sock)
 
     def _lost(self, exc: BaseException | None) -> None:

@@ -152,7 +152,7 @@ class Worker:
             self._steer(message)
         elif isinstance(message, Forget):
             self.balancers.pop((message.name, message.family), None)
-            if not any(key[0] == message.name for key in self.balancers):
+            if not any((message.name, family) in self.balancers for family in IPFamily):
                 # Gone in every family: its series go (the control process stops showing
                 # them; connections still draining keep counting into slots nobody reads).
                 metrics.forget_service(str(message.name))
