@@ -28,7 +28,7 @@ import socket
 import sys
 from typing import TYPE_CHECKING
 
-from uproxy import metrics
+from uproxy import heap, metrics
 from uproxy.dataplane.balancer import Balancer
 from uproxy.dataplane.counters import CounterFiles, SlotWriter
 from uproxy.dataplane.messages import (
@@ -52,6 +52,12 @@ if TYPE_CHECKING:  # imported at run time only after metrics.share() (they bind 
 log = logging.getLogger("uproxy.dataplane.worker")
 
 _PR_SET_PDEATHSIG = 1
+# A run of this many messages is a bulk change (a big sync, a replay to a new worker): the
+# cyclic collector waits until the channel has been quiet for BURST_IDLE_S, then what the
+# burst made is frozen (``uproxy.heap``). Left on, its full passes over 10,000 new listeners
+# took 100-200 ms each, every relay of this worker stalled behind them.
+BURST_MESSAGES = 200
+BURST_IDLE_S = 0.2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,6 +107,10 @@ class Worker:
         # Closed (no longer accepting) but maybe still relaying: a stop drains them too.
         self.closing: list[TcpListener | UdpListener] = []
         self._stop = asyncio.Event()
+        self._burst = 0  # messages since the channel was last quiet
+        self._burst_seen = 0  # ... as of the last quiet check
+        self._bulk = False
+        self._quiet_check: asyncio.TimerHandle | None = None
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -113,6 +123,7 @@ class Worker:
         channel.send(Ready(os.getpid()))
         await self._stop.wait()
         channel.close()
+        self._end_burst()
         await self._drain()
         return 0
 
@@ -127,6 +138,7 @@ class Worker:
         log.log(V2, "Worker drained", extra=kv(worker=self.index, listeners=len(listeners)))
 
     def _on_message(self, message: Message, sock: socket.socket | None) -> None:
+        self._note_burst()
         try:
             self._apply(message, sock)
         except OSError as exc:
@@ -134,6 +146,35 @@ class Worker:
             log.error("Worker could not apply a change", extra=kv(worker=self.index, err=exc))
             if sock is not None:
                 sock.close()
+
+    def _note_burst(self) -> None:
+        self._burst += 1
+        if not self._bulk and self._burst >= BURST_MESSAGES:
+            self._bulk = True
+            heap.pause()
+        if self._quiet_check is None:
+            self._quiet_check = asyncio.get_running_loop().call_later(
+                BURST_IDLE_S, self._check_quiet
+            )
+
+    def _check_quiet(self) -> None:
+        self._quiet_check = None
+        if self._burst != self._burst_seen:  # still coming
+            self._burst_seen = self._burst
+            self._quiet_check = asyncio.get_running_loop().call_later(
+                BURST_IDLE_S, self._check_quiet
+            )
+            return
+        self._end_burst()
+
+    def _end_burst(self) -> None:
+        if self._quiet_check is not None:
+            self._quiet_check.cancel()
+            self._quiet_check = None
+        self._burst = self._burst_seen = 0
+        if self._bulk:
+            self._bulk = False
+            heap.resume()
 
     def _apply(self, message: Message, sock: socket.socket | None) -> None:
         if isinstance(message, Configure):

@@ -1,0 +1,73 @@
+"""A worker keeps the cyclic collector off its relays during a bulk change.
+
+Applying a 10,000-port sync made the collector's full passes run over every new listener,
+100-200 ms each, and each one stalled all of the worker's relays. A long run of channel
+messages is now a bulk: the collector waits until the channel is quiet, then what the run
+made is frozen. A short change (one endpoint update) leaves the collector alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from uproxy import heap
+from uproxy.dataplane.messages import Configure, SetEndpoints
+from uproxy.dataplane.settings import DataplaneSettings
+from uproxy.dataplane.worker import BURST_IDLE_S, BURST_MESSAGES, Worker
+from uproxy.model import Endpoint, IPFamily, LbAlgorithm, Protocol, ServicePort, ServicePortName
+
+
+@pytest.fixture(autouse=True)
+def collector_restored() -> Iterator[None]:
+    yield
+    gc.unfreeze()
+    gc.enable()
+
+
+def _update(i: int) -> SetEndpoints:
+    name = ServicePortName("ns", f"svc{i}", "p", Protocol.TCP)
+    port = ServicePort(name, 80, cluster_ips=(f"10.96.{i // 250}.{i % 250 + 1}",))
+    return SetEndpoints(name, IPFamily.V4, port, (Endpoint("10.0.0.1", 8080),))
+
+
+def _worker() -> Worker:
+    w = Worker(channel_fd=-1, index=0)
+    w._on_message(Configure(DataplaneSettings(), "node", LbAlgorithm.ROUND_ROBIN, 1.0), None)
+    return w
+
+
+async def _until(condition: Callable[[], bool], timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+async def test_a_long_run_of_messages_holds_the_collector_then_freezes_it() -> None:
+    w = _worker()
+    frozen = gc.get_freeze_count()
+    for i in range(BURST_MESSAGES + 50):
+        w._on_message(_update(i), None)
+    assert len(w.balancers) == BURST_MESSAGES + 50
+    assert not gc.isenabled()  # no full pass in the middle of the bulk
+    assert await _until(gc.isenabled, timeout=10 * BURST_IDLE_S)
+    assert gc.get_freeze_count() > frozen  # what the bulk made is out of the collector's way
+
+
+async def test_a_short_change_leaves_the_collector_alone() -> None:
+    w = _worker()
+    frozen = gc.get_freeze_count()
+    for i in range(10):
+        w._on_message(_update(i), None)
+        assert gc.isenabled()
+    await asyncio.sleep(3 * BURST_IDLE_S)
+    assert gc.isenabled()
+    assert gc.get_freeze_count() == frozen
+    assert heap._depth == 0
