@@ -73,6 +73,22 @@ class Placement:
         return f"proxy, load and backends sharing CPUs {_cpu_list(self.proxy)}"
 
 
+def precompile_uproxy() -> None:
+    """Compile uproxy's modules to bytecode once, before any peer starts, as it ships.
+
+    The image's pip compiles at build time; an editable install never does, and under
+    ``PYTHONDONTWRITEBYTECODE`` (set in the image and on CI machines) every uproxy process
+    would compile its modules again at each start: ~0.05 s of CPU per process in the
+    start-up figures that the image does not pay.
+    """
+    import compileall
+
+    import uproxy
+
+    for root in uproxy.__path__:
+        compileall.compile_dir(root, quiet=1)
+
+
 def _cpu_list(cpus: CpuSet) -> str:
     return str(cpus) if isinstance(cpus, int) else ",".join(str(c) for c in cpus)
 
