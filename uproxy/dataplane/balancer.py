@@ -28,20 +28,67 @@ from uproxy.model import Endpoint, LbAlgorithm, ServicePort, ServicePortName, Tr
 # runs on one thread, so sharing it is safe; tests pass their own seeded one.
 _RNG = random.Random()
 
+# Up to this many endpoints a pool tests membership on its order (a tuple) rather than a
+# frozenset: a frozenset is 216 bytes however small (2 MB at 10,000 one-endpoint ports),
+# and a scan of a few endpoints that usually stops at the same object (identity is tested
+# before equality) is faster than hashing an Endpoint.
+_SCAN_MEMBERS = 8
+_NO_IPS: frozenset[str] = frozenset()  # shared: an empty frozenset is 216 bytes too
+
 
 class _Pool:
-    """The endpoints one traffic class may use, in round-robin order."""
+    """The endpoints one traffic class may use, in round-robin order.
+
+    ``members`` is only for membership tests (``in``): the order itself for a small pool,
+    a frozenset beyond ``_SCAN_MEMBERS``.
+    """
 
     __slots__ = ("members", "order", "position")
 
     def __init__(self, order: tuple[Endpoint, ...]) -> None:
         self.order = order
-        self.members = frozenset(order)
+        self.members: Collection[Endpoint] = (
+            order if len(order) <= _SCAN_MEMBERS else frozenset(order)
+        )
         self.position = 0
+
+    def holds_exactly(self, selected: Collection[Endpoint]) -> bool:
+        """Whether ``selected`` is this pool's set of endpoints (order aside)."""
+        return frozenset(selected) == frozenset(self.members)
+
+
+_EMPTY = _Pool(())  # every balancer's pools until its first endpoint; never picked from
 
 
 class Balancer:
-    """Chooses an endpoint for a client; see the module docstring for the rules."""
+    """Chooses an endpoint for a client; see the module docstring for the rules.
+
+    A worker keeps one per service port and family, most of them idle, so its state is
+    kept small: slots; one pool for both traffic classes while they select alike (the same
+    traffic policies: then there is no external listener, and nothing picks from the
+    external pool on its own); shared empties; the affinity table only while affinity is
+    on; of the service port, only what selection depends on. In a worker at 10,000
+    one-endpoint TCP ports (tracemalloc) a balancer went from 1,470 bytes to 240, besides
+    its endpoints, and the ServicePort it no longer keeps (about 250 bytes).
+    """
+
+    __slots__ = (
+        "_affinity",
+        "_affinity_s",
+        "_algorithm",
+        "_clock",
+        "_cluster",
+        "_default_algorithm",
+        "_endpoints",
+        "_external",
+        "_external_local",
+        "_internal_local",
+        "_local_ips",
+        "_node_name",
+        "_rng",
+        "_settings",
+        "name",
+    )
 
     def __init__(
         self,
@@ -59,67 +106,112 @@ class Balancer:
         self._settings = settings
         self._clock = clock
         self._rng = rng if rng is not None else _RNG
+        # What ``update`` computes from, as it would be for no endpoints and a default port:
+        # an update that changes none of it changes nothing (see ``_unchanged``).
         self._algorithm = default_algorithm
         self._affinity_s: float | None = None
-        empty = _Pool(())
-        self._pools: dict[Traffic, _Pool] = {Traffic.CLUSTER: empty, Traffic.EXTERNAL: empty}
-        self._local_ips: frozenset[str] = frozenset()
-        # client IP -> (endpoint, last use); ordered by last use, oldest first.
-        self._affinity: OrderedDict[str, tuple[Endpoint, float]] = OrderedDict()
-        self._last: tuple[ServicePort, tuple[Endpoint, ...]] | None = None
+        self._internal_local = False
+        self._external_local = False
+        self._endpoints: tuple[Endpoint, ...] = ()
+        self._cluster = self._external = _EMPTY
+        self._local_ips = _NO_IPS
+        # client IP -> (endpoint, last use); ordered by last use, oldest first. None while
+        # affinity is off: an empty OrderedDict is 128 bytes.
+        self._affinity: OrderedDict[str, tuple[Endpoint, float]] | None = None
 
     def update(self, port: ServicePort, endpoints: Sequence[Endpoint]) -> None:
         """Apply a service port and its endpoints; a no-op when nothing changed."""
         eps = tuple(endpoints)
-        if self._last is not None and self._last == (port, eps):
-            return
-        self._last = (port, eps)
-        self._algorithm = port.lb_algorithm or self._default_algorithm
+        algorithm = port.lb_algorithm or self._default_algorithm
         affinity = port.affinity_timeout_s
-        self._affinity_s = float(affinity) if affinity is not None else None
-        cluster = categorize(eps, local_only=port.internal_policy_local, node_name=self._node_name)
-        external = (
-            cluster
-            if port.external_policy_local == port.internal_policy_local
-            else categorize(eps, local_only=port.external_policy_local, node_name=self._node_name)
-        )
-        wanted = {Traffic.CLUSTER: cluster, Traffic.EXTERNAL: external}
-        for traffic, selected in wanted.items():
-            if frozenset(selected) != self._pools[traffic].members:
-                order = list(dict.fromkeys(selected))
-                self._rng.shuffle(order)
-                self._pools[traffic] = _Pool(tuple(order))
+        affinity_s = float(affinity) if affinity is not None else None
+        internal_local = port.internal_policy_local
+        external_local = port.external_policy_local
+        if self._unchanged(algorithm, affinity_s, internal_local, external_local, eps):
+            return
+        self._algorithm = algorithm
+        self._affinity_s = affinity_s
+        self._internal_local = internal_local
+        self._external_local = external_local
+        self._endpoints = eps
+        node = self._node_name
+        cluster = categorize(eps, local_only=internal_local, node_name=node)
+        if not self._cluster.holds_exactly(cluster):
+            self._cluster = self._new_pool(cluster)
+        if external_local == internal_local:
+            self._external = self._cluster
+        else:
+            external = categorize(eps, local_only=external_local, node_name=node)
+            if self._external is self._cluster or not self._external.holds_exactly(external):
+                self._external = self._new_pool(external)
         # kube-proxy's health check counts the ready endpoints on this node by address
         # (LocalReadyEndpoints): one pod serving two ports is one endpoint.
-        self._local_ips = frozenset(e.ip for e in eps if e.ready and e.node_name == self._node_name)
-        if self._affinity_s is None:
-            self._affinity.clear()
+        self._local_ips = frozenset(e.ip for e in eps if e.ready and e.node_name == node) or _NO_IPS
+        if affinity_s is None:
+            self._affinity = None
+        elif self._affinity is None:
+            self._affinity = OrderedDict()
         else:
-            usable = self._pools[Traffic.CLUSTER].members | self._pools[Traffic.EXTERNAL].members
-            stale = [ip for ip, (ep, _) in self._affinity.items() if ep not in usable]
+            in_cluster, in_external = self._cluster.members, self._external.members
+            table = self._affinity
+            stale = [
+                ip
+                for ip, (ep, _) in table.items()
+                if ep not in in_cluster and ep not in in_external
+            ]
             for ip in stale:
-                del self._affinity[ip]
+                del table[ip]
+
+    def _unchanged(
+        self,
+        algorithm: LbAlgorithm,
+        affinity_s: float | None,
+        internal_local: bool,
+        external_local: bool,
+        eps: tuple[Endpoint, ...],
+    ) -> bool:
+        # Compared field by field rather than keeping the last ServicePort: the rest of the
+        # port (addresses, node port...) does not change the choice, and a kept ServicePort
+        # was about 250 bytes per balancer.
+        return (
+            algorithm is self._algorithm
+            and affinity_s == self._affinity_s
+            and internal_local == self._internal_local
+            and external_local == self._external_local
+            and eps == self._endpoints
+        )
+
+    def _new_pool(self, selected: Collection[Endpoint]) -> _Pool:
+        if not selected:
+            return _EMPTY
+        order = list(dict.fromkeys(selected))
+        self._rng.shuffle(order)
+        shuffled = tuple(order)
+        # When the shuffle leaves the endpoints as given (always, for one endpoint), the
+        # pool shares the tuple ``_endpoints`` keeps rather than holding a copy.
+        return _Pool(self._endpoints if shuffled == self._endpoints else shuffled)
 
     def pick(
         self, client_ip: str, traffic: Traffic, *, exclude: Collection[Endpoint] = ()
     ) -> Endpoint | None:
         """The endpoint for this client, or None when no usable endpoint is left."""
-        pool = self._pools[traffic]
+        pool = self._external if traffic is Traffic.EXTERNAL else self._cluster
         if not pool.order:
             return None
         timeout = self._affinity_s
-        if timeout is not None:
+        table = self._affinity
+        if timeout is not None and table is not None:  # set together, by update()
             now = self._clock()
-            entry = self._affinity.get(client_ip)
+            entry = table.get(client_ip)
             if entry is not None:
                 ep, last = entry
                 if now - last < timeout and ep in pool.members and ep not in exclude:
-                    self._affinity[client_ip] = (ep, now)
-                    self._affinity.move_to_end(client_ip)
+                    table[client_ip] = (ep, now)
+                    table.move_to_end(client_ip)
                     return ep
             chosen = self._choose(pool, exclude)
             if chosen is not None:
-                self._remember(client_ip, chosen, now)
+                self._remember(table, client_ip, chosen, now)
             return chosen
         return self._choose(pool, exclude)
 
@@ -138,8 +230,13 @@ class Balancer:
                 return ep
         return None
 
-    def _remember(self, client_ip: str, ep: Endpoint, now: float) -> None:
-        table = self._affinity
+    def _remember(
+        self,
+        table: OrderedDict[str, tuple[Endpoint, float]],
+        client_ip: str,
+        ep: Endpoint,
+        now: float,
+    ) -> None:
         table[client_ip] = (ep, now)
         table.move_to_end(client_ip)
         limit = self._settings.max_affinity_entries
@@ -148,13 +245,16 @@ class Balancer:
 
     def dial_failed(self, client_ip: str, endpoint: Endpoint) -> None:
         """Forget the client's affinity to an endpoint that could not be reached."""
-        entry = self._affinity.get(client_ip)
+        table = self._affinity
+        if table is None:
+            return
+        entry = table.get(client_ip)
         if entry is not None and entry[0] == endpoint:
-            del self._affinity[client_ip]
+            del table[client_ip]
 
     def endpoints(self, traffic: Traffic) -> tuple[Endpoint, ...]:
         """The usable endpoints for this traffic class, in round-robin order."""
-        return self._pools[traffic].order
+        return (self._external if traffic is Traffic.EXTERNAL else self._cluster).order
 
     @property
     def local_ready_ips(self) -> frozenset[str]:
@@ -168,4 +268,4 @@ class Balancer:
 
     @property
     def affinity_entries(self) -> int:
-        return len(self._affinity)
+        return len(self._affinity) if self._affinity is not None else 0

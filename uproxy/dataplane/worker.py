@@ -214,7 +214,11 @@ class Worker:
     def _open(self, message: OpenListener, sock: socket.socket) -> None:
         config = self._configured()
         balancer = self.balancers[(message.name, message.family)]
-        key = (message.name, message.traffic, message.family)
+        # The balancer's name, not the message's: the same value, but when the two came in
+        # different packets (a new worker is sent every balancer, then every listener) they
+        # are two objects, and this one is kept anyway.
+        name = balancer.name
+        key = (name, message.traffic, message.family)
         old = self.listeners.pop(key, None)
         if old is not None:
             old.close()
@@ -222,7 +226,7 @@ class Worker:
         serve = self._tcp.serve if sock.type == socket.SOCK_STREAM else self._udp.serve
         self.listeners[key] = serve(
             sock,
-            name=message.name,
+            name=name,
             balancer=balancer,
             traffic=message.traffic,
             settings=config.settings,
