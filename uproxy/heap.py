@@ -14,18 +14,48 @@ was allocated since, mostly per-connection objects, and stay in the milliseconds
 cyclic garbage that exists at a freeze is never reclaimed. The control plane's objects are
 acyclic by design (the data plane breaks its cycles by hand, see ``dataplane/relay.py``), so
 this is small and bounded by the number of bulk operations.
+
+At the end of the last bulk the C allocator is asked to give its free memory back to the
+kernel (glibc's ``malloc_trim``, where there is one). A listing or a big sync frees most
+of what it allocated on the way (pages of JSON, parsed documents, temporary lists), but
+freed chunks between live ones stay resident until trimmed: at 10,000 services the control
+process kept 5-9 MiB that way. A trim took ~1 ms there; it runs once per bulk, not per
+object.
 """
 
 from __future__ import annotations
 
+import ctypes
 import gc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 # Below this many objects handled, bulk work is not worth the bookkeeping.
 BULK_MIN = 1000
 
 _depth = 0
+
+
+def _find_trim() -> Callable[[int], int] | None:
+    try:
+        libc = ctypes.CDLL(None)  # the symbols already loaded: libc's among them
+    except OSError:
+        return None
+    trim = getattr(libc, "malloc_trim", None)  # glibc only (musl has none)
+    if trim is None:
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return trim  # type: ignore[no-any-return]
+
+
+_malloc_trim = _find_trim()
+
+
+def trim() -> None:
+    """Return the C allocator's free memory to the kernel (a no-op without glibc)."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
 
 
 @contextmanager
@@ -56,3 +86,4 @@ def resume() -> None:
     gc.freeze()
     if _depth == 0:
         gc.enable()
+        trim()

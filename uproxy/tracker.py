@@ -88,7 +88,9 @@ class Tracker:
         self._started = clock()
         self._services: dict[ServiceKey, dict[ServicePortName, ServicePort]] = {}
         self._slices: dict[ServiceKey, EndpointSliceInfo] = {}  # keyed by (ns, slice name)
-        self._slices_of: dict[ServiceKey, set[ServiceKey]] = {}  # service -> its slice keys
+        # service -> its slice keys, as a tuple: a service has one or a few slices, and a set
+        # is 216 bytes however small (2.1 MiB at 10,000 services).
+        self._slices_of: dict[ServiceKey, tuple[ServiceKey, ...]] = {}
         self._listed: set[Kind] = set()
         self._invalid: dict[tuple[Kind, str], str] = {}
         self._state: DesiredState = {}
@@ -281,17 +283,17 @@ class Tracker:
             return False
         if old is not None:
             owner = (old.namespace, old.service)
-            slices = self._slices_of.get(owner)
-            if slices is not None:
-                slices.discard(key)
-                if not slices:
-                    del self._slices_of[owner]  # a deleted service leaves no empty set
+            rest = tuple(k for k in self._slices_of.get(owner, ()) if k != key)
+            if rest:
+                self._slices_of[owner] = rest
+            else:
+                self._slices_of.pop(owner, None)  # a deleted service leaves no empty entry
             self._mark(owner, service=False)
             del self._slices[key]
         if info is not None:
             owner = (info.namespace, info.service)
             self._slices[key] = info
-            self._slices_of.setdefault(owner, set()).add(key)
+            self._slices_of[owner] = (*self._slices_of.get(owner, ()), key)
             self._mark(owner, service=False)
             t = _parse_time(info.trigger_time) if info.trigger_time else None
             if t is not None and t >= self._started:

