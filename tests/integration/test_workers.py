@@ -313,6 +313,11 @@ class _Stream:
         self.writer.write(data)
 
     async def finish(self, more: int) -> str:
+        if self.writer.transport.is_closing():
+            # The worker's death reset this stream before it got here: uvloop closed the
+            # transport on the RST, and a write would raise RuntimeError, not a reset.
+            self.writer.close()
+            return "reset"
         try:
             self.send(more)
             await self.writer.drain()
