@@ -45,6 +45,7 @@ What a scrape contains, and why:
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import os
 import platform
@@ -52,7 +53,15 @@ import resource
 import time
 from abc import ABC, abstractmethod
 from bisect import bisect_left
-from collections.abc import Collection, Iterable, Iterator, Mapping, MutableSequence, Sequence
+from collections.abc import (
+    Callable,
+    Collection,
+    Iterable,
+    Iterator,
+    Mapping,
+    MutableSequence,
+    Sequence,
+)
 from pathlib import Path
 
 from prometheus_client import (
@@ -608,17 +617,33 @@ def forget_service(service: str) -> None:
 GAUGES = (OPEN_CONNECTIONS, UDP_FLOWS)
 
 
+# The longest stretch of adding up before the control process's loop runs again.
+ADD_UP_SLICE_S = 0.002
+_CHECK_EVERY = 512  # items between two looks at the clock
+
+
 class WorkerTotals:
     """The control process's view of the workers' numbers: live ones plus the dead's.
 
     ``add_up`` sets every data-plane series to the sum over the live workers' slots and the
     counters of workers that died (``retire``), so a scrape neither loses nor counts twice
     what any worker, replaced or not, counted. Gauges count the live workers only.
+
+    Before a scrape the control process adds up in slices (``add_up_sliced``): at 10,000
+    service ports a worker reports 40,000 series, and adding them up in one go held the loop
+    77 ms per scrape (283 ms for the first, which learns every label set), so an endpoint
+    change waited behind it (p99 82-103 ms with a scrape every second, 7-9 ms without). A
+    worker that dies between two slices moves its counts to the dead's: the pass starts over
+    from the live workers then, without touching the dead one's closed shared memory, so no
+    scrape counts it twice or not at all. One pass at a time (a lock): concurrent scrapes
+    wait for it, then add up again.
     """
 
     def __init__(self) -> None:
         self._retired: dict[tuple[str, tuple[str, ...]], float] = {}
         self._retired_by_service: dict[str, set[tuple[str, tuple[str, ...]]]] = {}
+        self._generation = 0  # moves at every retire: a sliced pass that sees it starts over
+        self._lock = asyncio.Lock()
 
     def retire(self, reader: SlotReader) -> None:
         """A worker is gone: keep its counters (its last state is in shared memory)."""
@@ -631,14 +656,46 @@ class WorkerTotals:
                 at = _service_label_at().get(family)
                 if at is not None:
                     self._retired_by_service.setdefault(labels[at], set()).add(key)
+        self._generation += 1
 
     def add_up(self, readers: Iterable[SlotReader]) -> None:
+        """Add up in one go (tests and tools; a scrape uses ``add_up_sliced``)."""
+        for _ in self._steps(list(readers), None):
+            pass
+
+    async def add_up_sliced(
+        self, readers: Callable[[], Iterable[SlotReader]], budget_s: float = ADD_UP_SLICE_S
+    ) -> None:
+        """Add up the workers ``readers()`` names, letting the loop run every ``budget_s``."""
+        async with self._lock:
+            while True:
+                generation = self._generation
+                for _ in self._steps(list(readers()), budget_s):
+                    await asyncio.sleep(0)
+                    if self._generation != generation:
+                        break  # a worker was retired meanwhile: start over
+                else:
+                    return
+
+    def _steps(self, readers: list[SlotReader], budget_s: float | None) -> Iterator[None]:
+        """One pass; yields whenever ``budget_s`` of work is done (never with None)."""
+        clock = time.perf_counter
+        deadline = clock() + budget_s if budget_s is not None else float("inf")
+        limit = None if budget_s is None else _CHECK_EVERY * 8
+        n = 0
         totals = dict(self._retired)
         for reader in readers:
-            reader.refresh()
+            while not reader.refresh(limit):
+                if clock() >= deadline:
+                    yield
+                    deadline = clock() + (budget_s or 0.0)
             for family, labels, value in reader.items():
                 key = (family, labels)
                 totals[key] = totals.get(key, 0.0) + value
+                n += 1
+                if n % _CHECK_EVERY == 0 and clock() >= deadline:
+                    yield
+                    deadline = clock() + (budget_s or 0.0)
         families = {f.name: f for f in DATA_PLANE if isinstance(f, LabelledFamily)}
         present: dict[str, set[tuple[str, ...]]] = {name: set() for name in families}
         dial = [0.0] * (len(DIAL_DURATION.bounds) + 2)
@@ -649,6 +706,10 @@ class WorkerTotals:
                 present[family].add(labels)
             elif family == DIAL_DURATION.name:
                 dial[-1 if labels == ("sum",) else int(labels[0])] = value
+            n += 1
+            if n % _CHECK_EVERY == 0 and clock() >= deadline:
+                yield
+                deadline = clock() + (budget_s or 0.0)
         DIAL_DURATION.set_totals(dial)
         for name, target_family in families.items():
             target_family.keep_only(present[name])  # a deleted service's series go with it

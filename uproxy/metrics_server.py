@@ -54,7 +54,7 @@ import asyncio
 import logging
 import time
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 
 from aiohttp import hdrs, web
 from prometheus_client import REGISTRY, generate_latest
@@ -99,7 +99,7 @@ class MetricsServer(HttpServer):
         port: int,
         registry: Collector = REGISTRY,
         families: Sequence[ScrapeFamily] = DATA_PLANE,
-        before_scrape: Callable[[], None] | None = None,
+        before_scrape: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self._registry = registry
         self._families = tuple(families)
@@ -119,7 +119,7 @@ class MetricsServer(HttpServer):
     async def _metrics(self, request: web.Request) -> web.StreamResponse:
         body = _Body(gzip=accepts_gzip(request.headers.getall(hdrs.ACCEPT_ENCODING, [])))
         if self._before_scrape is not None:
-            self._before_scrape()
+            await self._before_scrape()
         control = generate_latest(self._registry)  # ~1 ms: a few dozen series
         response = web.StreamResponse(headers=body.headers())
         await response.prepare(request)

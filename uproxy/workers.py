@@ -263,9 +263,11 @@ class WorkerPool:
 
     # ----- metrics -----
 
-    def add_up(self) -> None:
+    async def add_up(self) -> None:
         """Before a scrape: every data-plane series = live workers + the dead's counts."""
-        self._totals.add_up(w.reader for w in self._workers.values())
+        await self._totals.add_up_sliced(
+            lambda: [w.reader for w in self._workers.values() if not w.buried]
+        )
 
     def readers(self) -> Iterator[SlotReader]:
         return (w.reader for w in self._workers.values())

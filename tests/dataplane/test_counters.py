@@ -3,6 +3,7 @@ stays counted after the worker is gone. The worker side runs in a real child pro
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -152,3 +153,42 @@ def test_a_deleted_services_series_go_and_the_others_stay() -> None:
         reader.close()
     finally:
         files.close()
+
+
+async def test_a_sliced_add_up_lets_the_loop_run_and_counts_a_worker_that_dies_meanwhile_once() -> (
+    None
+):
+    # Two workers with 3,000 series each; the first dies (its counts move to the dead's and
+    # its shared memory is closed) while a scrape is adding up: the pass starts over and
+    # every series is counted once, 1 (the dead) + 2 (the live one).
+    a, b = CounterFiles.create(), CounterFiles.create()
+    try:
+        for files, value in ((a, 1.0), (b, 2.0)):
+            writer = SlotWriter(files)
+            for i in range(3000):
+                writer.values[writer.new_slot("uproxy_bytes_total", (f"ns/s{i}:p", "in"))] = value
+        dying, staying = SlotReader(a), SlotReader(b)
+        live = [dying, staying]
+        sums = metrics.WorkerTotals()
+        turns = 0
+
+        async def the_rest_of_the_loop() -> None:
+            nonlocal turns
+            while True:
+                await asyncio.sleep(0)
+                turns += 1
+                if turns == 3:
+                    sums.retire(dying)
+                    live.remove(dying)
+                    dying.close()
+
+        other = asyncio.create_task(the_rest_of_the_loop())
+        await sums.add_up_sliced(lambda: list(live), budget_s=0.0)
+        other.cancel()
+        assert turns > 3  # the loop ran between slices, and after the death too
+        got = totals("uproxy_bytes_total")
+        assert {got[(f"ns/s{i}:p", "in")] for i in range(3000)} == {3.0}
+        staying.close()
+    finally:
+        a.close()
+        b.close()

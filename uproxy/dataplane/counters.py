@@ -119,9 +119,12 @@ class SlotReader:
         self._records = 0
         self._offset = 0
 
-    def refresh(self) -> None:
-        """Learn the label sets bound (and forgotten) since the last call."""
+    def refresh(self, limit: int | None = None) -> bool:
+        """Learn the label sets bound (and forgotten) since the last call: at most ``limit``
+        records of them; whether it caught up (a first read at 10,000 ports is 40,000)."""
         count, used = _HEADER.unpack_from(self._directory, 0)
+        if limit is not None:
+            count = min(count, self._records + limit)
         while self._records < count and self._offset < used:
             at = _HEADER.size + self._offset
             (length,) = _RECORD_LEN.unpack_from(self._directory, at)
@@ -136,6 +139,9 @@ class SlotReader:
                 raise ValueError(f"counter directory out of order: slot {slot}")
             self._records += 1
             self._offset += _RECORD_LEN.size + length
+        total, end = _HEADER.unpack_from(self._directory, 0)
+        caught_up: bool = self._records >= total or self._offset >= end
+        return caught_up
 
     def items(self) -> Iterator[tuple[str, Labels, float]]:
         """Every named slot that is not forgotten: (family, label values, value)."""
