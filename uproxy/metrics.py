@@ -84,6 +84,7 @@ from prometheus_client.registry import Collector
 
 from uproxy import __version__
 from uproxy.dataplane.counters import CountersFull, SlotReader, SlotWriter
+from uproxy.timeslice import TimeSlice
 
 # For prometheus_client's metrics; ours never write them (see above). The library's function is
 # unannotated, hence the ignore.
@@ -620,6 +621,7 @@ GAUGES = (OPEN_CONNECTIONS, UDP_FLOWS)
 # The longest stretch of adding up before the control process's loop runs again.
 ADD_UP_SLICE_S = 0.002
 _CHECK_EVERY = 512  # items between two looks at the clock
+_RECORDS_PER_REFRESH = 512  # directory records learnt between two looks at the clock (~1 ms)
 
 
 class WorkerTotals:
@@ -660,7 +662,7 @@ class WorkerTotals:
 
     def add_up(self, readers: Iterable[SlotReader]) -> None:
         """Add up in one go (tests and tools; a scrape uses ``add_up_sliced``)."""
-        for _ in self._steps(list(readers), None):
+        for _ in self._steps(list(readers), TimeSlice(float("inf"), check_every=_CHECK_EVERY)):
             pass
 
     async def add_up_sliced(
@@ -670,32 +672,26 @@ class WorkerTotals:
         async with self._lock:
             while True:
                 generation = self._generation
-                for _ in self._steps(list(readers()), budget_s):
+                slices = TimeSlice(budget_s, check_every=_CHECK_EVERY)
+                for _ in self._steps(list(readers()), slices):
                     await asyncio.sleep(0)
                     if self._generation != generation:
                         break  # a worker was retired meanwhile: start over
                 else:
                     return
 
-    def _steps(self, readers: list[SlotReader], budget_s: float | None) -> Iterator[None]:
-        """One pass; yields whenever ``budget_s`` of work is done (never with None)."""
-        clock = time.perf_counter
-        deadline = clock() + budget_s if budget_s is not None else float("inf")
-        limit = None if budget_s is None else _CHECK_EVERY * 8
-        n = 0
+    def _steps(self, readers: list[SlotReader], slices: TimeSlice) -> Iterator[None]:
+        """One pass; yields whenever ``slices`` says its budget is spent."""
         totals = dict(self._retired)
         for reader in readers:
-            while not reader.refresh(limit):
-                if clock() >= deadline:
+            while not reader.refresh(_RECORDS_PER_REFRESH):
+                if slices.due(_RECORDS_PER_REFRESH):
                     yield
-                    deadline = clock() + (budget_s or 0.0)
             for family, labels, value in reader.items():
                 key = (family, labels)
                 totals[key] = totals.get(key, 0.0) + value
-                n += 1
-                if n % _CHECK_EVERY == 0 and clock() >= deadline:
+                if slices.due():
                     yield
-                    deadline = clock() + (budget_s or 0.0)
         families = {f.name: f for f in DATA_PLANE if isinstance(f, LabelledFamily)}
         present: dict[str, set[tuple[str, ...]]] = {name: set() for name in families}
         dial = [0.0] * (len(DIAL_DURATION.bounds) + 2)
@@ -706,10 +702,8 @@ class WorkerTotals:
                 present[family].add(labels)
             elif family == DIAL_DURATION.name:
                 dial[-1 if labels == ("sum",) else int(labels[0])] = value
-            n += 1
-            if n % _CHECK_EVERY == 0 and clock() >= deadline:
+            if slices.due():
                 yield
-                deadline = clock() + (budget_s or 0.0)
         DIAL_DURATION.set_totals(dial)
         for name, target_family in families.items():
             target_family.keep_only(present[name])  # a deleted service's series go with it

@@ -31,11 +31,19 @@ class TimeSlice:
 
     async def tick(self) -> None:
         """One item done: yield to the loop when the budget is spent."""
-        self._count += 1
-        if self._count < self._check_every:
-            return
-        self._count = 0
-        if time.perf_counter() - self._since >= self._budget:
+        if self.due():
             await asyncio.sleep(0)
-            self.yields += 1
             self._since = time.perf_counter()
+
+    def due(self, items: int = 1) -> bool:
+        """``items`` done, where the caller cannot await (a generator that its consumer
+        drives): whether the budget is spent, so the caller lets the loop run now."""
+        self._count += items
+        if self._count < self._check_every:
+            return False
+        self._count = 0
+        if time.perf_counter() - self._since < self._budget:
+            return False
+        self.yields += 1
+        self._since = time.perf_counter()
+        return True

@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import asyncio
 import select
-from typing import Protocol
+from collections.abc import Callable
+from typing import Protocol, TypeVar
 
 IN = select.EPOLLIN
 OUT = select.EPOLLOUT
@@ -47,20 +48,63 @@ class Handler(Protocol):
     def event(self, mask: int) -> None: ...
 
 
-class EdgePoller:
-    """One loop's epoll set of relayed sockets (see the module docstring)."""
+class LoopEpoll:
+    """An epoll set of its own whose fd is the one thing the loop watches for it: subclasses
+    say how sockets are registered and what their readiness calls (``_ready``)."""
 
-    __slots__ = ("_epoll", "_handlers", "_loop", "_stale", "buffer")
+    __slots__ = ("_epoll", "_loop")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
+        self._epoll = select.epoll()
+        loop.add_reader(self._epoll.fileno(), self._ready)
+
+    def _ready(self) -> None:
+        raise NotImplementedError
+
+    def _forget_all(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        if not self._loop.is_closed():
+            self._loop.remove_reader(self._epoll.fileno())
+        self._epoll.close()
+        self._forget_all()
+
+
+_T = TypeVar("_T")
+
+
+def per_loop(
+    registry: dict[asyncio.AbstractEventLoop, _T],
+    loop: asyncio.AbstractEventLoop,
+    make: Callable[[asyncio.AbstractEventLoop], _T],
+    drop: Callable[[_T], object] | None = None,
+) -> _T:
+    """``registry``'s object for ``loop``, made on first use; those of closed loops are
+    dropped then (loops come and go in tests; a process has one)."""
+    obj = registry.get(loop)
+    if obj is None:
+        for closed in [other for other in registry if other.is_closed()]:
+            gone = registry.pop(closed)
+            if drop is not None:
+                drop(gone)
+        obj = registry[loop] = make(loop)
+    return obj
+
+
+class EdgePoller(LoopEpoll):
+    """One loop's epoll set of relayed sockets (see the module docstring)."""
+
+    __slots__ = ("_handlers", "_stale", "buffer")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         # The read buffer of every relay on this loop: what a relay reads, it writes on
         # before it returns (the rest, if any, is copied out), so one buffer serves them all.
         self.buffer = memoryview(bytearray(0))
-        self._epoll = select.epoll()
         self._handlers: dict[int, Handler] = {}
         self._stale: set[int] = set()
-        loop.add_reader(self._epoll.fileno(), self._ready)
+        super().__init__(loop)
 
     def __len__(self) -> int:
         return len(self._handlers)
@@ -101,10 +145,7 @@ class EdgePoller:
                     {"message": "Relay event handler failed", "exception": exc}
                 )
 
-    def close(self) -> None:
-        if not self._loop.is_closed():
-            self._loop.remove_reader(self._epoll.fileno())
-        self._epoll.close()
+    def _forget_all(self) -> None:
         self._handlers.clear()
 
 
@@ -117,9 +158,4 @@ def poller_for(loop: asyncio.AbstractEventLoop) -> EdgePoller:
     Like an event loop, a poller does not survive ``fork()`` (parent and child would share
     one epoll set): a worker process makes its loop, and with it its poller, after it starts.
     """
-    poller = _POLLERS.get(loop)
-    if poller is None:
-        for closed in [other for other in _POLLERS if other.is_closed()]:
-            _POLLERS.pop(closed).close()  # loops come and go in tests; a process has one
-        poller = _POLLERS[loop] = EdgePoller(loop)
-    return poller
+    return per_loop(_POLLERS, loop, EdgePoller, EdgePoller.close)

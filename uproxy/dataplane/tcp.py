@@ -28,7 +28,7 @@ from typing import Self
 from uproxy import metrics
 from uproxy.dataplane.balancer import Balancer
 from uproxy.dataplane.fdreserve import FD_RESERVE, RESOURCE_ERRNOS
-from uproxy.dataplane.poller import poller_for
+from uproxy.dataplane.poller import LoopEpoll, per_loop, poller_for
 from uproxy.dataplane.relay import Connection, Stats, reset_socket
 from uproxy.dataplane.settings import DataplaneSettings
 from uproxy.dataplane.sockets import bind_tcp
@@ -41,22 +41,21 @@ DialTimers = dict[float, FixedDelayTimers]
 
 # The dial timers of each loop and schedule (``settings.dial_timeouts_s``), one dict shared
 # by every listener with that schedule: a dict of four per listener was 2 MB at 10,000 ports.
-_DIAL_TIMERS: dict[tuple[asyncio.AbstractEventLoop, tuple[float, ...]], DialTimers] = {}
+_DIAL_TIMERS: dict[asyncio.AbstractEventLoop, dict[tuple[float, ...], DialTimers]] = {}
 
 
 def _dial_timers(loop: asyncio.AbstractEventLoop, timeouts: tuple[float, ...]) -> DialTimers:
-    timers = _DIAL_TIMERS.get((loop, timeouts))
+    schedules = per_loop(_DIAL_TIMERS, loop, lambda _: {})
+    timers = schedules.get(timeouts)
     if timers is None:
-        for closed in [key for key in _DIAL_TIMERS if key[0].is_closed()]:
-            del _DIAL_TIMERS[closed]  # loops come and go in tests; a process has one
-        timers = _DIAL_TIMERS[(loop, timeouts)] = {t: shared_timers(loop, t) for t in timeouts}
+        timers = schedules[timeouts] = {t: shared_timers(loop, t) for t in timeouts}
     return timers
 
 
 _MAX_READY = 256  # listeners per pass; more stay ready in the set for the loop's next pass
 
 
-class AcceptPoller:
+class AcceptPoller(LoopEpoll):
     """One loop's listening TCP sockets in a level-triggered epoll set, watched by the loop.
 
     Why not ``loop.add_reader`` per listening socket: uvloop makes each one a libuv poll
@@ -72,13 +71,11 @@ class AcceptPoller:
     busy port does not starve the others and nothing has to remember a readiness.
     """
 
-    __slots__ = ("_epoll", "_listeners", "_loop")
+    __slots__ = ("_listeners",)
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._epoll = select.epoll()
         self._listeners: dict[int, TcpListener] = {}
-        loop.add_reader(self._epoll.fileno(), self._ready)
+        super().__init__(loop)
 
     def __len__(self) -> int:
         return len(self._listeners)
@@ -108,10 +105,7 @@ class AcceptPoller:
                     {"message": "Accept handler failed", "exception": exc}
                 )
 
-    def close(self) -> None:
-        if not self._loop.is_closed():
-            self._loop.remove_reader(self._epoll.fileno())
-        self._epoll.close()
+    def _forget_all(self) -> None:
         self._listeners.clear()
 
 
@@ -120,12 +114,7 @@ _ACCEPT_POLLERS: dict[asyncio.AbstractEventLoop, AcceptPoller] = {}
 
 def accept_poller_for(loop: asyncio.AbstractEventLoop) -> AcceptPoller:
     """The ``AcceptPoller`` of ``loop``, created on first use."""
-    poller = _ACCEPT_POLLERS.get(loop)
-    if poller is None:
-        for closed in [other for other in _ACCEPT_POLLERS if other.is_closed()]:
-            _ACCEPT_POLLERS.pop(closed).close()  # loops come and go in tests; a process has one
-        poller = _ACCEPT_POLLERS[loop] = AcceptPoller(loop)
-    return poller
+    return per_loop(_ACCEPT_POLLERS, loop, AcceptPoller, AcceptPoller.close)
 
 
 class TcpListener:
