@@ -61,6 +61,7 @@ from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.registry import Collector
 
+from uproxy import heap
 from uproxy.httpserver import HttpServer
 from uproxy.log import V3, kv
 from uproxy.metrics import DATA_PLANE, ScrapeFamily
@@ -131,6 +132,10 @@ class MetricsServer(HttpServer):
             await response.write_eof(body.finish())
         except ConnectionError:  # the client went away; aiohttp closes the connection
             log.log(V3, "Metrics client left mid-scrape", extra=kv(remote=request.remote))
+        # A scrape at 10,000 service ports frees megabytes of text and totals between
+        # chunks that stay: without a trim, the control process kept ~4 MiB more after its
+        # first scrape. About 1 ms, once per scrape.
+        heap.trim()
         return response
 
 

@@ -142,7 +142,7 @@ def test_a_deleted_services_series_go_and_the_others_stay() -> None:
         services = {labels[0] for _, labels, _ in reader.items() if labels}
         assert services >= {"ns/stays:http"} and "ns/gone:http" not in services
         sums = metrics.WorkerTotals()
-        metrics.BYTES.local("ns/gone:http", "to_endpoint").value = 100  # from an earlier scrape
+        metrics.BYTES.local(("ns/gone:http", "to_endpoint")).value = 100  # from an earlier scrape
         sums.add_up([reader])
         assert ("ns/gone:http", "to_endpoint") not in totals("uproxy_bytes_total")
         assert totals("uproxy_bytes_total")[("ns/stays:http", "to_endpoint")] == 100
