@@ -28,7 +28,6 @@ from uproxy.healthcheck import HealthCheckServers, HealthCheckSpec
 from uproxy.log import V2, kv
 from uproxy.metrics_server import MetricsServer
 from uproxy.model import IPFamily, ServicePortName
-from uproxy.portrange import parse_port_range
 from uproxy.rules.base import RulesBackend
 from uproxy.rules.nodeports import NodePortReservations
 from uproxy.runner import BoundedFrequencyRunner
@@ -36,14 +35,12 @@ from uproxy.settings import Settings, parse_hostport
 from uproxy.sources.file import FileSource
 from uproxy.syncer import ProxiedPort, Syncer, SyncerOptions, TableRow, open_listener
 from uproxy.tracker import Tracker
-from uproxy.workers import WorkerPool, default_worker_count
+from uproxy.workers import WorkerPool, default_worker_count, worker_argv
 
 log = logging.getLogger("uproxy.proxy")
 
 LocalIps = Mapping[IPFamily, frozenset[str]]  # per family: the ready local endpoints' addresses
 
-# Seconds connections get to finish when uproxy stops (all listeners and workers at once).
-DRAIN_TIMEOUT_S = 5.0
 EXIT_NOW = 143  # a second stop signal: 128 + SIGTERM, as a shell reports a killed process
 
 # The cheap "are our rules still there" check: a netlink or getsockopt read of the ruleset's
@@ -81,26 +78,10 @@ class Proxy:
         except ValueError as e:
             raise StartupError(str(e)) from None
         self.rules: RulesBackend = rules or self._make_rules()
-        dataplane = DataplaneSettings(
-            udp_timeout_s=s.udp_timeout,
-            udp_max_flows=s.udp_max_flows,
-            udp_receive_buffer=s.udp_receive_buffer,
-            dial_mark=self._dial_mark(),
-        )
+        self.dataplane = DataplaneSettings.from_settings(s, dial_mark=self._dial_mark())
         count = s.workers if s.workers is not None else default_worker_count(laptop=s.laptop)
         self.workers: WorkerPool | None = (
-            WorkerPool(
-                count,
-                settings=dataplane,
-                node_name=s.node_name,
-                default_algorithm=s.algorithm,
-                drain_timeout_s=DRAIN_TIMEOUT_S,
-                event_loop=s.event_loop,
-                verbosity=s.verbosity,
-                logging_format=s.logging_format,
-            )
-            if count > 0
-            else None
+            WorkerPool(count, settings=self.dataplane, argv=worker_argv(s)) if count > 0 else None
         )
         self.healthchecks = HealthCheckServers(
             addresses=self._nodeport_addresses(), proxy_health=self.health
@@ -110,14 +91,9 @@ class Proxy:
             rules=self.rules,
             listener_factory=self.workers.open_listener if self.workers else open_listener,
             options=SyncerOptions(
+                settings=s,
+                dataplane=self.dataplane,
                 listen_hosts=tuple(stack.listen_ip for stack in self.stacks),
-                node_name=s.node_name,
-                laptop=s.laptop,
-                port_range=parse_port_range(s.proxy_port_range),
-                default_algorithm=s.algorithm,
-                dataplane=dataplane,
-                full_sync_period_s=s.iptables_sync_period,
-                drain_timeout_s=DRAIN_TIMEOUT_S,
                 nodeports=None
                 if s.laptop
                 else NodePortReservations(bind_ips=self.nodeport_addresses.bind),

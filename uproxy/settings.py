@@ -2,8 +2,11 @@
 
 Each field of ``Settings`` carries its flag, its path in a KubeProxyConfiguration file and its
 help text, so the command line, ``--config`` and the generated configuration reference
-cannot drift apart. Values are parsed and checked here; a bad value raises ``SettingsError``
-with one line naming the setting, the value and what is expected.
+cannot drift apart. It is also the one place the other parts read settings from: the data
+plane gets its view built from it (``DataplaneSettings.from_settings``), the syncer reads it
+directly, and a worker process is started with its flags (``Settings.flags``). Values are
+parsed and checked here; a bad value raises ``SettingsError`` with one line naming the
+setting, the value and what is expected.
 """
 
 from __future__ import annotations
@@ -287,6 +290,26 @@ class Settings:
     @property
     def algorithm(self) -> LbAlgorithm:
         return LbAlgorithm(self.lb_algorithm)
+
+    @property
+    def port_range(self) -> range | None:
+        """--proxy-port-range parsed (``validate`` has checked it); None: no range of its own."""
+        from uproxy.portrange import parse_port_range
+
+        return parse_port_range(self.proxy_port_range)
+
+    def flags(self, *names: str) -> list[str]:
+        """These settings (scalar ones: no lists, no on/off flags) as command-line flags, to
+        start another process with: ``flags("verbosity")`` -> ``["-v", "2"]``."""
+        table = {f.name: f for f in fields(self)}
+        out: list[str] = []
+        for name in names:
+            f, value = table[name], getattr(self, name)
+            if f.metadata["kind"] in ("bool", "cidrs") or value is None:
+                raise ValueError(f"{name} has no single-value flag")
+            text = format_duration(value) if f.metadata["kind"] == "duration" else str(value)
+            out += [f.metadata["flag"], text]
+        return out
 
 
 def setting_fields() -> list[Any]:

@@ -36,7 +36,6 @@ from uproxy.log import V2, kv
 from uproxy.model import (
     Endpoint,
     IPFamily,
-    LbAlgorithm,
     Protocol,
     ServicePort,
     ServicePortName,
@@ -48,6 +47,7 @@ from uproxy.model import (
 from uproxy.portrange import PortAllocator
 from uproxy.rules.base import Portal, PortalKind, RulesBackend, RulesError
 from uproxy.rules.nodeports import NodePortError, NodePortReservations
+from uproxy.settings import Settings
 from uproxy.timeslice import TimeSlice
 from uproxy.tracker import Tracker
 
@@ -185,16 +185,17 @@ Hook = Callable[
 
 @dataclass(slots=True, kw_only=True)
 class SyncerOptions:
+    """What the syncer is given: the user's settings and the data plane's view of them (read
+    there, never copied here), and what is computed at start or wired to other parts."""
+
+    # Laptop mode (``laptop``), the proxy port range (``port_range``), the longest time
+    # between full rules syncs (``iptables_sync_period``).
+    settings: Settings
+    # What every balancer and listener gets: node name, default algorithm, drain timeout...
+    dataplane: DataplaneSettings
     # Where proxy ports listen, one address per IP family this node serves (the primary
     # first): "0.0.0.0" and "::", the --bind-address, or the laptop's loopback addresses.
     listen_hosts: tuple[str, ...]
-    node_name: str
-    laptop: bool
-    port_range: range | None
-    default_algorithm: LbAlgorithm
-    dataplane: DataplaneSettings
-    full_sync_period_s: float = 30.0
-    drain_timeout_s: float = 5.0
     # Real sockets holding every node port (node mode); None in laptop mode.
     nodeports: NodePortReservations | None = None
     # Laptop mode: the rows of the service table that changed (all of them at first).
@@ -227,6 +228,7 @@ class Syncer:
         self.tracker = tracker
         self.rules = rules
         self.options = options
+        self.laptop = options.settings.laptop  # read once: a property, asked per port
         self._open = listener_factory
         self._clock = clock
         self.ports: dict[ServicePortName, ProxiedPort] = {}
@@ -234,7 +236,7 @@ class Syncer:
         self.hosts: dict[IPFamily, str] = {ip_family(h): h for h in options.listen_hosts}
         # Proxy ports per protocol and family: 0.0.0.0:P and [::]:P are different sockets.
         self._allocators = {
-            (proto, family): PortAllocator(options.port_range)
+            (proto, family): PortAllocator(options.settings.port_range)
             for proto in Protocol
             for family in self.hosts
         }
@@ -333,7 +335,7 @@ class Syncer:
         for lst in listeners:
             lst.close()
         if drain:  # all at once: one drain deadline for the whole proxy, not one per port
-            timeout = self.options.drain_timeout_s
+            timeout = self.options.dataplane.drain_timeout_s
             await asyncio.gather(*(lst.shutdown(timeout) for lst in listeners))
         self.ports.clear()
         if self.options.nodeports is not None:
@@ -391,16 +393,11 @@ class Syncer:
         return opened
 
     def _balancer(self, spn: ServicePortName) -> Balancer:
-        return Balancer(
-            spn,
-            node_name=self.options.node_name,
-            default_algorithm=self.options.default_algorithm,
-            settings=self.options.dataplane,
-        )
+        return Balancer(spn, settings=self.options.dataplane)
 
     def _follow(self, spn: ServicePortName, pp: ProxiedPort, new: ServicePort) -> None:
         """What a changed spec moves: laptop listeners on the service's port, the node port."""
-        if pp.port.port != new.port and self.options.laptop:
+        if pp.port.port != new.port and self.laptop:
             # Laptop mode listens on the service's own port: follow it.
             for fp in pp.families.values():
                 if fp.cluster is not None:
@@ -486,7 +483,7 @@ class Syncer:
         self._set_portals(spn, frozenset())
         self._note_no_local(spn, None, None)
         metrics.forget_service(str(spn))  # its series go (workers forget theirs on Forget)
-        if spn.protocol is Protocol.UDP and not self.options.laptop:
+        if spn.protocol is Protocol.UDP and not self.laptop:
             await _clear_conntrack(pp.port, tuple(pp.families))
         log.log(V2, "Removed service port", extra=kv(service=str(spn)))
         return closed
@@ -500,7 +497,7 @@ class Syncer:
         self, spn: ServicePortName, pp: ProxiedPort, fp: FamilyPort, traffic: Traffic
     ) -> Listener | None:
         alloc = self._allocators[(spn.protocol, fp.family)]
-        if self.options.laptop and traffic is Traffic.CLUSTER:
+        if self.laptop and traffic is Traffic.CLUSTER:
             # The service's own port, unless another of our listeners has it: with workers
             # every listener is a SO_REUSEPORT group, and a second group bound to the same
             # port would silently join the first rather than fail.
@@ -608,7 +605,7 @@ class Syncer:
         (the node itself, and pods as ``--detect-local-mode`` tells them) goes there, to every
         endpoint, as kube-proxy short-circuits it.
         """
-        if self.options.laptop:
+        if self.laptop:
             return frozenset()  # no rules on a laptop: service addresses are not used
         out: set[Portal] = set()
         for fp in pp.families.values():
@@ -647,7 +644,7 @@ class Syncer:
         or periodic), as kube-proxy's full/partial sync metrics count them.
         """
         now = self._clock()
-        stale = now - self._last_rules_sync >= self.options.full_sync_period_s
+        stale = now - self._last_rules_sync >= self.options.settings.iptables_sync_period
         full = self._force_rules or stale
         if not (self._rules_dirty or full):
             return False

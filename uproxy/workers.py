@@ -52,13 +52,13 @@ from uproxy.log import kv
 from uproxy.model import (
     Endpoint,
     IPFamily,
-    LbAlgorithm,
     Protocol,
     ServicePort,
     ServicePortName,
     Traffic,
     ip_family,
 )
+from uproxy.settings import Settings
 
 log = logging.getLogger("uproxy.workers")
 
@@ -68,6 +68,11 @@ CRASH_LOOP_WINDOW_S = 60.0  # a worker that lived longer than this starts the co
 
 ListenerKey = tuple[ServicePortName, Traffic, IPFamily]
 BalancerKey = tuple[ServicePortName, IPFamily]
+
+
+def worker_argv(settings: Settings) -> list[str]:
+    """The user's settings a worker takes on its command line (its ``main`` parses them)."""
+    return settings.flags("event_loop", "verbosity", "logging_format")
 
 
 def default_worker_count(*, laptop: bool) -> int:
@@ -133,31 +138,16 @@ class RemoteListener:
 
 
 class WorkerPool:
-    def __init__(
-        self,
-        count: int,
-        *,
-        settings: DataplaneSettings,
-        node_name: str,
-        default_algorithm: LbAlgorithm,
-        drain_timeout_s: float,
-        event_loop: str = "auto",
-        verbosity: int = 0,
-        logging_format: str = "text",
-    ) -> None:
+    def __init__(self, count: int, *, settings: DataplaneSettings, argv: list[str]) -> None:
+        """``count`` workers, each configured with ``settings``; ``argv``: the flags a worker
+        is started with (``worker_argv``), since it sets up logging and its event loop before
+        it reads its channel."""
         if count < 1:
             raise ValueError("a worker pool needs at least one worker")
         self.count = count
-        self._configure = Configure(settings, node_name, default_algorithm, drain_timeout_s)
+        self._configure = Configure(settings)
         self._settings = settings
-        self._argv_extra = [
-            "--event-loop",
-            event_loop,
-            "-v",
-            str(verbosity),
-            "--logging-format",
-            logging_format,
-        ]
+        self._argv_extra = argv
         self._workers: dict[int, _Worker] = {}
         self._endpoints: dict[BalancerKey, SetEndpoints] = {}
         self._listeners: dict[ListenerKey, _Listener] = {}
@@ -185,7 +175,7 @@ class WorkerPool:
         workers = list(self._workers.values())
         for w in workers:
             _signal(w.process, signal.SIGTERM if drain else signal.SIGKILL)
-        deadline = (timeout if timeout is not None else self._configure.drain_timeout_s) + 2.0
+        deadline = (timeout if timeout is not None else self._settings.drain_timeout_s) + 2.0
         waits = [asyncio.wait_for(w.process.wait(), deadline) for w in workers]
         results = await asyncio.gather(*waits, return_exceptions=True)
         for w, result in zip(workers, results, strict=True):

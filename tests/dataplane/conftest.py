@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import os
 import time
@@ -158,9 +159,7 @@ def make_balancer(
 
     b = Balancer(
         name,
-        node_name=NODE,
-        default_algorithm=algorithm,
-        settings=settings,
+        settings=dataclasses.replace(settings, node_name=NODE, default_algorithm=algorithm),
         clock=clock,
         rng=random.Random(seed),
     )

@@ -24,7 +24,7 @@ from uproxy.dataplane.balancer import Balancer
 from uproxy.dataplane.limits import raise_nofile_limit
 from uproxy.dataplane.settings import DataplaneSettings
 from uproxy.dataplane.tcp import TcpListener
-from uproxy.model import Endpoint, LbAlgorithm, Protocol, ServicePort, ServicePortName, Traffic
+from uproxy.model import Endpoint, Protocol, ServicePort, ServicePortName, Traffic
 
 
 def rss_kib() -> int:
@@ -58,9 +58,7 @@ async def main(backend: str, nofile: int | None, extra_fds: int) -> None:
     host, port = backend.rsplit(":", 1)
     name = ServicePortName("default", "child", "", Protocol.TCP)
     settings = DataplaneSettings()
-    balancer = Balancer(
-        name, node_name="n", default_algorithm=LbAlgorithm.ROUND_ROBIN, settings=settings
-    )
+    balancer = Balancer(name, settings=settings)
     balancer.update(ServicePort(name=name, port=80), [Endpoint(host, int(port))])
     listener = await TcpListener.open(
         name=name,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter
 
@@ -22,12 +23,16 @@ class FakeClock:
 
 
 def balancer(**kw: object) -> Balancer:
-    settings = kw.pop("settings", DataplaneSettings())
-    return Balancer(
-        NAME,
+    given = kw.pop("settings", DataplaneSettings())
+    assert isinstance(given, DataplaneSettings)
+    settings = dataclasses.replace(
+        given,
         node_name="a",
         default_algorithm=kw.pop("algorithm", LbAlgorithm.ROUND_ROBIN),  # type: ignore[arg-type]
-        settings=settings,  # type: ignore[arg-type]
+    )
+    return Balancer(
+        NAME,
+        settings=settings,
         rng=random.Random(1),
         **kw,  # type: ignore[arg-type]
     )

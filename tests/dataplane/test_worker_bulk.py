@@ -19,7 +19,7 @@ from uproxy import heap
 from uproxy.dataplane.messages import Configure, SetEndpoints
 from uproxy.dataplane.settings import DataplaneSettings
 from uproxy.dataplane.worker import BURST_IDLE_S, BURST_MESSAGES, Worker
-from uproxy.model import Endpoint, IPFamily, LbAlgorithm, Protocol, ServicePort, ServicePortName
+from uproxy.model import Endpoint, IPFamily, Protocol, ServicePort, ServicePortName
 
 
 @pytest.fixture(autouse=True)
@@ -37,7 +37,7 @@ def _update(i: int) -> SetEndpoints:
 
 def _worker() -> Worker:
     w = Worker(channel_fd=-1, index=0)
-    w._on_message(Configure(DataplaneSettings(), "node", LbAlgorithm.ROUND_ROBIN, 1.0), None)
+    w._on_message(Configure(DataplaneSettings(node_name="node", drain_timeout_s=1.0)), None)
     return w
 
 

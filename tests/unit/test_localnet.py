@@ -30,7 +30,7 @@ from uproxy.localnet import (
     nodeport_addresses,
     stacks_at_start,
 )
-from uproxy.model import IPFamily, LbAlgorithm, NodeInfo, Protocol, ServicePortName
+from uproxy.model import IPFamily, NodeInfo, Protocol, ServicePortName
 from uproxy.objects import InvalidObject, node_info
 from uproxy.rules.base import LocalTraffic, Portal, PortalKind, Stack
 from uproxy.settings import Settings, SettingsError
@@ -206,12 +206,9 @@ async def portals_of(**spec: Any) -> frozenset[Portal]:
         rules=rules,
         listener_factory=Factory(),
         options=SyncerOptions(
+            settings=Settings(rules="iptables-restore", proxy_port_range="40000-40099"),
+            dataplane=DataplaneSettings(node_name="node-a"),
             listen_hosts=("0.0.0.0",),
-            node_name="node-a",
-            laptop=False,
-            port_range=range(40000, 40100),
-            default_algorithm=LbAlgorithm.ROUND_ROBIN,
-            dataplane=DataplaneSettings(),
         ),
     )
     await syncer.sync()

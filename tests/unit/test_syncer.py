@@ -20,13 +20,13 @@ from uproxy.dataplane.settings import DataplaneSettings
 from uproxy.model import (
     Endpoint,
     IPFamily,
-    LbAlgorithm,
     Protocol,
     ServicePort,
     ServicePortName,
     Traffic,
 )
 from uproxy.rules.base import LocalTraffic, Portal, PortalKind, RulesError
+from uproxy.settings import Settings
 from uproxy.syncer import Syncer, SyncerOptions, TableRow
 from uproxy.tracker import Kind, Tracker
 
@@ -103,13 +103,11 @@ def make(n: int) -> tuple[Tracker, Syncer, Factory, RecordingRules]:
         rules=rules,
         listener_factory=factory,
         options=SyncerOptions(
+            settings=Settings(
+                rules="iptables-restore", proxy_port_range="40000-59999", iptables_sync_period=3600
+            ),
+            dataplane=DataplaneSettings(node_name="node-a"),
             listen_hosts=("0.0.0.0",),
-            node_name="node-a",
-            laptop=False,
-            port_range=range(40000, 60000),
-            default_algorithm=LbAlgorithm.ROUND_ROBIN,
-            dataplane=DataplaneSettings(),
-            full_sync_period_s=3600,
         ),
     )
     return tracker, syncer, factory, rules
@@ -280,12 +278,11 @@ def make_dual(
         rules=rules,
         listener_factory=Factory(),
         options=SyncerOptions(
+            settings=Settings(
+                rules="none" if laptop else "iptables-restore", proxy_port_range="40000-40099"
+            ),
+            dataplane=DataplaneSettings(node_name="node-a"),
             listen_hosts=hosts,
-            node_name="node-a",
-            laptop=laptop,
-            port_range=range(40000, 40100),
-            default_algorithm=LbAlgorithm.ROUND_ROBIN,
-            dataplane=DataplaneSettings(),
             link=link,
             on_table=rows.extend,
         ),

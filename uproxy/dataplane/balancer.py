@@ -78,13 +78,11 @@ class Balancer:
         "_algorithm",
         "_clock",
         "_cluster",
-        "_default_algorithm",
         "_endpoints",
         "_external",
         "_external_local",
         "_internal_local",
         "_local_ips",
-        "_node_name",
         "_rng",
         "_settings",
         "name",
@@ -94,21 +92,17 @@ class Balancer:
         self,
         name: ServicePortName,
         *,
-        node_name: str,
-        default_algorithm: LbAlgorithm,
         settings: DataplaneSettings,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
     ) -> None:
         self.name = name
-        self._node_name = node_name
-        self._default_algorithm = default_algorithm
-        self._settings = settings
+        self._settings = settings  # the node's name and the default algorithm among them
         self._clock = clock
         self._rng = rng if rng is not None else _RNG
         # What ``update`` computes from, as it would be for no endpoints and a default port:
         # an update that changes none of it changes nothing (see ``_unchanged``).
-        self._algorithm = default_algorithm
+        self._algorithm = settings.default_algorithm
         self._affinity_s: float | None = None
         self._internal_local = False
         self._external_local = False
@@ -122,7 +116,7 @@ class Balancer:
     def update(self, port: ServicePort, endpoints: Sequence[Endpoint]) -> None:
         """Apply a service port and its endpoints; a no-op when nothing changed."""
         eps = tuple(endpoints)
-        algorithm = port.lb_algorithm or self._default_algorithm
+        algorithm = port.lb_algorithm or self._settings.default_algorithm
         affinity = port.affinity_timeout_s
         affinity_s = float(affinity) if affinity is not None else None
         internal_local = port.internal_policy_local
@@ -134,7 +128,7 @@ class Balancer:
         self._internal_local = internal_local
         self._external_local = external_local
         self._endpoints = eps
-        node = self._node_name
+        node = self._settings.node_name
         cluster = categorize(eps, local_only=internal_local, node_name=node)
         if not self._cluster.holds_exactly(cluster):
             self._cluster = self._new_pool(cluster)

@@ -48,7 +48,6 @@ from uproxy.dataplane.settings import DataplaneSettings
 from uproxy.model import (
     Endpoint,
     IPFamily,
-    LbAlgorithm,
     Protocol,
     ServicePort,
     ServicePortName,
@@ -68,9 +67,6 @@ MAX_PACKET = 1 << 20  # bytes a receiver accepts; packets are far smaller (~100 
 @dataclass(frozen=True, slots=True)
 class Configure:
     settings: DataplaneSettings
-    node_name: str
-    default_algorithm: LbAlgorithm
-    drain_timeout_s: float
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,22 +1,45 @@
-"""Data-plane tunables, grouped in one frozen object the syncer hands to every listener.
+"""What the data plane is told: one frozen object the syncer hands to every listener and
+balancer, and the control process sends to every worker (``messages.Configure``).
 
-Every field names its unit and says why it has its default, so that an operator reading
-``--udp-timeout`` or a benchmark tweaking buffer sizes knows what the number trades off.
+Most fields are tunables with no flag; every one names its unit and says why it has its
+default, so that a benchmark tweaking buffer sizes knows what the number trades off. A field
+that a user sets is declared with ``setting("name")``: the attribute of ``uproxy.settings.
+Settings`` it is taken from, by ``from_settings``. That is the only place the two meet: a
+new user-facing data-plane setting is a field of ``Settings`` (its flag, config path and
+help) and a ``setting(...)`` field here, and nothing copies it by hand.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+from uproxy.model import LbAlgorithm
+
+if TYPE_CHECKING:
+    from uproxy.settings import Settings
+
+
+def setting(name: str, default: Any) -> Any:
+    """A field taken from ``Settings.<name>`` (a field or a derived property)."""
+    return field(default=default, metadata={"setting": name})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DataplaneSettings:
+    # This node's name (--hostname-override, else the host name): Local traffic policies
+    # choose the endpoints on it.
+    node_name: str = setting("node_name", "")
+    # How a balancer chooses endpoints (--lb-algorithm; the service's annotation overrides).
+    # (setting() returns a Field, as field() does: the default is not shared mutable state.)
+    default_algorithm: LbAlgorithm = setting("algorithm", LbAlgorithm.ROUND_ROBIN)  # noqa: RUF009
     # Seconds without a datagram either way before a UDP flow is closed (--udp-timeout).
     # kube-proxy's userspace default: 250 ms, enough for DNS and short RPCs.
-    udp_timeout_s: float = 0.25
-    # UDP flows per listener; the least recently active one is evicted first. Each flow holds
-    # one socket (an fd), so this bounds a listener's fds under a flood of client ports.
-    udp_max_flows: int = 4096
+    udp_timeout_s: float = setting("udp_timeout", 0.25)
+    # UDP flows per listener (--udp-max-flows); the least recently active one is evicted
+    # first. Each flow holds one socket (an fd), so this bounds a listener's fds under a
+    # flood of client ports.
+    udp_max_flows: int = setting("udp_max_flows", 4096)
     # Seconds allowed for each dial attempt; one attempt per entry, each to a different
     # endpoint. The original userspace proxy's schedule (250 ms doubling to 2 s).
     dial_timeouts_s: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0)
@@ -57,10 +80,25 @@ class DataplaneSettings:
     # A burst arriving while the loop is busy waits here instead of being dropped: with the
     # default 208 KiB, about 1 % of a flood was lost at uproxy's own socket. It is a limit,
     # not an allocation: memory is taken only by datagrams actually queued. 0: the default.
-    udp_receive_buffer: int = 4 << 20
-    # SO_MARK on every socket uproxy opens to an endpoint (--dial-mark); 0: none. The portal
-    # rules return at once on this mark, so a dial never walks the portal chains: with
-    # 10,000 services in iptables chains that walk more than doubled the proxy's system
+    udp_receive_buffer: int = setting("udp_receive_buffer", 4 << 20)
+    # SO_MARK on every socket uproxy opens to an endpoint; 0: none. Computed at start, so
+    # not a ``setting``: --dial-mark once the proxy has checked that it can set it. The
+    # portal rules return at once on this mark, so a dial never walks the portal chains:
+    # with 10,000 services in iptables chains that walk more than doubled the proxy's system
     # time per connection. Setting it costs a socket of our own per dial (about 20 us of
     # CPU against uvloop's create_connection), so laptop mode, which has no rules, leaves it 0.
     dial_mark: int = 0
+    # Seconds connections get to finish when uproxy stops (every listener and worker at once,
+    # under one deadline).
+    drain_timeout_s: float = 5.0
+
+    @classmethod
+    def from_settings(cls, settings: Settings, **computed: Any) -> DataplaneSettings:
+        """The view of ``settings`` the data plane needs: every ``setting(...)`` field taken
+        from it; ``computed`` gives the values known only at start (the dial mark, probed)."""
+        carried = {
+            f.name: getattr(settings, f.metadata["setting"])
+            for f in fields(cls)
+            if "setting" in f.metadata
+        }
+        return cls(**{**carried, **computed})

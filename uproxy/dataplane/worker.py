@@ -128,7 +128,7 @@ class Worker:
         return 0
 
     async def _drain(self) -> None:
-        timeout = self.config.drain_timeout_s if self.config is not None else 1.0
+        timeout = self.config.settings.drain_timeout_s if self.config is not None else 1.0
         listeners = [*self.listeners.values(), *self.closing]
         self.listeners.clear()
         self.closing.clear()
@@ -199,16 +199,11 @@ class Worker:
                 metrics.forget_service(str(message.name))
 
     def _set_endpoints(self, message: SetEndpoints) -> None:
-        config = self._configured()
+        settings = self._configured().settings
         key = (message.name, message.family)
         balancer = self.balancers.get(key)
         if balancer is None:
-            balancer = self.balancers[key] = Balancer(
-                message.name,
-                node_name=config.node_name,
-                default_algorithm=config.default_algorithm,
-                settings=config.settings,
-            )
+            balancer = self.balancers[key] = Balancer(message.name, settings=settings)
         balancer.update(message.port, message.endpoints)
 
     def _open(self, message: OpenListener, sock: socket.socket) -> None:
