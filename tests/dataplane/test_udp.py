@@ -23,6 +23,7 @@ from tests.dataplane.conftest import (
     wait_until,
 )
 from uproxy import metrics
+from uproxy.dataplane.poller import read_poller_for
 from uproxy.dataplane.settings import DataplaneSettings
 from uproxy.dataplane.udp import reply_pktinfo
 from uproxy.localnet import has_loopback6
@@ -172,6 +173,54 @@ async def test_flows_expire_after_the_idle_timeout(
         idle = time.monotonic() - started
     assert 0.1 <= idle <= 0.6, idle
     assert open_fds() <= fds  # the flow's socket was closed
+
+
+async def test_interleaved_datagrams_of_two_listeners_arrive_intact_and_flows_leave_the_set(
+    udp_backends: UdpBackendFactory, udp_listener: UdpListenerFactory
+) -> None:
+    """Every listener and flow of a loop reads into one buffer (the ReadPoller's): a slice
+    forwarded after the buffer was reused would reach its endpoint or client corrupted.
+    Sizes up to 9,000 bytes: 16 datagrams of up to 60 KB at once overflow the echo
+    backend's default receive buffer (a drop on the way, not the proxy's doing)."""
+    ep, echo = await udp_backends("e")
+    settings = DataplaneSettings(udp_timeout_s=0.3)
+    listeners = [
+        await udp_listener(make_balancer(UDP_NAME, [ep], settings=settings), settings=settings)
+        for _ in range(2)
+    ]
+    poller = read_poller_for(asyncio.get_running_loop())
+    watched = len(poller)
+    clients = [client_socket() for _ in range(16)]
+    rounds = 10
+    try:
+        sent: dict[int, list[bytes]] = {i: [] for i in range(len(clients))}
+        for r in range(rounds):
+            for i, c in enumerate(clients):  # all in flight at once, of different sizes
+                payload = os.urandom(1 + (r * 7919 + i * 104729) % 9_000)
+                c.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+                c.sendto(payload, ("127.0.0.1", listeners[i % 2].port))
+                sent[i].append(payload)
+            got: dict[int, bytes] = {}
+            deadline = time.monotonic() + 5
+            while len(got) < len(clients):
+                for i, c in enumerate(clients):
+                    if i not in got:
+                        with contextlib.suppress(BlockingIOError):
+                            got[i] = c.recv(70_000)
+                assert time.monotonic() < deadline, f"round {r}: {len(got)} replies of 16"
+                await asyncio.sleep(0.001)
+            for i, reply in got.items():
+                assert (len(reply), digest(reply)) == (
+                    1 + len(sent[i][r]),
+                    digest(b"e" + sent[i][r]),
+                ), f"client {i}, round {r}"
+        assert echo.received == rounds * len(clients)
+        assert len(poller) == watched + len(clients)  # one entry per flow
+    finally:
+        for c in clients:
+            c.close()
+    await wait_until(lambda: len(poller) == watched, timeout=3, what="expired flows unwatched")
+    assert all(lst.active == 0 for lst in listeners)
 
 
 async def test_flow_table_is_bounded_under_10000_client_ports(

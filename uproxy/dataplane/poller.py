@@ -1,4 +1,5 @@
-"""The relay's sockets in one edge-triggered epoll set of its own, watched by the event loop.
+"""The relay's sockets in one edge-triggered epoll set of its own, watched by the event loop
+(and, at the end, the listening and datagram sockets in a level-triggered one).
 
 Why not the loop's own ``add_reader``/``add_writer`` on each socket: uvloop turns each into
 a libuv poll handle, and every change re-registers it. Traced here: ``add_reader`` on a new
@@ -46,6 +47,10 @@ _MAX_EVENTS = 256  # per batch; more stay ready in the set, and the loop comes b
 
 class Handler(Protocol):
     def event(self, mask: int) -> None: ...
+
+
+class Reader(Protocol):
+    def readable(self) -> None: ...
 
 
 class LoopEpoll:
@@ -159,3 +164,82 @@ def poller_for(loop: asyncio.AbstractEventLoop) -> EdgePoller:
     one epoll set): a worker process makes its loop, and with it its poller, after it starts.
     """
     return per_loop(_POLLERS, loop, EdgePoller, EdgePoller.close)
+
+
+class ReadPoller(LoopEpoll):
+    """One loop's listening and datagram sockets in a level-triggered epoll set.
+
+    Why not ``loop.add_reader`` per socket: uvloop makes each one a libuv poll handle plus
+    a callback handle, about 640 bytes (6.1 MiB in a worker at 10,000 TCP ports, its largest
+    per-port item), added with five system calls and removed with three (see above): for a
+    UDP flow, which gets a socket of its own, that was eight system calls per flow. Here a
+    socket costs a dict entry and one ``epoll_ctl`` to add (closing it removes it); the loop
+    watches the set's fd, and when it is readable one ``epoll_wait`` (no wait) says which
+    sockets have something to read: one more system call per pass over the ready ones, as
+    the relays' ``EdgePoller`` pays per batch of events.
+
+    Level-triggered, unlike the relays' set: a reader whose batch (``accept_batch``,
+    ``udp_batch``) did not empty its queue is reported again on the next pass, as with the
+    loop's own readers, so one busy port does not starve the others and nothing has to
+    remember a readiness. An fd unwatched and reused within one batch may get a stale call:
+    its reader then finds nothing to read (EAGAIN) and returns.
+
+    It also holds the loop's datagram buffer (``buffer``): a UDP listener or flow reads into
+    it and sends what it read before it returns, so one buffer serves them all (two of 64 KiB
+    per UDP listener before).
+    """
+
+    __slots__ = ("_readers", "buffer")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._readers: dict[int, Reader] = {}
+        self.buffer = memoryview(bytearray(0))
+        super().__init__(loop)
+
+    def __len__(self) -> int:
+        return len(self._readers)
+
+    def reserve(self, size: int) -> None:
+        """Make ``buffer`` at least ``size`` bytes."""
+        if len(self.buffer) < size:
+            self.buffer = memoryview(bytearray(size))
+
+    def watch(self, fd: int, reader: Reader) -> None:
+        """Call ``reader.readable()`` while ``fd`` has something to read; raises OSError."""
+        self._epoll.register(fd, select.EPOLLIN)
+        self._readers[fd] = reader
+
+    def unwatch(self, fd: int) -> None:
+        """Stop watching ``fd`` (before it is closed, or while its reader is paused)."""
+        if self._readers.pop(fd, None) is not None:
+            self._epoll.unregister(fd)
+
+    def forget(self, fd: int) -> None:
+        """Stop calling ``fd``'s reader; the caller closes the fd, and closing its only copy
+        takes it out of the set (one system call less per UDP flow than ``unwatch``)."""
+        self._readers.pop(fd, None)
+
+    def _ready(self) -> None:
+        readers = self._readers
+        for fd, _ in self._epoll.poll(0, _MAX_EVENTS):
+            reader = readers.get(fd)
+            if reader is None:
+                continue  # unwatched by an earlier reader of this batch
+            try:
+                reader.readable()
+            except Exception as exc:  # the other readers of this batch must still run
+                self._loop.call_exception_handler(
+                    {"message": "Read handler failed", "exception": exc}
+                )
+
+    def _forget_all(self) -> None:
+        self._readers.clear()
+
+
+_READ_POLLERS: dict[asyncio.AbstractEventLoop, ReadPoller] = {}
+
+
+def read_poller_for(loop: asyncio.AbstractEventLoop) -> ReadPoller:
+    """The ``ReadPoller`` of ``loop``, created on first use (not across ``fork()``, as
+    ``poller_for``)."""
+    return per_loop(_READ_POLLERS, loop, ReadPoller, ReadPoller.close)

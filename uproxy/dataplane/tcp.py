@@ -4,8 +4,8 @@ A relayed connection costs 93-100 us of proxy CPU (accepted, dialed, relayed, cl
 with ``Connection: close``, proxy pinned to one core): see ``relay`` for how, and for the
 system calls it takes.
 
-* Accept is our own: a non-blocking listening socket in the loop's ``AcceptPoller``, a
-  level-triggered epoll set of listening sockets (see there why not ``loop.add_reader``).
+* Accept is our own: a non-blocking listening socket in the loop's ``ReadPoller``, a
+  level-triggered epoll set (see there why not ``loop.add_reader``).
   ``create_server`` in asyncio and uvloop handles EMFILE internally (asyncio logs a
   traceback and retries after 1 s; libuv accepts and drops the surplus), so it could not be
   counted or paced. One readiness callback accepts up to ``accept_batch`` connections, with
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import select
 import socket
 import sys
 from typing import Self
@@ -28,7 +27,7 @@ from typing import Self
 from uproxy import metrics
 from uproxy.dataplane.balancer import Balancer
 from uproxy.dataplane.fdreserve import FD_RESERVE, RESOURCE_ERRNOS
-from uproxy.dataplane.poller import LoopEpoll, per_loop, poller_for
+from uproxy.dataplane.poller import per_loop, poller_for, read_poller_for
 from uproxy.dataplane.relay import Connection, Stats, reset_socket
 from uproxy.dataplane.settings import DataplaneSettings
 from uproxy.dataplane.sockets import bind_tcp
@@ -52,71 +51,6 @@ def _dial_timers(loop: asyncio.AbstractEventLoop, timeouts: tuple[float, ...]) -
     return timers
 
 
-_MAX_READY = 256  # listeners per pass; more stay ready in the set for the loop's next pass
-
-
-class AcceptPoller(LoopEpoll):
-    """One loop's listening TCP sockets in a level-triggered epoll set, watched by the loop.
-
-    Why not ``loop.add_reader`` per listening socket: uvloop makes each one a libuv poll
-    handle plus a callback handle, about 640 bytes per listener (6.1 MiB in a worker at
-    10,000 ports, its largest per-port item), and adds it with five system calls
-    (``poller``). Here a listener costs a dict entry and one ``epoll_ctl``; the loop watches
-    the set's fd, and when it is readable one ``epoll_wait`` (no wait) says which listeners
-    have connections waiting: one more system call per pass over ready listeners, as the
-    relays' ``EdgePoller`` pays per batch of events.
-
-    Level-triggered, unlike the relays' set: a listener whose ``accept_batch`` did not empty
-    its backlog is reported again on the next pass, as with the loop's own readers, so one
-    busy port does not starve the others and nothing has to remember a readiness.
-    """
-
-    __slots__ = ("_listeners",)
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._listeners: dict[int, TcpListener] = {}
-        super().__init__(loop)
-
-    def __len__(self) -> int:
-        return len(self._listeners)
-
-    def watch(self, fd: int, listener: TcpListener) -> None:
-        """Call ``listener._accept`` while ``fd`` has connections waiting; raises OSError."""
-        self._epoll.register(fd, select.EPOLLIN)
-        self._listeners[fd] = listener
-
-    def unwatch(self, fd: int) -> None:
-        """Stop watching ``fd`` (before it is closed, or while its listener is paused)."""
-        if self._listeners.pop(fd, None) is not None:
-            self._epoll.unregister(fd)
-
-    def _ready(self) -> None:
-        listeners = self._listeners
-        # An fd unwatched by an earlier listener of this batch is not in the dict; one
-        # reused since then by a new listener only costs it an accept that finds nothing.
-        for fd, _ in self._epoll.poll(0, _MAX_READY):
-            listener = listeners.get(fd)
-            if listener is None:
-                continue
-            try:
-                listener._accept()
-            except Exception as exc:  # the other listeners of this batch must still run
-                self._loop.call_exception_handler(
-                    {"message": "Accept handler failed", "exception": exc}
-                )
-
-    def _forget_all(self) -> None:
-        self._listeners.clear()
-
-
-_ACCEPT_POLLERS: dict[asyncio.AbstractEventLoop, AcceptPoller] = {}
-
-
-def accept_poller_for(loop: asyncio.AbstractEventLoop) -> AcceptPoller:
-    """The ``AcceptPoller`` of ``loop``, created on first use."""
-    return per_loop(_ACCEPT_POLLERS, loop, AcceptPoller, AcceptPoller.close)
-
-
 class TcpListener:
     """One TCP proxy port of one service port and traffic class.
 
@@ -124,7 +58,7 @@ class TcpListener:
     nothing of its own that could be shared (the dial timers, the address string). In a
     worker at 10,000 ports (tracemalloc) the instance, its connection set, its dict of dial
     timers and its address went from 700 bytes to 220, besides its ``Stats`` and its
-    entry in the ``AcceptPoller`` (60 bytes, against 640 for a reader of the loop's own).
+    entry in the ``ReadPoller`` (60 bytes, against 640 for a reader of the loop's own).
     """
 
     __slots__ = (
@@ -171,7 +105,7 @@ class TcpListener:
         self.dial_timers = _dial_timers(loop, settings.dial_timeouts_s)
         self.linger_timers = shared_timers(loop, settings.half_close_linger_s)
         self._sock: socket.socket | None = sock
-        self._acceptor = accept_poller_for(loop)
+        self._acceptor = read_poller_for(loop)
         self._paused: asyncio.TimerHandle | None = None
         self._starved = False  # paused for lack of fds and not accepted since
         # Created by shutdown() only: an Event per listener was 6 MB at 10,000 ports.
@@ -228,6 +162,9 @@ class TcpListener:
     def active(self) -> int:
         """Connections accepted and not yet closed (dialing or relaying)."""
         return len(self._conns)
+
+    def readable(self) -> None:  # the ReadPoller's call: connections are waiting
+        self._accept()
 
     def _accept(self) -> None:
         lsock = self._sock
