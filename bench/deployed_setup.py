@@ -5,7 +5,8 @@ backends start in the backend namespace, the peer in the node namespace, and the
 for the peer by bounded polling (a TCP connect and a request through the ClusterIP; for uproxy
 also /metrics' ``kubeproxy_sync_proxy_rules_last_timestamp_seconds`` > 0), fetches a 1 MiB
 blob through the ClusterIP and compares its sha256, and only then runs the workloads from the
-pod namespace. Each run is accounted from /proc: the proxy's user and system CPU (its reaped
+pod namespace (new connections as fast as they go, then at a fixed offered rate, then
+keep-alive). Each run is accounted from /proc: the proxy's user and system CPU (its reaped
 child commands included), the time it waited for its CPU, and the whole machine's CPU, which
 is where a kernel peer's cost shows.
 """
@@ -254,12 +255,16 @@ def measure(
             return wl.iperf(bulk.port, streams=1, seconds=d.tcp, core=load, host=bulk.ip)
 
     conn = http("conn", d.conn_connections, d.http)
+    paced = http("paced", d.paced_connections, d.http)
     keepalive = http("keepalive", d.ka_connections, d.http)
     result: dict[str, Any] = {}
     if plan.warmup:
         http("conn", d.conn_connections, WARMUP_S)()
     result["conn"] = accounted(conn, s.pids)
     per_connection(result["conn"])
+    result["conn_paced"] = accounted(paced, s.pids)
+    result["conn_paced"]["offered_rate"] = float(d.paced_rate)
+    per_connection(result["conn_paced"])
     result["keepalive"] = accounted(keepalive, s.pids)
     if scale == min(plan.scales):
         f = accounted(tcp1, s.pids)

@@ -5,6 +5,13 @@
 - keep-alive latency at a fixed moderate rate: wrk paced by its Lua ``delay()`` hook (each of
   a few connections waits a fixed time between requests, so the offered rate does not depend
   on the peer, and latency is timed from the request's write);
+- new connections at a fixed offered rate (``paced``): ``Connection: close`` with ``delay()``
+  handing out request times from one schedule, so every peer gets the same number of
+  connections per second however fast it could go. The proxy's CPU per connection depends on
+  the rate (at a lower rate each wake-up handles fewer events), so costs are compared at an
+  equal rate. wrk connects as soon as the previous response is in and waits before the
+  request, so the schedule paces the requests and, one response later, the connections; a
+  peer that cannot keep up slips (at most 20 ms is caught up), and its achieved rate shows it;
 - UDP request/response: ``bench.udp load``.
 
 wrk's own ``done()`` hook prints the figures as JSON, so no text scraping of its report.
@@ -39,6 +46,32 @@ WRK_ERRORS = ("connect_errors", "read_errors", "write_errors", "status_errors", 
 
 CONNECTION_CLOSE = 'wrk.headers["Connection"] = "close"\n'
 
+# One schedule for every connection of the (single) wrk thread: each delay() call takes the
+# next slot, 1/RATE after the previous one. wrk's delay is in whole milliseconds, hence the
+# rounding; the clock is CLOCK_MONOTONIC through LuaJIT's ffi (wrk's Lua has no finer clock).
+PACED = """
+local ffi = require("ffi")
+ffi.cdef[[
+typedef struct { long tv_sec; long tv_nsec; } bench_timespec;
+int clock_gettime(int clk, bench_timespec *ts);
+]]
+local ts = ffi.new("bench_timespec")
+local function now_ms()
+  ffi.C.clock_gettime(1, ts)
+  return tonumber(ts.tv_sec) * 1000 + tonumber(ts.tv_nsec) / 1e6
+end
+local interval = 1000 / RATE
+local slot = nil
+function delay()
+  local t = now_ms()
+  if slot == nil then slot = t end
+  slot = math.max(slot + interval, t - 20)
+  local d = slot - t
+  if d <= 0 then return 0 end
+  return math.floor(d + 0.5)
+end
+"""
+
 
 @dataclass(frozen=True, slots=True)
 class Durations:
@@ -50,6 +83,10 @@ class Durations:
     conn_connections: int = 16
     ka_connections: int = 4
     ka_delay_ms: int = 1
+    # The connection run at a fixed offered rate: one every peer sustains at every scale
+    # (kernel DNAT in a 10,000-rule iptables-nft chain tops out at 3,000-3,700/s here).
+    paced_rate: int = 2000
+    paced_connections: int = 32
 
 
 class WorkloadError(RuntimeError):
@@ -60,6 +97,7 @@ def write_scripts(workdir: Path, d: Durations) -> dict[str, Path]:
     scripts = {
         "conn": CONNECTION_CLOSE + WRK_DONE,
         "keepalive": f"function delay() return {d.ka_delay_ms} end\n" + WRK_DONE,
+        "paced": PACED.replace("RATE", str(d.paced_rate)) + CONNECTION_CLOSE + WRK_DONE,
     }
     out = {}
     for name, text in scripts.items():
