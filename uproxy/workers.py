@@ -75,6 +75,13 @@ def worker_argv(settings: Settings) -> list[str]:
     return settings.flags("event_loop", "verbosity", "logging_format")
 
 
+def interpreter_flags() -> list[str]:
+    """This interpreter's optimization (``-O``/``-OO``, or PYTHONOPTIMIZE) for a worker, so a
+    worker started as a fresh interpreter runs as its control process does and reads the
+    same compiled bytecode (the image runs both with docstrings stripped: see Dockerfile)."""
+    return ["-" + "O" * sys.flags.optimize] if sys.flags.optimize else []
+
+
 def default_worker_count(*, laptop: bool) -> int:
     """The CPUs this process may use (affinity mask and cgroup quota); 1 in laptop mode."""
     if laptop:
@@ -288,6 +295,7 @@ class WorkerPool:
         try:
             process = await asyncio.create_subprocess_exec(
                 sys.executable,
+                *interpreter_flags(),
                 "-m",
                 "uproxy.dataplane.worker",
                 "--channel",

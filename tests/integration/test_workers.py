@@ -401,6 +401,56 @@ def test_a_stop_drains_every_listener_at_once_and_a_second_signal_exits_now(
             proc.wait(timeout=10)
 
 
+def test_optimized_as_the_image_runs_it_the_workers_too_and_bytes_flow(tmp_path: Path) -> None:
+    # The image sets PYTHONOPTIMIZE=2 (docstrings and asserts stripped). Started with -OO
+    # instead, the workers must still run optimized (flags are not inherited as the
+    # environment is), and the proxy must serve without the docstrings.
+    sink = socket.socket()
+    sink.bind(("127.0.0.41", 0))
+    sink.listen(4)
+    docs: list[dict[str, Any]] = [
+        service("opt", ports=[{"name": "http", "port": 1, "protocol": "TCP"}]),
+        endpoint_slice(
+            "opt-1",
+            "opt",
+            endpoints=[endpoint("127.0.0.41")],
+            ports=[{"name": "http", "port": sink.getsockname()[1], "protocol": "TCP"}],
+        ),
+    ]
+    path = tmp_path / "services.yaml"
+    path.write_text(yaml.safe_dump_all(docs))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONOPTIMIZE"}
+    argv = [
+        sys.executable, "-OO", "-m", "uproxy.cli", "--services", str(path), "--rules", "none",
+        "--workers", "2", "--healthz-bind-address", "", "--metrics-bind-address", "", "-v", "2",
+    ]  # fmt: skip
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        (port,) = _proxy_ports(proc, 1)
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        cmdlines = [Path(f"/proc/{c}/cmdline").read_bytes().split(b"\0") for c in children]
+        workers = [c for c in cmdlines if b"uproxy.dataplane.worker" in c]
+        assert len(workers) == 2 and all(c[1] == b"-OO" for c in workers), cmdlines
+        payload = os.urandom(256 * 1024)
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as c:
+            c.sendall(payload)
+            c.shutdown(socket.SHUT_WR)
+            held, _ = sink.accept()
+            with held:
+                held.settimeout(5)
+                got = bytearray()
+                while chunk := held.recv(65536):
+                    got += chunk
+        assert (len(got), hashlib.sha256(got).digest()) == (
+            len(payload),
+            hashlib.sha256(payload).digest(),
+        )
+    finally:
+        sink.close()
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
 def _wait_log(proc: subprocess.Popen[str], text: str) -> None:
     assert proc.stderr is not None
     deadline = time.monotonic() + 10
