@@ -36,7 +36,7 @@ from bench import workloads as wl
 from bench.backends import BackendPorts, missing_tools
 from bench.backends import start as start_backends
 from bench.peers import Context, Peer, Uproxy, all_peers
-from bench.procs import Cores, Placement, ProcessGroup, precompile_uproxy
+from bench.procs import Cores, Placement, ProcessGroup, run_uproxy_as_shipped
 from bench.progress import Progress
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    precompile_uproxy()
+    run_uproxy_as_shipped()
     if args.part:
         return run_part(args)
     try:

@@ -65,7 +65,7 @@ from typing import Any
 
 from bench import netns
 from bench.cp_cluster import BACKENDS, NODE, NODE_IP, SERVICE_CIDR, TARGET_PORT
-from bench.procs import Cores, ProcessGroup, peak_rss_bytes, precompile_uproxy
+from bench.procs import Cores, ProcessGroup, peak_rss_bytes, run_uproxy_as_shipped
 from bench.progress import Progress
 
 BACKENDS_UNDER_TEST = ("iptables-restore", "nftables")
@@ -462,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dispatch(a: argparse.Namespace) -> int:
     if a.mode == "run":
-        precompile_uproxy()
+        run_uproxy_as_shipped()
         return _main_run(a)
     if a.mode == "session":
         return _main_session(a)

@@ -58,7 +58,7 @@ from bench import deployed_report
 from bench import workloads as wl
 from bench.deployed_peers import REFERENCE, NodePeer, all_peers
 from bench.deployed_setup import PREFIX, WARMUP_S, PeerSkipped, Plan, Run, run_setup
-from bench.procs import Cores, precompile_uproxy
+from bench.procs import Cores, run_uproxy_as_shipped
 from bench.progress import Progress
 
 FULL = Plan(scales=(1, 10000), rounds=3, warmup=True, durations=wl.Durations(3, 3, 0))
@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     signal.signal(signal.SIGTERM, _terminate)
     signal.signal(signal.SIGHUP, _terminate)
-    precompile_uproxy()
+    run_uproxy_as_shipped()
     plan = plan_for(
         quick=args.quick,
         scales=args.scales,

@@ -87,7 +87,7 @@ _UPROXY_MODULES = (
 )
 
 
-def precompile_uproxy() -> None:
+def run_uproxy_as_shipped() -> None:
     """Run uproxy as the image ships it: optimized (``PYTHONOPTIMIZE=2``, docstrings and
     asserts stripped, set for every child of this run) from bytecode compiled beforehand.
 
