@@ -325,7 +325,13 @@ async def test_api_server_back_at_an_older_version_is_served_within_5s(
     apiserver.update(EPS, endpoint_slice("steady-1", service_name="steady", ips=IPS[1:2], port=p))
     await apiserver.start()
     await wait_for(lambda: endpoints(proxy, "steady") == [(IPS[1], p)], timeout=5)
-    assert await served_by(lst.port, 3) == {IPS[1]}
+
+    async def served_by_the_new_endpoint() -> bool:
+        # The control process's view moves first; its data-plane worker applies the change
+        # from the channel a moment later: traffic is what is waited for.
+        return await served_by(lst.port, 3) == {IPS[1]}
+
+    await wait_for(served_by_the_new_endpoint, timeout=5, message="traffic to the new endpoint")
     assert listener(proxy, "steady") is lst  # a relist, by difference: nothing reopened
 
 
