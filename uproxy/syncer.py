@@ -43,6 +43,7 @@ from uproxy.model import (
     Traffic,
     categorize,
     ip_family,
+    spn_order,
 )
 from uproxy.portrange import PortAllocator
 from uproxy.rules.base import Portal, PortalKind, RulesBackend, RulesError
@@ -275,7 +276,7 @@ class Syncer:
             keep: list[tuple[ServicePortName, ServiceState, tuple[IPFamily, ...]]] = []
             # Removals first: their listeners close before new ones open, so a sync that
             # replaces many services never holds both sets of sockets.
-            for spn in sorted(todo):
+            for spn in sorted(todo, key=spn_order):
                 state = self.tracker.state(spn)
                 if state is None:
                     self._unserved.discard(spn)
@@ -371,7 +372,8 @@ class Syncer:
         pp = self.ports.get(spn)
         if pp is None:
             pp = self.ports[spn] = ProxiedPort(state.port)
-            log.log(V2, "Adding service port", extra=kv(service=str(spn)))
+            if log.isEnabledFor(V2):  # not even the arguments at 10,000 ports otherwise
+                log.log(V2, "Adding service port", extra=kv(service=str(spn)))
         else:
             self._follow(spn, pp, state.port)
         for family in [f for f in pp.families if f not in families]:
@@ -485,11 +487,13 @@ class Syncer:
         metrics.forget_service(str(spn))  # its series go (workers forget theirs on Forget)
         if spn.protocol is Protocol.UDP and not self.laptop:
             await _clear_conntrack(pp.port, tuple(pp.families))
-        log.log(V2, "Removed service port", extra=kv(service=str(spn)))
+        if log.isEnabledFor(V2):
+            log.log(V2, "Removed service port", extra=kv(service=str(spn)))
         return closed
 
     def _close_listener(self, spn: ServicePortName, fp: FamilyPort, lst: Listener) -> None:
-        log.log(V2, "Closing proxy port", extra=kv(service=str(spn), port=lst.port))
+        if log.isEnabledFor(V2):
+            log.log(V2, "Closing proxy port", extra=kv(service=str(spn), port=lst.port))
         lst.close()
         self._allocators[(spn.protocol, fp.family)].release(lst.port)
 
@@ -526,12 +530,13 @@ class Syncer:
                 break
             alloc.taken(lst.port)
             self._failed.pop(key, None)
-            log.log(
-                V2,
-                "Opening proxy port",
-                # The address tells the family: "0.0.0.0:40001" or "[::]:40001".
-                extra=kv(service=str(spn), traffic=traffic.value, address=_hostport(lst)),
-            )
+            if log.isEnabledFor(V2):
+                log.log(
+                    V2,
+                    "Opening proxy port",
+                    # The address tells the family: "0.0.0.0:40001" or "[::]:40001".
+                    extra=kv(service=str(spn), traffic=traffic.value, address=_hostport(lst)),
+                )
             return lst
         reason = last.strerror if last and last.strerror else str(last or "no free port in range")
         if self._failed.get(key) != reason:
@@ -666,7 +671,7 @@ class Syncer:
 
     def table(self) -> list[TableRow]:
         """Every service port's row, sorted."""
-        return [self._row(spn, self.ports[spn]) for spn in sorted(self.ports)]
+        return [self._row(spn, self.ports[spn]) for spn in sorted(self.ports, key=spn_order)]
 
     def _row(self, spn: ServicePortName, pp: ProxiedPort) -> TableRow:
         listens = [_hostport(lst) for lst in pp.listeners]
@@ -685,7 +690,7 @@ class Syncer:
         if self.options.on_table is None:
             return
         rows: list[TableRow] = []
-        for spn in sorted(changed):
+        for spn in sorted(changed, key=spn_order):
             pp = self.ports.get(spn)
             if pp is None:
                 if self._rows.pop(spn, None) is not None:
