@@ -69,11 +69,12 @@ class EndpointSliceInfo:
     def endpoints_for(self, port_name: str, protocol: Protocol) -> list[Endpoint]:
         out: list[Endpoint] = []
         for sp in self.ports:
-            if sp.name == port_name and sp.protocol == protocol:
-                out.extend(
-                    Endpoint(e.ip, sp.port, e.node_name, e.zone, e.ready, e.serving, e.terminating)
+            if sp.name == port_name and sp.protocol is protocol:
+                port = sp.port
+                out += [
+                    Endpoint(e.ip, port, e.node_name, e.zone, e.ready, e.serving, e.terminating)
                     for e in self.endpoints
-                )
+                ]
         return out
 
 

@@ -612,34 +612,44 @@ class Syncer:
         """
         if self.laptop:
             return frozenset()  # no rules on a laptop: service addresses are not used
-        out: set[Portal] = set()
+        out: list[Portal] = []
         for fp in pp.families.values():
-            out.update(self._family_portals(spn, pp.port, fp))
+            self._family_portals(spn, pp.port, fp, out)
         return frozenset(out)
 
     def _family_portals(
-        self, spn: ServicePortName, sp: ServicePort, fp: FamilyPort
-    ) -> Iterable[Portal]:
+        self, spn: ServicePortName, sp: ServicePort, fp: FamilyPort, out: list[Portal]
+    ) -> None:
+        # Once per service port at every sync that touches it (10,000 at a cold start): the
+        # usual port, a ClusterIP and nothing external, takes the first branch alone.
         family = fp.family
+        if fp.cluster is not None:
+            for ip in sp.cluster_ips:
+                if ip_family(ip) is family:
+                    out.append(
+                        Portal(spn, PortalKind.CLUSTER_IP, ip, sp.port, fp.cluster.port, 0, ())
+                    )
         ext = fp.external_port
+        if ext is None:
+            return
         short = 0
         if sp.external_policy_local and fp.external is not None and fp.cluster is not None:
             short = fp.cluster.port
         ranges = tuple(r for r in sp.lb_source_ranges if ip_family(r) is family)
-        addresses: list[tuple[PortalKind, tuple[str, ...], int, int, tuple[str, ...]]] = []
-        if fp.cluster is not None:
-            addresses.append((PortalKind.CLUSTER_IP, sp.cluster_ips, fp.cluster.port, 0, ()))
-        if ext is not None:
-            addresses.append((PortalKind.EXTERNAL_IP, sp.external_ips, ext, short, ()))
-            addresses.append((PortalKind.LB_INGRESS, sp.lb_ingress_ips, ext, short, ranges))
-        for kind, ips, proxy_port, cluster_port, allowed in addresses:
+        for kind, ips, allowed in (
+            (PortalKind.EXTERNAL_IP, sp.external_ips, ()),
+            (PortalKind.LB_INGRESS, sp.lb_ingress_ips, ranges),
+        ):
             for ip in ips:
                 if ip_family(ip) is family:
-                    yield Portal(spn, kind, ip, sp.port, proxy_port, cluster_port, allowed)
+                    out.append(Portal(spn, kind, ip, sp.port, ext, short, allowed))
         reserved = self.options.nodeports
-        held = reserved is None or reserved.owner(spn.protocol, sp.node_port, family) == spn
-        if ext is not None and sp.node_port and held:
-            yield Portal(spn, PortalKind.NODE_PORT, None, sp.node_port, ext, short, (), family)
+        if sp.node_port and (
+            reserved is None or reserved.owner(spn.protocol, sp.node_port, family) == spn
+        ):
+            out.append(
+                Portal(spn, PortalKind.NODE_PORT, None, sp.node_port, ext, short, (), family)
+            )
 
     async def _sync_rules(self) -> bool:
         """Hand the portal set to the backend when it changed, or every full-sync period.

@@ -102,6 +102,7 @@ class Tracker:
         self._triggers: dict[ServiceKey, list[float]] = {}
         self._service_changes = 0
         self._endpoint_changes = 0
+        self._unreported = {Kind.SERVICE: 0, Kind.ENDPOINT_SLICE: 0}  # see _report
 
     # ----- what sources call -----
 
@@ -112,10 +113,12 @@ class Tracker:
 
     def upsert(self, kind: Kind, obj: Obj) -> None:
         if self._apply(kind, _key(obj), obj):
+            self._report()
             self._notify(kind)
 
     def delete(self, kind: Kind, obj: Obj) -> None:
         if self._apply(kind, _key(obj), None):
+            self._report()
             self._notify(kind)
 
     def replace(self, kind: Kind, objs: Iterable[Obj]) -> None:
@@ -123,6 +126,7 @@ class Tracker:
         changed = False
         for key, obj in self._listing_diff(kind, objs):
             changed |= self._apply(kind, key, obj)
+        self._report()
         self._listed_now(kind, changed)
 
     async def replace_async(self, kind: Kind, objs: Iterable[Obj]) -> None:
@@ -239,6 +243,18 @@ class Tracker:
             out.extend(self._triggers.pop(key, ()))
         return tuple(out)
 
+    def _report(self) -> None:
+        """Count the changes applied since the last report (once per event or listing page:
+        two metric updates per object were 14 ms of a 10,000-service listing)."""
+        for kind, total in (
+            (Kind.SERVICE, metrics.SERVICE_CHANGES_TOTAL),
+            (Kind.ENDPOINT_SLICE, metrics.ENDPOINT_CHANGES_TOTAL),
+        ):
+            if self._unreported[kind]:
+                total.inc(self._unreported[kind])
+                self._unreported[kind] = 0
+        self._pending_gauges()
+
     def _pending_gauges(self) -> None:
         metrics.SERVICE_CHANGES_PENDING.set(len(self._pending_services))
         metrics.ENDPOINT_CHANGES_PENDING.set(len(self._pending_endpoints))
@@ -266,8 +282,7 @@ class Tracker:
             self._services.pop(key, None)
         self._mark(key, service=True)
         self._service_changes += 1
-        metrics.SERVICE_CHANGES_TOTAL.inc()
-        metrics.SERVICE_CHANGES_PENDING.set(len(self._pending_services))
+        self._unreported[Kind.SERVICE] += 1
         return True
 
     def _apply_slice(self, key: ServiceKey, obj: Obj | None) -> bool:
@@ -299,8 +314,7 @@ class Tracker:
             if t is not None and t >= self._started:
                 self._triggers.setdefault(owner, []).append(t)
         self._endpoint_changes += 1
-        metrics.ENDPOINT_CHANGES_TOTAL.inc()
-        metrics.ENDPOINT_CHANGES_PENDING.set(len(self._pending_endpoints))
+        self._unreported[Kind.ENDPOINT_SLICE] += 1
         return True
 
     def _wanted(self, obj: Obj) -> bool:
@@ -353,6 +367,7 @@ class Listing:
             self._seen.add(key)
             self._changed |= tracker._apply(kind, key, obj)
             await self._slice.tick()
+        tracker._report()
 
     async def finish(self) -> None:
         tracker, kind = self._tracker, self._kind
@@ -360,6 +375,7 @@ class Listing:
             for key in [k for k in tracker._known(kind) if k not in self._seen]:
                 self._changed |= tracker._apply(kind, key, None)
                 await self._slice.tick()
+            tracker._report()
             tracker._listed_now(kind, self._changed)
         finally:
             self.abandon()
@@ -371,6 +387,11 @@ class Listing:
 
 
 def _key(obj: Obj) -> ServiceKey:
+    meta = obj.get("metadata")
+    if type(meta) is dict:  # every well-formed object: no text to build and split
+        ns, name = meta.get("namespace"), meta.get("name")
+        if type(name) is str and name and (ns is None or type(ns) is str):
+            return (ns or "default", name)
     ns, _, name = object_key(obj).partition("/")
     return (ns, name)
 
@@ -393,6 +414,10 @@ def _merge(slices: list[EndpointSliceInfo], spn: ServicePortName) -> tuple[Endpo
     pods twice, and each family's service addresses go to that family's endpoints only (the
     syncer splits them). Counting pods, as the health-check node ports do, is per family.
     """
+    if len(slices) == 1:
+        only = slices[0].endpoints_for(spn.port_name, spn.protocol)
+        if len(only) < 2:  # one endpoint (or none): nothing to merge or sort
+            return tuple(only)
     merged: dict[tuple[str, int], Endpoint] = {}
     for s in slices:
         for ep in s.endpoints_for(spn.port_name, spn.protocol):

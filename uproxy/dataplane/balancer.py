@@ -54,6 +54,8 @@ class _Pool:
 
     def holds_exactly(self, selected: Collection[Endpoint]) -> bool:
         """Whether ``selected`` is this pool's set of endpoints (order aside)."""
+        if not self.order or not selected:  # a new balancer's first update, mostly
+            return not self.order and not selected
         return frozenset(selected) == frozenset(self.members)
 
 
@@ -178,9 +180,12 @@ class Balancer:
     def _new_pool(self, selected: Collection[Endpoint]) -> _Pool:
         if not selected:
             return _EMPTY
-        order = list(dict.fromkeys(selected))
-        self._rng.shuffle(order)
-        shuffled = tuple(order)
+        if len(selected) == 1:  # nothing to drop or shuffle (most service ports)
+            shuffled = tuple(selected)
+        else:
+            order = list(dict.fromkeys(selected))
+            self._rng.shuffle(order)
+            shuffled = tuple(order)
         # When the shuffle leaves the endpoints as given (always, for one endpoint), the
         # pool shares the tuple ``_endpoints`` keeps rather than holding a copy.
         return _Pool(self._endpoints if shuffled == self._endpoints else shuffled)
