@@ -8,8 +8,10 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING, Any
 
 from uproxy.rules.base import (
     NO_LOCAL_TRAFFIC,
@@ -20,11 +22,29 @@ from uproxy.rules.base import (
     RulesError,
     Stack,
 )
-from uproxy.rules.nftables import NftablesBackend, cleanup_tables
 from uproxy.rules.none import NoRules
-from uproxy.rules.portals import ANY_IPV4
-from uproxy.rules.pyiptables import IptcBackend
-from uproxy.rules.restore import FAMILIES, MODES, RestoreBackend, cleanup_mode
+
+if TYPE_CHECKING:
+    from uproxy.rules.nftables import NftablesBackend
+    from uproxy.rules.pyiptables import IptcBackend
+    from uproxy.rules.restore import RestoreBackend
+
+# A backend's module is imported when it is chosen: every process that reads
+# ``uproxy.rules.base`` runs this package first, and python-iptables' backend alone pulls in
+# multiprocessing and a process pool.
+_LAZY = {
+    "IptcBackend": "uproxy.rules.pyiptables",
+    "NftablesBackend": "uproxy.rules.nftables",
+    "RestoreBackend": "uproxy.rules.restore",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
 
 __all__ = [
     "BACKEND_NAMES",
@@ -52,7 +72,7 @@ def make_backend(
     *,
     host_ip: str | Sequence[str],
     iptables_mode: str = "auto",
-    listen_ip: str | Sequence[str] = ANY_IPV4,
+    listen_ip: str | Sequence[str] = "0.0.0.0",
     dial_mark: int = 0,
     nodeport_cidrs: Collection[str] = (),
     local: LocalTraffic = NO_LOCAL_TRAFFIC,
@@ -69,7 +89,11 @@ def make_backend(
     ``local`` tells traffic from pods apart (``--detect-local-mode``).
     """
     if name in ("auto", "iptables-restore", "iptables"):
-        cls = IptcBackend if name == "iptables" else RestoreBackend
+        cls: type[IptcBackend | RestoreBackend]
+        if name == "iptables":
+            cls = importlib.import_module("uproxy.rules.pyiptables").IptcBackend
+        else:
+            cls = importlib.import_module("uproxy.rules.restore").RestoreBackend
         return cls(
             host_ip=host_ip,
             mode=iptables_mode,
@@ -79,6 +103,8 @@ def make_backend(
             local=local,
         )
     if name == "nftables":
+        from uproxy.rules.nftables import NftablesBackend
+
         return NftablesBackend(
             host_ip=host_ip,
             listen_ip=listen_ip,
@@ -98,6 +124,9 @@ async def cleanup_all() -> bool:
     The python-iptables backend writes the legacy tables, so the legacy pass removes its rules
     too. Returns whether anything was removed; succeeds when nothing is installed.
     """
+    from uproxy.rules.nftables import cleanup_tables
+    from uproxy.rules.restore import FAMILIES, MODES, cleanup_mode
+
     removed = await cleanup_tables()
     for mode in MODES:
         for family in FAMILIES:
