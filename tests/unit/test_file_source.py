@@ -159,6 +159,9 @@ PLAIN_AND_NOT = [
     "--- !!set\n? a\n? b\n--- !!omap\n- a: 1\n- b: 2\n",
     "a: !!str 1\nb: '2'\nc: yes\nd: 0x1F\n= : v\n",
     "a: 1\na: 2\n1: int key\nnull: x\n",
+    # Quoted and flow scalars, flow collections, tags on collections (resolved without
+    # the resolver's own calls when no path resolver is registered).
+    'g: [1, "80", yes, ~]\nh: {k: \'v\', n: 2}\n--- !!map {a: !!seq [1]}\n--- "top"\n',
 ]
 
 

@@ -37,6 +37,7 @@ import bisect
 import hashlib
 import itertools
 import logging
+import operator
 import os
 import re
 from collections.abc import Iterator, Mapping
@@ -98,14 +99,22 @@ class _PlainFirst(SafeConstructor, Resolver):
     _types: dict[str, str]
 
     def resolve(self, kind: type[Node], value: Any, implicit: Any) -> str:
+        # Called for every node (690,000 in the 10,000-service file); with no path resolvers
+        # registered (PyYAML's own default) the answer is Resolver's, without its calls.
         # ``implicit`` is (plain, quoted) for a scalar, one bool for a collection.
-        if kind is not ScalarNode or not implicit[0] or self.yaml_path_resolvers:
+        if self.yaml_path_resolvers:
             resolved: str = super().resolve(kind, value, implicit)  # type: ignore[no-untyped-call]
             return resolved
-        tag = self._types.get(value)
-        if tag is None:
-            tag = self._types[value] = super().resolve(kind, value, implicit)  # type: ignore[no-untyped-call]
-        return tag
+        if kind is ScalarNode:
+            if not implicit[0]:
+                return BaseResolver.DEFAULT_SCALAR_TAG
+            tag = self._types.get(value)
+            if tag is None:
+                tag = self._types[value] = super().resolve(kind, value, implicit)  # type: ignore[no-untyped-call]
+            return tag
+        if kind is MappingNode:
+            return BaseResolver.DEFAULT_MAPPING_TAG
+        return BaseResolver.DEFAULT_SEQUENCE_TAG
 
     def construct_document(self, node: Node) -> Any:
         try:
@@ -150,6 +159,14 @@ if yaml.__with_libyaml__:  # PyYAML's wheels carry libyaml; a source build may n
         def __init__(self, stream: str) -> None:
             yaml.CSafeLoader.__init__(self, stream)
             self._types = {}
+
+        if not Resolver.yaml_path_resolvers:
+            # libyaml calls these around every node; they only serve path resolvers, and
+            # none are registered. C functions that take the same arguments and do nothing
+            # skip two Python calls per node: with ``resolve`` above, 1.11 -> 0.97 CPU-s
+            # for the 10,000-service file.
+            descend_resolver = operator.is_  # type: ignore[assignment]  # (parent, index)
+            ascend_resolver = tuple  # type: ignore[assignment]  # () -> ()
 
     _LOADER = _LibyamlLoader
 
