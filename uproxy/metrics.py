@@ -604,6 +604,11 @@ NO_ENDPOINTS = ScrapeCounter(
     ("service", "traffic"),
     sparse=True,
 )
+DATAPLANE_PENDING = Gauge(
+    "uproxy_dataplane_pending_changes",
+    "Changes the control process sent to the data-plane workers that they have not applied "
+    "yet (listeners, endpoints); 0 when every worker is up to date",
+)
 WORKER_RESTARTS = Counter(
     "uproxy_worker_restarts_total",
     "Data-plane worker processes that died and were replaced",

@@ -36,6 +36,7 @@ from uproxy import metrics
 from uproxy.dataplane.balancer import Balancer
 from uproxy.dataplane.counters import CounterFiles, SlotReader
 from uproxy.dataplane.messages import (
+    Applied,
     Channel,
     CloseListener,
     Configure,
@@ -121,6 +122,12 @@ class _Worker:
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     started_at: float = field(default_factory=time.monotonic)
     buried: bool = False
+    applied: int = 0  # of the messages sent on its channel (``Applied``)
+
+    @property
+    def pending(self) -> int:
+        """Changes sent to this worker that it has not applied yet."""
+        return self.channel.sent - self.applied
 
 
 class RemoteListener:
@@ -162,6 +169,12 @@ class WorkerPool:
         self._supervisor: asyncio.Task[None] | None = None
         self._stopping = False
         self.restarts = 0
+        metrics.DATAPLANE_PENDING.set_function(self.pending)
+
+    def pending(self) -> int:
+        """Changes sent to the workers that they have not applied yet (0: every worker has
+        everything the control process has decided so far)."""
+        return sum(w.pending for w in self._workers.values() if not w.buried)
 
     # ----- lifecycle -----
 
@@ -318,7 +331,11 @@ class WorkerPool:
         worker: _Worker | None = None
 
         def on_message(message: Message, sock: socket.socket | None) -> None:
-            if isinstance(message, Ready) and worker is not None:
+            if worker is None:
+                return
+            if isinstance(message, Applied):
+                worker.applied = message.count
+            elif isinstance(message, Ready):
                 worker.ready.set()
 
         channel = Channel(ours, on_message=on_message, on_closed=lambda: None)

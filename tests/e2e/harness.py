@@ -205,20 +205,26 @@ class Uproxy:
         return out
 
     def last_sync(self) -> float:
+        """When uproxy's last sync ended, once its workers have applied everything it sent
+        them (0 before that: traffic would still meet the previous state)."""
         if self.proc.popen.poll() is not None:
             pytest.fail(f"uproxy exited ({self.proc.popen.returncode}): {self.proc.stderr_lines}")
         try:
             samples = self.metrics()
         except RuntimeError:
             return 0.0  # not listening yet
+        if samples.get(("uproxy_dataplane_pending_changes", ()), 0.0):
+            return 0.0
         return samples.get(("kubeproxy_sync_proxy_rules_last_timestamp_seconds", ()), 0.0)
 
     def endpoint_changes(self) -> tuple[float, float]:
-        """kube-proxy's endpoint-change counters: (total applied, pending)."""
+        """kube-proxy's endpoint-change counters: (total applied, pending); pending also
+        counts what the workers have not applied yet."""
         samples = self.metrics()
         return (
             samples.get(("kubeproxy_sync_proxy_rules_endpoint_changes_total", ()), 0.0),
-            samples.get(("kubeproxy_sync_proxy_rules_endpoint_changes_pending", ()), 0.0),
+            samples.get(("kubeproxy_sync_proxy_rules_endpoint_changes_pending", ()), 0.0)
+            + samples.get(("uproxy_dataplane_pending_changes", ()), 0.0),
         )
 
     def wait_endpoints_applied(self, *, total_before: float, timeout: float = 15.0) -> None:

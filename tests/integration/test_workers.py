@@ -551,3 +551,37 @@ async def test_a_deleted_services_series_leave_metrics(
     await wait_for(forgotten, timeout=5)
     got = await scrape(proxy.metrics_server.port)
     assert ("uproxy_open_connections", ("default/other:http", "TCP")) in got
+
+
+async def test_pending_changes_count_what_the_workers_have_not_applied(
+    tmp_path: Path, backends: list[NamedBackend], proxies: list[Proxy]
+) -> None:
+    """``uproxy_dataplane_pending_changes``: a change the control process has decided but a
+    worker has not applied yet counts until that worker says it has; then traffic follows it
+    (what the e2e harness waits on before it sends traffic after a change)."""
+    path = tmp_path / "services.yaml"
+    services_file(path, backends[:1])
+    proxy = await start_proxy(path)
+    proxies.append(proxy)
+    pool, server = proxy.workers, proxy.metrics_server
+    assert pool is not None and server is not None
+    await wait_for(lambda: pool.pending() == 0, timeout=5, message="the start applied")
+    assert (await scrape(server.port))[("uproxy_dataplane_pending_changes", ())] == 0
+    port = proxy_port(proxy)
+    assert {await greet("127.0.0.1", port) for _ in range(6)} == {"b1"}
+    # 501 endpoint changes in one go, alternating b2 and b1 and ending on b2: queued for
+    # both workers at once, applied by each once the loop runs.
+    state = proxy.tracker.state(WEB)
+    assert state is not None
+    for i in range(501):
+        pool.set_endpoints(WEB, IPFamily.V4, state.port, (endpoint_of(backends[(i + 1) % 2]),))
+    assert pool.pending() == 2 * 501
+    await wait_for(lambda: pool.pending() == 0, timeout=10, message="every worker applied")
+    assert (await scrape(server.port))[("uproxy_dataplane_pending_changes", ())] == 0
+    assert {await greet("127.0.0.1", port) for _ in range(10)} == {"b2"}
+
+
+def endpoint_of(b: NamedBackend) -> Any:
+    from uproxy.model import Endpoint
+
+    return Endpoint(b.host, b.port, None, None, True, True, False)

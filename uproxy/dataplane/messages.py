@@ -11,7 +11,10 @@ channel per worker, carrying the data-plane state as changes, in order:
                         CloseListener   stop accepting; established connections carry on
                         Steer           ClientIP affinity switched on or off for a listener
                         Forget          a service port (in one family) is gone: drop its balancer
-    worker -> control   Ready           the worker runs and has applied everything so far
+    worker -> control   Ready           the worker runs
+                        Applied         how many messages it has applied so far: after each
+                                        read of its channel that applied any (the control
+                                        process's ``uproxy_dataplane_pending_changes``)
 
 Dual-stack: a service port has a balancer per IP family (each family's service addresses go
 to that family's endpoints only) and listeners per family, so a worker keys its balancers by
@@ -115,7 +118,12 @@ class Ready:
     pid: int
 
 
-Message = Configure | SetEndpoints | OpenListener | CloseListener | Steer | Forget | Ready
+@dataclass(frozen=True, slots=True)
+class Applied:
+    count: int  # messages received and applied since the worker started
+
+
+Message = Configure | SetEndpoints | OpenListener | CloseListener | Steer | Forget | Ready | Applied
 
 
 def _fast_pickling(*classes: type) -> None:
@@ -148,6 +156,7 @@ _fast_pickling(
     Steer,
     Forget,
     Ready,
+    Applied,
 )
 
 
@@ -169,7 +178,10 @@ class Channel:
         *,
         on_message: Callable[[Message, socket.socket | None], None],
         on_closed: Callable[[], None],
+        on_applied: Callable[[int], None] | None = None,
     ) -> None:
+        """``on_applied(count)``: after a read of the channel that delivered messages, how
+        many it has delivered in all (``on_message`` applies each before it returns)."""
         sock.setblocking(False)
         self._sock = sock
         self._on_message = on_message
@@ -180,6 +192,9 @@ class Channel:
         self._writing = False
         self.closed = False
         self.sockets_missed = 0  # OpenListener sockets the kernel could not hand over
+        self.sent = 0  # messages queued for the other end, ever
+        self.delivered = 0  # messages received and handed to on_message, ever
+        self._on_applied = on_applied
         self._loop.add_reader(sock.fileno(), self._readable)
 
     def send(self, message: Message, fd: socket.socket | None = None) -> None:
@@ -189,6 +204,7 @@ class Channel:
                 fd.close()
             return
         self._pending.append((message, fd))
+        self.sent += 1
         if not self._flush_soon and not self._writing:
             self._flush_soon = True
             self._loop.call_soon(self._flush)
@@ -234,6 +250,14 @@ class Channel:
         self._flush()
 
     def _readable(self) -> None:
+        before = self.delivered
+        try:
+            self._read()
+        finally:
+            if self._on_applied is not None and self.delivered != before:
+                self._on_applied(self.delivered)
+
+    def _read(self) -> None:
         # Packets until the budget is spent, then the loop's other work (in a worker: the
         # relays) before the rest: applying a 10,000-port sync in one go stalled relays for
         # up to 1.9 s. The socket stays readable, so the loop calls back for the rest.
@@ -295,6 +319,7 @@ class Channel:
                 family = socket.AF_INET6 if message.family is IPFamily.V6 else socket.AF_INET
                 sock = socket.socket(family, kind, 0, fileno=fd)
             self._on_message(message, sock)
+        self.delivered += len(messages)
 
     def _lost(self, exc: BaseException | None) -> None:
         if exc is not None and not self.closed:

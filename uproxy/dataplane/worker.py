@@ -32,6 +32,7 @@ from uproxy import heap, metrics
 from uproxy.dataplane.balancer import Balancer
 from uproxy.dataplane.counters import CounterFiles, SlotWriter
 from uproxy.dataplane.messages import (
+    Applied,
     Channel,
     CloseListener,
     Configure,
@@ -119,6 +120,7 @@ class Worker:
             socket.socket(fileno=self._channel_fd),
             on_message=self._on_message,
             on_closed=self._stop.set,
+            on_applied=lambda count: channel.send(Applied(count)),
         )
         channel.send(Ready(os.getpid()))
         await self._stop.wait()
