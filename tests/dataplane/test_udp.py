@@ -335,14 +335,24 @@ async def test_flows_persist_across_endpoint_updates(
 async def test_wildcard_listener_replies_from_the_address_the_client_used(
     udp_backends: UdpBackendFactory, udp_listener: UdpListenerFactory
 ) -> None:
-    """A connected client socket accepts only replies from the address it sent to."""
+    """A connected client socket accepts only replies from the address it sent to.
+
+    Both clients use the same address and port (the second reuses the first's port, as a
+    new socket may): the second is a flow of its own, answered from its own target, while
+    the first one's flow is still alive."""
     ep, _ = await udp_backends("w")
     listener = await udp_listener(
         make_balancer(UDP_NAME, [ep], settings=DataplaneSettings(udp_timeout_s=5)),
         host="0.0.0.0",
     )
+    port = 0
     for target in ("127.0.0.2", "127.0.0.3"):
-        with client_socket(connect_to=(target, listener.port)) as c:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as c:
+            c.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            c.setblocking(False)
+            c.bind(("127.0.0.1", port))
+            port = c.getsockname()[1]
+            c.connect((target, listener.port))
             c.send(b"hi")
             loop = asyncio.get_running_loop()
             deadline = loop.time() + 3

@@ -5,7 +5,10 @@ first datagram from a client address creates a flow: a socket connected to the e
 the balancer picked, so the endpoint's replies arrive on a socket that already identifies
 the client. Replies leave through the listener socket, from the address the client sent
 to: behind REDIRECT, conntrack only turns the reply's source back into the ClusterIP if it
-comes from the address the request was delivered to. The same holds for IPv6 (REDIRECT in
+comes from the address the request was delivered to. On a wildcard-bound socket that
+address is part of the flow's key: one client address (say, a port reused by a new
+client socket) sending to two of the node's addresses is two flows, each answering from
+its own. The same holds for IPv6 (REDIRECT in
 ip6tables or an ``ip6`` nft table delivers to an address of the incoming interface):
 IPV6_RECVPKTINFO tells the destination, IPV6_PKTINFO sets the reply's source.
 
@@ -47,23 +50,28 @@ IP_PKTINFO = 8  # linux/in.h; not exported by Python's socket module
 _ANC_SIZE = socket.CMSG_SPACE(32)  # room for in_pktinfo (12 B) or in6_pktinfo (20 B)
 _WILDCARDS = ("0.0.0.0", "::", "")
 
+# A flow's key: the client's address and port, and on a wildcard-bound listener the
+# datagram's packet info as received (the address it was sent to, and the interface).
+FlowKey = tuple[str, int] | tuple[str, int, bytes]
+
 
 class UdpFlow:
     """One client address and its connected socket to the chosen endpoint."""
 
-    __slots__ = ("client", "endpoint", "last", "listener", "pktinfo", "sock")
+    __slots__ = ("client", "endpoint", "key", "last", "listener", "pktinfo", "sock")
 
     def __init__(
         self,
         listener: UdpListener,
-        client: tuple[str, int],
+        key: FlowKey,
         endpoint: Endpoint,
         sock: socket.socket,
         pktinfo: list[tuple[int, int, bytes]] | None,
         now: float,
     ) -> None:
         self.listener = listener
-        self.client = client
+        self.key = key
+        self.client = (key[0], key[1])
         self.endpoint = endpoint
         self.sock = sock
         self.pktinfo = pktinfo
@@ -140,7 +148,7 @@ class UdpListener:
         self.port: int = sock.getsockname()[1]
         self._family = sock.family
         self._pktinfo_level = pktinfo_level
-        self.flows: dict[tuple[str, int], UdpFlow] = {}
+        self.flows: dict[FlowKey, UdpFlow] = {}
         # The loop's set of readers (this socket and every flow's) and its datagram buffer.
         self.poller = read_poller_for(loop)
         self.poller.reserve(settings.udp_buffer)
@@ -240,13 +248,14 @@ class UdpListener:
                 break
             except OSError:
                 continue
-            client = (addr[0], addr[1])
-            flow = flows.pop(client, None)
+            # The socket asks for packet info alone: ancdata is that one message, if any.
+            key: FlowKey = (addr[0], addr[1], ancdata[0][2]) if ancdata else (addr[0], addr[1])
+            flow = flows.pop(key, None)
             if flow is None:
-                flow = self._new_flow(client, ancdata if pktinfo else None, now)
+                flow = self._new_flow(key, ancdata if pktinfo else None, now)
                 if flow is None:
                     continue
-            flows[client] = flow  # re-insert: the dict stays in order of client activity
+            flows[key] = flow  # re-insert: the dict stays in order of client activity
             flow.last = now
             self.bytes_to_endpoint.value += n
             try:
@@ -259,11 +268,12 @@ class UdpListener:
 
     def _new_flow(
         self,
-        client: tuple[str, int],
+        key: FlowKey,
         ancdata: list[tuple[int, int, bytes]] | None,
         now: float,
     ) -> UdpFlow | None:
-        ep = self.balancer.pick(client[0], self.traffic)
+        client_ip = key[0]
+        ep = self.balancer.pick(client_ip, self.traffic)
         if ep is None:
             self._refused.value += 1
             self._no_endpoints.value += 1
@@ -298,10 +308,10 @@ class UdpListener:
         except OSError:
             sock.close()
             self._failed.value += 1
-            self.balancer.dial_failed(client[0], ep)
+            self.balancer.dial_failed(client_ip, ep)
             return None
         reply_anc = reply_pktinfo(ancdata) if ancdata is not None else None
-        flow = UdpFlow(self, client, ep, sock, reply_anc or None, now)
+        flow = UdpFlow(self, key, ep, sock, reply_anc or None, now)
         try:
             self.poller.watch(sock.fileno(), flow)
         except OSError:  # ENOMEM, ENOSPC (fs.epoll.max_user_watches): as a failed dial
@@ -334,8 +344,8 @@ class UdpListener:
             self._flows_counted = n
 
     def drop_flow(self, flow: UdpFlow) -> None:
-        if self.flows.get(flow.client) is flow:
-            del self.flows[flow.client]
+        if self.flows.get(flow.key) is flow:
+            del self.flows[flow.key]
         fd = flow.sock.fileno()
         if fd >= 0:
             self.poller.forget(fd)  # the flow's socket is its only copy: closing it unwatches
