@@ -12,6 +12,9 @@ number of services, and is then reached the same way, from the pod, at the same 
   ip daddr . tcp dport map @services``, whatever the number of services.
 - uproxy with ``--rules iptables-restore`` (nft and legacy) and ``--rules nftables``: the
   process a node runs, from a ``--services`` file of the same Services and EndpointSlices.
+- HAProxy (TCP mode, one thread, pinned where uproxy is) behind the nft map, which DNATs the
+  measured services to it: what any userspace proxy on this path costs (two more socket hops
+  and two wake-ups of a process per request), the floor for uproxy's latency ratios.
 
 The measured service sorts last wherever order matters: the last rule of the linear chain,
 and for uproxy's iptables portals (sorted by namespace/name/port) the name ``zz-target``. Every
@@ -24,12 +27,13 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from bench.backends import BackendPorts
 from bench.procs import Cores, ProcessGroup
+from bench.topology import NODE_POD_SIDE_IP
 
 NAMESPACE = "bench"
 HTTP_PORT = 80
@@ -109,12 +113,16 @@ endpoints:
         lines.append("COMMIT")
         return "\n".join(lines) + "\n"
 
-    def nft_map(self) -> str:
-        """``nft -f`` input: one DNAT rule looking the destination up in a map."""
-        elements = ",\n".join(
-            f"      {s.ip} . {s.port} : {self.backend_ip} . {s.target_port}"
-            for s in self.in_rule_order()
-        )
+    def nft_map(self, to: Mapping[str, tuple[str, int]] | None = None) -> str:
+        """``nft -f`` input: one DNAT rule looking the destination up in a map; ``to``: the
+        services (by name) sent to another address and port than their endpoint."""
+        to = to or {}
+
+        def dest(s: Service) -> str:
+            ip, port = to.get(s.name, (self.backend_ip, s.target_port))
+            return f"{ip} . {port}"
+
+        elements = ",\n".join(f"      {s.ip} . {s.port} : {dest(s)}" for s in self.in_rule_order())
         return f"""table ip bench-services {{
   map services {{
     type ipv4_addr . inet_service : ipv4_addr . inet_service
@@ -196,6 +204,61 @@ class KernelMap(NodePeer):
         return []
 
 
+HAPROXY_CFG = """\
+global
+    nbthread 1
+    maxconn 8000
+defaults
+    mode tcp
+    timeout connect 5s
+    timeout client 60s
+    timeout server 60s
+frontend http
+    bind {node_ip}:{http}
+    default_backend http
+backend http
+    server s1 {backend_ip}:{b_http}
+frontend iperf
+    bind {node_ip}:{iperf}
+    default_backend iperf
+backend iperf
+    server s1 {backend_ip}:{b_iperf}
+"""
+HAPROXY_PORTS = (19080, 19081)  # on the node, outside uproxy's proxy-port range
+
+
+class HaproxyNode(NodePeer):
+    name = "haproxy-map"
+    label = "HAProxy (TCP mode) behind an nft map"
+
+    def unavailable(self) -> str | None:
+        for tool, package in (("haproxy", "haproxy"), ("nft", "nftables")):
+            if shutil.which(tool) is None:
+                return f"{tool} is not installed (Debian package: {package})"
+        return None
+
+    def start(self, env: NodeEnv) -> list[subprocess.Popen[bytes]]:
+        svc = env.services
+        http, iperf = HAPROXY_PORTS
+        cfg = env.workdir / "haproxy-node.cfg"
+        cfg.write_text(
+            HAPROXY_CFG.format(
+                node_ip=NODE_POD_SIDE_IP,
+                http=http,
+                iperf=iperf,
+                backend_ip=svc.backend_ip,
+                b_http=svc.target.target_port,
+                b_iperf=svc.bulk.target_port,
+            )
+        )
+        proc = env.procs.start(
+            ["haproxy", "-db", "-f", str(cfg)], core=env.cores.proxy, name=self.name
+        )
+        to = {svc.target.name: (NODE_POD_SIDE_IP, http), svc.bulk.name: (NODE_POD_SIDE_IP, iperf)}
+        _load(["nft", "-f", "-"], svc.nft_map(to), "nft -f")
+        return [proc]
+
+
 class UproxyNode(NodePeer):
     is_uproxy = True
 
@@ -243,6 +306,7 @@ def all_peers() -> list[NodePeer]:
         UproxyNode("iptables-restore", "nft"),
         UproxyNode("iptables-restore", "legacy"),
         UproxyNode("nftables"),
+        HaproxyNode(),
     ]
 
 
