@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.backends import BackendPorts
+from bench.peers import HAPROXY_CFG
 from bench.procs import Cores, ProcessGroup
 from bench.topology import NODE_POD_SIDE_IP
 
@@ -204,26 +205,6 @@ class KernelMap(NodePeer):
         return []
 
 
-HAPROXY_CFG = """\
-global
-    nbthread 1
-    maxconn 8000
-defaults
-    mode tcp
-    timeout connect 5s
-    timeout client 60s
-    timeout server 60s
-frontend http
-    bind {node_ip}:{http}
-    default_backend http
-backend http
-    server s1 {backend_ip}:{b_http}
-frontend iperf
-    bind {node_ip}:{iperf}
-    default_backend iperf
-backend iperf
-    server s1 {backend_ip}:{b_iperf}
-"""
 HAPROXY_PORTS = (19080, 19081)  # on the node, outside uproxy's proxy-port range
 
 
@@ -243,10 +224,11 @@ class HaproxyNode(NodePeer):
         cfg = env.workdir / "haproxy-node.cfg"
         cfg.write_text(
             HAPROXY_CFG.format(
-                node_ip=NODE_POD_SIDE_IP,
+                threads=1,
+                listen=NODE_POD_SIDE_IP,
                 http=http,
                 iperf=iperf,
-                backend_ip=svc.backend_ip,
+                backend=svc.backend_ip,
                 b_http=svc.target.target_port,
                 b_iperf=svc.bulk.target_port,
             )

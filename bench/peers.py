@@ -255,15 +255,15 @@ defaults
     timeout client 60s
     timeout server 60s
 frontend http
-    bind 127.0.0.1:{http}
+    bind {listen}:{http}
     default_backend http
 backend http
-    server s1 127.0.0.1:{b_http}
+    server s1 {backend}:{b_http}
 frontend iperf
-    bind 127.0.0.1:{iperf}
+    bind {listen}:{iperf}
     default_backend iperf
 backend iperf
-    server s1 127.0.0.1:{b_iperf}
+    server s1 {backend}:{b_iperf}
 """
 
 
@@ -292,6 +292,8 @@ class Haproxy(Peer):
         cfg.write_text(
             HAPROXY_CFG.format(
                 threads=self.threads,
+                listen="127.0.0.1",
+                backend="127.0.0.1",
                 http=ports.http,
                 iperf=ports.iperf,
                 b_http=b.http,
