@@ -24,7 +24,7 @@ from tests.dataplane.conftest import (
 from tests.dataplane.test_tcp import relay as echo_relay
 from tests.dataplane.test_tcp_limits import ChildFactory, proxy_child  # noqa: F401
 from uproxy import metrics
-from uproxy.dataplane import fdreserve, splice
+from uproxy.dataplane import fdreserve, relay, splice
 from uproxy.dataplane.settings import DataplaneSettings
 from uproxy.model import Endpoint
 
@@ -425,3 +425,56 @@ async def test_a_reset_on_a_side_not_being_read_frees_the_pair_at_once(
             s.close()
         if client.fileno() >= 0:
             client.close()
+
+
+async def test_a_spliced_source_is_not_read_while_its_pipe_is_held(
+    tcp_listener: ListenerFactory,
+    server: Callable[[Handler], Awaitable[Endpoint]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While the endpoint takes nothing, the spliced direction's pipe holds bytes and the
+    client's input events are off (no wake per arriving segment); once the endpoint reads,
+    they are on again and every byte arrives: the bulk, then a tail that no FIN follows,
+    the reply whole, and the half-close after that."""
+    mutes: list[bool] = []
+    real = relay._Side._mute
+
+    def recording(side: relay._Side, pipe: splice.Pipe, muted: bool) -> None:
+        mutes.append(muted)
+        real(side, pipe, muted)
+
+    monkeypatch.setattr(relay._Side, "_mute", recording)
+    bulk, tail, reply = os.urandom(8 * MIB), os.urandom(1000), os.urandom(3 * MIB)
+    go = asyncio.Event()
+    got_up: list[tuple[int, str]] = []
+
+    async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await go.wait()  # nothing is read until the relay has muted the client
+        head = await r.readexactly(len(bulk))
+        w.write(b"k")  # the client sends the tail only now: it arrives alone
+        head += await r.readexactly(len(tail))
+        await write_all(w, reply)
+        rest = await read_digest(r)  # then the client's FIN
+        got_up.append((len(head) + rest[0], hashlib.sha256(head).hexdigest()))
+        w.close()
+
+    ep = await server(handle)
+    listener = await tcp_listener(make_balancer(TCP_NAME, [ep], settings=SPLICE), settings=SPLICE)
+    reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
+    try:
+        sending = asyncio.ensure_future(write_all(writer, bulk))
+        await wait_until(lambda: True in mutes, timeout=10, what="the client's input muted")
+        go.set()
+        await asyncio.wait_for(sending, 10)
+        assert await asyncio.wait_for(reader.readexactly(1), 10) == b"k"
+        writer.write(tail)  # the connection stays open: no FIN comes after the tail
+        got = await asyncio.wait_for(reader.readexactly(len(reply)), 10)
+        assert digest(got) == digest(reply)
+        writer.write_eof()
+        assert await asyncio.wait_for(reader.read(), 10) == b""
+    finally:
+        writer.close()
+    await wait_until(lambda: len(got_up) == 1, timeout=10, what="the endpoint read to EOF")
+    assert got_up == [digest(bulk + tail)]
+    assert mutes[:2] == [True, False]  # muted while held, on again once flushed
+    await wait_until(lambda: listener.active == 0, what="pair closed")

@@ -128,6 +128,11 @@ class EdgePoller(LoopEpoll):
         """Add output to an fd registered with ``READ_EVENTS`` (once: it stays on)."""
         self._epoll.modify(fd, ALL_EVENTS)
 
+    def modify(self, fd: int, events: int) -> None:
+        """Watch a registered fd for ``events`` from now on (edge-triggered: an event that
+        is already true is reported once more after the change)."""
+        self._epoll.modify(fd, events)
+
     def forget(self, fd: int) -> None:
         """Stop calling ``fd``'s handler; the caller closes the fd, which leaves the set."""
         if self._handlers.pop(fd, None) is not None:
