@@ -88,6 +88,9 @@ class DataplaneLink(TypingProtocol):
 
     def forget(self, name: ServicePortName, family: IPFamily) -> None: ...
 
+    def when_applied(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once every worker has applied what was sent so far."""
+
 
 class ListenerFactory(TypingProtocol):
     def __call__(
@@ -302,7 +305,7 @@ class Syncer:
         metrics.SYNC_DURATION.observe(took)
         (metrics.SYNC_FULL_DURATION if full else metrics.SYNC_PARTIAL_DURATION).observe(took)
         metrics.SYNC_LAST_TIMESTAMP.set(done)
-        _observe_programming(changes.trigger_times, done)
+        self._observe_programming(changes.trigger_times)
         if self.options.on_synced is not None:
             self.options.on_synced()
 
@@ -327,8 +330,20 @@ class Syncer:
                 self._note_no_local(spn, pp, state)
                 touched.add(spn)
         self._emit_table(touched)
-        _observe_programming(changes.trigger_times, time.time())
+        self._observe_programming(changes.trigger_times)
         return frozenset(touched)
+
+    def _observe_programming(self, trigger_times: tuple[float, ...]) -> None:
+        """kube-proxy's network programming latency: from each change's trigger time (set by
+        the EndpointSlice controller) until the data plane has it, i.e. until every worker
+        has applied it (in-process listeners have it now)."""
+        if not trigger_times:
+            return
+        link = self.options.link
+        if link is None:
+            _observe_programming(trigger_times, time.time())
+        else:
+            link.when_applied(lambda: _observe_programming(trigger_times, time.time()))
 
     async def close(self, *, drain: bool = True) -> None:
         """Close every listener; with ``drain``, give connections time to finish."""

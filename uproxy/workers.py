@@ -29,7 +29,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from uproxy import metrics
@@ -169,12 +169,30 @@ class WorkerPool:
         self._supervisor: asyncio.Task[None] | None = None
         self._stopping = False
         self.restarts = 0
+        self._applied_waiters: list[tuple[list[tuple[_Worker, int]], Callable[[], None]]] = []
         metrics.DATAPLANE_PENDING.set_function(self.pending)
 
     def pending(self) -> int:
         """Changes sent to the workers that they have not applied yet (0: every worker has
         everything the control process has decided so far)."""
         return sum(w.pending for w in self._workers.values() if not w.buried)
+
+    def when_applied(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once every live worker has applied what was sent to it so far
+        (at once when nothing is pending). A worker that dies meanwhile is not waited for:
+        its replacement is sent the whole state."""
+        targets = [(w, w.channel.sent) for w in self._workers.values() if not w.buried]
+        self._applied_waiters.append((targets, callback))
+        self._check_applied()
+
+    def _check_applied(self) -> None:
+        waiting = []
+        for targets, callback in self._applied_waiters:
+            if all(w.buried or w.applied >= sent for w, sent in targets):
+                callback()
+            else:
+                waiting.append((targets, callback))
+        self._applied_waiters = waiting
 
     # ----- lifecycle -----
 
@@ -335,6 +353,8 @@ class WorkerPool:
                 return
             if isinstance(message, Applied):
                 worker.applied = message.count
+                if self._applied_waiters:
+                    self._check_applied()
             elif isinstance(message, Ready):
                 worker.ready.set()
 
@@ -423,6 +443,8 @@ class WorkerPool:
             return
         w.buried = True
         w.channel.close()
+        if self._applied_waiters:
+            self._check_applied()  # no longer waited for
         self._totals.retire(w.reader)
         w.reader.close()
         w.files.close()

@@ -9,6 +9,7 @@ stop drains every listener at once.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import functools
 import hashlib
 import os
@@ -558,7 +559,8 @@ async def test_pending_changes_count_what_the_workers_have_not_applied(
 ) -> None:
     """``uproxy_dataplane_pending_changes``: a change the control process has decided but a
     worker has not applied yet counts until that worker says it has; then traffic follows it
-    (what the e2e harness waits on before it sends traffic after a change)."""
+    (what the e2e harness waits on before it sends traffic after a change). ``when_applied``
+    calls back at that moment (the network programming latency is observed then)."""
     path = tmp_path / "services.yaml"
     services_file(path, backends[:1])
     proxy = await start_proxy(path)
@@ -576,7 +578,13 @@ async def test_pending_changes_count_what_the_workers_have_not_applied(
     for i in range(501):
         pool.set_endpoints(WEB, IPFamily.V4, state.port, (endpoint_of(backends[(i + 1) % 2]),))
     assert pool.pending() == 2 * 501
+    called: list[int] = []
+    pool.when_applied(lambda: called.append(pool.pending()))
+    assert called == []  # the changes are still in flight
     await wait_for(lambda: pool.pending() == 0, timeout=10, message="every worker applied")
+    assert called == [0]  # called once, when the last of them was applied
+    pool.when_applied(lambda: called.append(-1))
+    assert called == [0, -1]  # nothing pending: at once
     assert (await scrape(server.port))[("uproxy_dataplane_pending_changes", ())] == 0
     assert {await greet("127.0.0.1", port) for _ in range(10)} == {"b2"}
 
@@ -585,3 +593,40 @@ def endpoint_of(b: NamedBackend) -> Any:
     from uproxy.model import Endpoint
 
     return Endpoint(b.host, b.port, None, None, True, True, False)
+
+
+async def test_network_programming_latency_is_observed_once_the_workers_have_it(
+    tmp_path: Path, backends: list[NamedBackend], proxies: list[Proxy]
+) -> None:
+    """An endpoint change carrying the controller's trigger time is observed in
+    ``kubeproxy_network_programming_duration_seconds`` once, after the workers applied it:
+    from then on traffic follows it."""
+    path = tmp_path / "services.yaml"
+    services_file(path, backends[:1])
+    proxy = await start_proxy(path)
+    proxies.append(proxy)
+    server = proxy.metrics_server
+    assert server is not None
+    key = ("kubeproxy_network_programming_duration_seconds_count", ())
+    before = (await scrape(server.port)).get(key, 0.0)
+    moved = endpoint_slice(
+        "web-0",
+        endpoints=[endpoint(backends[1].host)],
+        ports=[{"name": "http", "port": backends[1].port, "protocol": "TCP"}],
+    )
+    when = datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds")
+    moved["metadata"]["annotations"] = {
+        "endpoints.kubernetes.io/last-change-trigger-time": when.replace("+00:00", "Z")
+    }
+    svc = service(ports=[{"name": "http", "port": 1, "protocol": "TCP"}])
+    path.write_text(yaml.safe_dump_all([svc, moved]))
+
+    async def observed() -> bool:
+        return (await scrape(server.port)).get(key, 0.0) == before + 1
+
+    await wait_for(observed, timeout=10, message="the change's programming latency observed")
+    assert proxy.workers is not None and proxy.workers.pending() == 0
+    port = proxy_port(proxy)
+    assert {await greet("127.0.0.1", port) for _ in range(10)} == {"b2"}
+    got = await scrape(server.port)
+    assert 0 <= got[("kubeproxy_network_programming_duration_seconds_sum", ())] < 10

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 import pytest
@@ -243,6 +243,9 @@ class RecordingLink:
     def forget(self, name: ServicePortName, family: IPFamily) -> None:
         self.forgotten.append((name, family))
         self.endpoints.pop((name, family), None)
+
+    def when_applied(self, callback: Callable[[], None]) -> None:
+        callback()  # nothing in flight here
 
 
 def dual_service(name: str = "web", **spec: Any) -> dict[str, Any]:
