@@ -341,9 +341,9 @@ class Syncer:
             return
         link = self.options.link
         if link is None:
-            _observe_programming(trigger_times, time.time())
+            _programmed_now(trigger_times)
         else:
-            link.when_applied(lambda: _observe_programming(trigger_times, time.time()))
+            link.when_applied(lambda: _programmed_now(trigger_times))
 
     async def close(self, *, drain: bool = True) -> None:
         """Close every listener; with ``drain``, give connections time to finish."""
@@ -734,7 +734,8 @@ def _of_family(endpoints: tuple[Endpoint, ...], family: IPFamily) -> tuple[Endpo
     return tuple(ep for ep in endpoints if ep.family is family)
 
 
-def _observe_programming(trigger_times: Iterable[float], done: float) -> None:
+def _programmed_now(trigger_times: Iterable[float]) -> None:
+    done = time.time()
     for t in trigger_times:
         metrics.NETWORK_PROGRAMMING_DURATION.observe(max(0.0, done - t))
 
