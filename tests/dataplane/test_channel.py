@@ -1,4 +1,4 @@
-"""The control channel when a worker is at its open-file limit.
+"""The control channel: a worker at its open-file limit, and a worker applying a bulk.
 
 The kernel hands a received packet's sockets over one by one and closes those it cannot
 install (EMFILE), flagging the packet MSG_CTRUNC. The messages are still whole: the worker
@@ -13,9 +13,16 @@ import json
 import os
 import socket
 import sys
+import time
 from pathlib import Path
 
-from uproxy.dataplane.messages import Channel, Forget, OpenListener
+from uproxy.dataplane.messages import (
+    APPLY_SLICE_S,
+    MESSAGES_PER_PACKET,
+    Channel,
+    Forget,
+    OpenListener,
+)
 from uproxy.model import IPFamily, Protocol, ServicePortName, Traffic
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -104,3 +111,94 @@ async def test_a_packet_with_more_sockets_than_fds_left_keeps_the_channel() -> N
     assert got["still_open"] and not got["closed"]
     assert "open-file limit" in log  # one clear line says why
     assert log.count("Channel lost sockets") == 1
+
+
+# --- applying a long run of messages: the loop's other work runs in between -----------------
+
+SLOW_S = 0.0002  # what applying one message costs here: a few of them fill a slice
+
+
+def _busy(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _forget(i: int) -> Forget:
+    return Forget(ServicePortName("ns", f"svc{i}", "p", Protocol.TCP), IPFamily.V4)
+
+
+async def test_a_packet_of_slow_messages_is_applied_in_slices() -> None:
+    """A worker applies a big sync while it relays: with the budget checked per packet, a
+    packet of 50 new listeners held its relays 2-10 ms. Here, whatever else the loop has
+    to do (a relay's event) runs after at most a few messages, not after the packet."""
+    loop = asyncio.get_running_loop()
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    applied: list[str] = []
+    seen_by_others: list[int] = []
+    reports: list[int] = []
+    done = asyncio.Event()
+
+    def on_message(message: object, sock: socket.socket | None) -> None:
+        assert isinstance(message, Forget)
+        applied.append(message.name.name)
+        if len(applied) == 1:  # as if a relay's socket became readable now
+            loop.call_soon(lambda: seen_by_others.append(len(applied)))
+        _busy(SLOW_S)
+
+    def on_applied(count: int) -> None:
+        reports.append(count)
+        if count == MESSAGES_PER_PACKET:
+            done.set()
+
+    sender = Channel(ours, on_message=lambda m, s: None, on_closed=lambda: None)
+    receiver = Channel(theirs, on_message=on_message, on_closed=done.set, on_applied=on_applied)
+    try:
+        for i in range(MESSAGES_PER_PACKET):  # one packet
+            sender.send(_forget(i))
+        await asyncio.wait_for(done.wait(), 10)
+    finally:
+        sender.close()
+        receiver.close()
+    assert applied == [f"svc{i}" for i in range(MESSAGES_PER_PACKET)]  # all, in order
+    slice_messages = int(APPLY_SLICE_S / SLOW_S) + 1
+    assert seen_by_others and seen_by_others[0] <= slice_messages < MESSAGES_PER_PACKET
+    # "Applied" once everything received is applied, not after every slice.
+    assert reports == [MESSAGES_PER_PACKET]
+
+
+async def test_sockets_not_yet_applied_are_closed_with_the_channel() -> None:
+    """Listening sockets that arrived but wait for their turn belong to the channel: a
+    channel closed mid-bulk (its worker stops) closes them, it does not leak them."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    got: list[socket.socket | None] = []
+    closed = asyncio.Event()
+    receiver: Channel | None = None
+
+    def on_message(message: object, sock: socket.socket | None) -> None:
+        got.append(sock)
+        assert receiver is not None
+        receiver.close()  # the rest of the packet stays unapplied
+        closed.set()
+
+    sender = Channel(ours, on_message=lambda m, s: None, on_closed=lambda: None)
+    before = len(os.listdir("/proc/self/fd"))
+    receiver = Channel(theirs, on_message=on_message, on_closed=closed.set)
+    ports = []
+    for i in range(SOCKETS):
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        ports.append(sock.getsockname()[1])
+        name = ServicePortName("ns", f"svc{i}", "p", Protocol.TCP)
+        sender.send(OpenListener(name, Traffic.CLUSTER, IPFamily.V4), sock)
+    try:
+        await asyncio.wait_for(closed.wait(), 10)
+    finally:
+        sender.close()
+    assert len(got) == 1 and got[0] is not None
+    got[0].close()
+    # Every other socket is closed: the ports are free again, and no fd is left over.
+    assert len(os.listdir("/proc/self/fd")) <= before - 1  # the receiver's own end is gone
+    for port in ports:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", port))

@@ -12,8 +12,8 @@ channel per worker, carrying the data-plane state as changes, in order:
                         Steer           ClientIP affinity switched on or off for a listener
                         Forget          a service port (in one family) is gone: drop its balancer
     worker -> control   Ready           the worker runs
-                        Applied         how many messages it has applied so far: after each
-                                        read of its channel that applied any (the control
+                        Applied         how many messages it has applied so far: whenever it
+                                        has applied all it has received (the control
                                         process's ``uproxy_dataplane_pending_changes``)
 
 Dual-stack: a service port has a balancer per IP family (each family's service addresses go
@@ -59,11 +59,11 @@ from uproxy.model import (
 
 log = logging.getLogger("uproxy.dataplane.messages")
 
-# A packet: at most this many messages, and at most SCM_MAX_FD (253) sockets. Small enough
-# that a worker applies one in about a millisecond (a new listener costs it ~20 us).
+# A packet: at most this many messages, and at most SCM_MAX_FD (253) sockets.
 MESSAGES_PER_PACKET = 50
-# Seconds of message handling per readiness callback on the receiving side (see _readable).
-READ_BUDGET_S = 0.002
+# Seconds of message handling before the receiving loop's other work (in a worker: the
+# relays) runs again; the clock is read after every message (see ``Channel._pump``).
+APPLY_SLICE_S = 0.0005
 MAX_PACKET = 1 << 20  # bytes a receiver accepts; packets are far smaller (~100 B/message)
 
 
@@ -180,14 +180,18 @@ class Channel:
         on_closed: Callable[[], None],
         on_applied: Callable[[int], None] | None = None,
     ) -> None:
-        """``on_applied(count)``: after a read of the channel that delivered messages, how
-        many it has delivered in all (``on_message`` applies each before it returns)."""
+        """``on_applied(count)``: once every message received so far is handed over (after a
+        pass that handed any), how many it has handed over in all (``on_message`` applies
+        each before it returns)."""
         sock.setblocking(False)
         self._sock = sock
         self._on_message = on_message
         self._on_closed = on_closed
         self._loop = asyncio.get_running_loop()
         self._pending: deque[tuple[Message, socket.socket | None]] = deque()
+        # Received, not yet handed over (with the fd of its socket, or -1); see ``_pump``.
+        self._inbox: deque[tuple[Message, int]] = deque()
+        self._resume: asyncio.Handle | None = None
         self._flush_soon = False
         self._writing = False
         self.closed = False
@@ -220,6 +224,13 @@ class Channel:
             if fd is not None:
                 fd.close()
         self._pending.clear()
+        if self._resume is not None:
+            self._resume.cancel()
+            self._resume = None
+        for _, unread in self._inbox:
+            if unread >= 0:
+                socket.close(unread)
+        self._inbox.clear()
         self._sock.close()
 
     def _flush(self) -> None:
@@ -250,47 +261,68 @@ class Channel:
         self._flush()
 
     def _readable(self) -> None:
+        if self._resume is None:  # else a pump is due, and it reads once the inbox is empty
+            self._pump()
+
+    def _pump(self) -> None:
+        """Apply received messages, one at a time, for at most ``APPLY_SLICE_S``; what is
+        left waits in the inbox for the next pass of the loop.
+
+        The clock is read after each message, not each packet: a packet of 50 new listeners
+        took a worker 2-10 ms, and with the budget checked per packet a 10,000-port sync
+        held its relays that long, again and again (keep-alive p99 10 ms through the sync).
+        """
+        self._resume = None
         before = self.delivered
+        deadline = time.perf_counter() + APPLY_SLICE_S
+        inbox = self._inbox
         try:
-            self._read()
+            while not self.closed:
+                if not inbox and not self._receive():
+                    break
+                self._deliver(*inbox.popleft())
+                if time.perf_counter() >= deadline:
+                    break
         finally:
-            if self._on_applied is not None and self.delivered != before:
+            if inbox and not self.closed:
+                self._resume = self._loop.call_soon(self._pump)
+            elif self._on_applied is not None and self.delivered != before:
                 self._on_applied(self.delivered)
 
-    def _read(self) -> None:
-        # Packets until the budget is spent, then the loop's other work (in a worker: the
-        # relays) before the rest: applying a 10,000-port sync in one go stalled relays for
-        # up to 1.9 s. The socket stays readable, so the loop calls back for the rest.
-        deadline = time.perf_counter() + READ_BUDGET_S
-        while time.perf_counter() < deadline:
-            try:
-                data, fds, flags, _ = socket.recv_fds(self._sock, MAX_PACKET, 253)
-            except BlockingIOError:
-                return
-            except OSError as exc:
-                self._lost(exc)
-                return
-            if not data:
-                self._lost(None)
-                return
-            if flags & socket.MSG_TRUNC:
-                for fd in fds:
-                    socket.close(fd)
-                self._lost(OSError(errno.EMSGSIZE, "channel packet truncated"))
-                return
-            messages = pickle.loads(data)
-            if flags & socket.MSG_CTRUNC:
-                # The kernel could not give us every socket (this process is at its open-file
-                # limit) and closed the rest. The messages still hold: the listeners that came
-                # without their socket are served by the other workers.
-                self._sockets_lost(messages, fds)
-            elif self.sockets_missed:
-                log.warning(
-                    "Channel receives sockets again",
-                    extra={"kv": {"missed": self.sockets_missed}},
-                )
-                self.sockets_missed = 0
-            self._deliver(messages, fds)
+    def _receive(self) -> bool:
+        """One packet into the inbox; False when there is none (or the channel is lost)."""
+        try:
+            data, fds, flags, _ = socket.recv_fds(self._sock, MAX_PACKET, 253)
+        except BlockingIOError:
+            return False
+        except OSError as exc:
+            self._lost(exc)
+            return False
+        if not data:
+            self._lost(None)
+            return False
+        if flags & socket.MSG_TRUNC:
+            for fd in fds:
+                socket.close(fd)
+            self._lost(OSError(errno.EMSGSIZE, "channel packet truncated"))
+            return False
+        messages = pickle.loads(data)
+        if flags & socket.MSG_CTRUNC:
+            # The kernel could not give us every socket (this process is at its open-file
+            # limit) and closed the rest. The messages still hold: the listeners that came
+            # without their socket are served by the other workers.
+            self._sockets_lost(messages, fds)
+        elif self.sockets_missed:
+            log.warning(
+                "Channel receives sockets again",
+                extra={"kv": {"missed": self.sockets_missed}},
+            )
+            self.sockets_missed = 0
+        sockets = iter(fds)
+        for message in messages:
+            fd = next(sockets, -1) if isinstance(message, OpenListener) else -1
+            self._inbox.append((message, fd))
+        return True
 
     def _sockets_lost(self, messages: list[Message], fds: list[int]) -> None:
         missed = sum(isinstance(m, OpenListener) for m in messages) - len(fds)
@@ -301,25 +333,19 @@ class Channel:
             )
         self.sockets_missed += missed
 
-    def _deliver(self, messages: list[Message], fds: list[int]) -> None:
-        sockets = iter(fds)
-        for message in messages:
-            sock = None
-            if isinstance(message, OpenListener):
-                fd = next(sockets, None)
-                if fd is None:  # its socket did not make it (see _sockets_lost)
-                    self._on_message(message, None)
-                    continue
-                # Family, type and protocol given: no getsockopt/getsockname to guess them.
-                kind = (
-                    socket.SOCK_STREAM
-                    if message.name.protocol is Protocol.TCP
-                    else socket.SOCK_DGRAM
-                )
-                family = socket.AF_INET6 if message.family is IPFamily.V6 else socket.AF_INET
-                sock = socket.socket(family, kind, 0, fileno=fd)
-            self._on_message(message, sock)
-        self.delivered += len(messages)
+    def _deliver(self, message: Message, fd: int) -> None:
+        """Hand one message (and its socket: -1 when it has none, or it did not make it, see
+        ``_sockets_lost``) to ``on_message``."""
+        sock = None
+        if fd >= 0 and isinstance(message, OpenListener):
+            # Family, type and protocol given: no getsockopt/getsockname to guess them.
+            kind = (
+                socket.SOCK_STREAM if message.name.protocol is Protocol.TCP else socket.SOCK_DGRAM
+            )
+            family = socket.AF_INET6 if message.family is IPFamily.V6 else socket.AF_INET
+            sock = socket.socket(family, kind, 0, fileno=fd)
+        self.delivered += 1
+        self._on_message(message, sock)
 
     def _lost(self, exc: BaseException | None) -> None:
         if exc is not None and not self.closed:
