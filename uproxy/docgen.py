@@ -248,6 +248,17 @@ def _sparse_series() -> list[str]:
     return out
 
 
+def _per_port_families() -> list[str]:
+    """The data-plane families whose series every proxied service port has (``per_port``)."""
+    from uproxy import metrics
+
+    return [
+        f.name
+        for f in metrics.DATA_PLANE
+        if isinstance(f, metrics.LabelledFamily) and f.per_port is not None
+    ]
+
+
 def metrics_md() -> str:
     from uproxy.settings import Settings
 
@@ -274,6 +285,11 @@ def metrics_md() -> str:
         "creates it; to alert on the first one too, add the series that are new, e.g. "
         "`increase(uproxy_no_endpoints_total[5m]) > 0 or (uproxy_no_endpoints_total unless "
         "uproxy_no_endpoints_total offset 5m)`.",
+        "",
+        "The other series of a service port ("
+        + ", ".join(f"`{name}`" for name in _per_port_families())
+        + ") are there from the moment uproxy proxies the port, at zero until its first "
+        "connection or datagram, and go when the service port is deleted.",
         "",
         "| Metric | Type | Labels | Meaning |",
         "|---|---|---|---|",

@@ -353,6 +353,8 @@ class Syncer:
         if drain:  # all at once: one drain deadline for the whole proxy, not one per port
             timeout = self.options.dataplane.drain_timeout_s
             await asyncio.gather(*(lst.shutdown(timeout) for lst in listeners))
+        for spn in self.ports:
+            metrics.PROXIED.discard(str(spn))
         self.ports.clear()
         if self.options.nodeports is not None:
             self.options.nodeports.close()
@@ -387,6 +389,7 @@ class Syncer:
         pp = self.ports.get(spn)
         if pp is None:
             pp = self.ports[spn] = ProxiedPort(state.port)
+            metrics.PROXIED.add(str(spn), spn.protocol.value)  # its series, at zero so far
             if log.isEnabledFor(V2):  # not even the arguments at 10,000 ports otherwise
                 log.log(V2, "Adding service port", extra=kv(service=str(spn)))
         else:

@@ -93,12 +93,22 @@ def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 def want_series(
     fam: metrics.LabelledFamily,
 ) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """What a scrape must show of ``fam``: every label set, except sparse ones still at 0."""
-    return {
+    """What a scrape must show of ``fam``: every label set, except sparse ones still at 0,
+    and the proxied ports' series that nothing has bound, at 0."""
+    bound = dict(fam.series())
+    want = {
         (fam.name, tuple(sorted(zip(fam.labelnames, values, strict=True)))): float(t.value)
-        for values, t in fam.series()
+        for values, t in bound.items()
         if isinstance(t, metrics.Tally) and (t.value or not t.sparse)
     }
+    per_port = fam.per_port
+    if per_port is None:
+        return want
+    for service, protocol, _ in metrics.PROXIED.snapshot():
+        for values in per_port(service, protocol):
+            if values not in bound:
+                want[(fam.name, tuple(sorted(zip(fam.labelnames, values, strict=True))))] = 0.0
+    return want
 
 
 def of_family(
@@ -209,6 +219,53 @@ async def test_data_plane_series_equal_their_tallies(
     assert got[(f"{dial.name}_bucket", (("le", "+Inf"),))] == sum(dial.counts)
     assert got[(f"{dial.name}_bucket", (("le", "0.005"),))] == sum(dial.counts[:5])
     assert not [name for name, _ in got if name.endswith("_created")]
+
+
+async def test_a_proxied_ports_series_are_written_at_zero_until_bound(
+    http: aiohttp.ClientSession, server: MetricsServer
+) -> None:
+    """The data plane binds a port's label sets at its first connection or datagram; until
+    then the scrape has them at zero all the same (``metrics.PROXIED``), then its counts,
+    never both; a deleted service's go."""
+    tcp, udp = "test/unbound:http", "test/unbound:dns"
+    metrics.PROXIED.add(tcp, "TCP")
+    metrics.PROXIED.add(udp, "UDP")
+    try:
+        got = samples(await scrape(http, server))
+        of_tcp = {k: v for k, v in got.items() if ("service", tcp) in k[1]}
+        assert of_tcp == {
+            (
+                "uproxy_connections_total",
+                (("protocol", "TCP"), ("result", "ok"), ("service", tcp)),
+            ): 0,
+            ("uproxy_open_connections", (("protocol", "TCP"), ("service", tcp))): 0,
+            ("uproxy_bytes_total", (("direction", "to_endpoint"), ("service", tcp))): 0,
+            ("uproxy_bytes_total", (("direction", "to_client"), ("service", tcp))): 0,
+        }
+        of_udp = {k: v for k, v in got.items() if ("service", udp) in k[1]}
+        assert of_udp == {
+            (
+                "uproxy_connections_total",
+                (("protocol", "UDP"), ("result", "ok"), ("service", udp)),
+            ): 0,
+            ("uproxy_udp_flows", (("service", udp),)): 0,
+            ("uproxy_bytes_total", (("direction", "to_endpoint"), ("service", udp))): 0,
+            ("uproxy_bytes_total", (("direction", "to_client"), ("service", udp))): 0,
+        }
+        metrics.CONNECTIONS.labels(tcp, "TCP", "ok").value += 5  # the first connection
+        text = await scrape(http, server)
+        ok_lines = [line for line in text.splitlines() if tcp in line and 'result="ok"' in line]
+        assert ok_lines == [
+            f'uproxy_connections_total{{service="{tcp}",protocol="TCP",result="ok"}} 5'
+        ]
+        for fam in metrics.DATA_PLANE:
+            if isinstance(fam, metrics.LabelledFamily):
+                assert of_family(samples(text), fam.name) == want_series(fam), fam.name
+    finally:
+        metrics.forget_service(tcp)
+        metrics.forget_service(udp)
+    got = samples(await scrape(http, server))
+    assert not [k for k in got if ("service", tcp) in k[1] or ("service", udp) in k[1]]
 
 
 def family_of_lines(text: str) -> Iterator[tuple[str, str]]:

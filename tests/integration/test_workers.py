@@ -554,6 +554,93 @@ async def test_a_deleted_services_series_leave_metrics(
     assert ("uproxy_open_connections", ("default/other:http", "TCP")) in got
 
 
+async def scrape_lines(port: int) -> list[tuple[str, tuple[str, ...], float]]:
+    """Every series of a scrape in order, repeats included (``scrape`` keeps the last)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /metrics HTTP/1.0\r\n\r\n")
+    raw = await reader.read()
+    writer.close()
+    text = raw.partition(b"\r\n\r\n")[2].decode()
+    return [
+        (sample.name, tuple(sample.labels.values()), sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    ]
+
+
+def bound_in_workers(proxy: Proxy, service: str) -> list[set[tuple[str, tuple[str, ...]]]]:
+    """Per live worker, the label sets of ``service`` it has bound (slots in shared memory)."""
+    assert proxy.workers is not None
+    out = []
+    for reader in proxy.workers.readers():
+        reader.refresh()
+        out.append({(f, ls) for f, ls, _ in reader.items() if ls[:1] == (service,)})
+    return out
+
+
+async def test_a_port_binds_its_series_at_its_first_connection_and_scrapes_show_them_all(
+    tmp_path: Path, backends: list[NamedBackend], proxies: list[Proxy]
+) -> None:
+    """A worker binds a port's label sets (shared-memory slots) when it first counts
+    something there, not when the port opens: at 10,000 mostly idle ports that was half of
+    its work per new port. /metrics does not change for it: an idle port's series are there
+    at zero (the control process writes them), a used port's are its counts, each once."""
+    path = tmp_path / "services.yaml"
+    services_file(path, backends[:1])
+    idle_tcp = service("idle", ports=[{"name": "http", "port": 2, "protocol": "TCP"}])
+    idle_udp = service("dns", ports=[{"name": "dns", "port": 3, "protocol": "UDP"}])
+    path.write_text(path.read_text() + "---\n" + yaml.safe_dump_all([idle_tcp, idle_udp]))
+    proxy = await start_proxy(path)
+    proxies.append(proxy)
+    pool, server = proxy.workers, proxy.metrics_server
+    assert pool is not None and server is not None
+    await wait_for(lambda: pool.pending() == 0, timeout=5, message="the start applied")
+    for name in ("default/web:http", "default/idle:http", "default/dns:dns"):
+        assert bound_in_workers(proxy, name) == [set(), set()], name  # open, nothing bound
+
+    def series_of(lines: list[tuple[str, tuple[str, ...], float]], name: str) -> list[Any]:
+        return sorted((n, ls, v) for n, ls, v in lines if ls[:1] == (name,))
+
+    lines = await scrape_lines(server.port)
+    assert series_of(lines, "default/idle:http") == [
+        ("uproxy_bytes_total", ("default/idle:http", "to_client"), 0.0),
+        ("uproxy_bytes_total", ("default/idle:http", "to_endpoint"), 0.0),
+        ("uproxy_connections_total", ("default/idle:http", "TCP", "ok"), 0.0),
+        ("uproxy_open_connections", ("default/idle:http", "TCP"), 0.0),
+    ]
+    assert series_of(lines, "default/dns:dns") == [
+        ("uproxy_bytes_total", ("default/dns:dns", "to_client"), 0.0),
+        ("uproxy_bytes_total", ("default/dns:dns", "to_endpoint"), 0.0),
+        ("uproxy_connections_total", ("default/dns:dns", "UDP", "ok"), 0.0),
+        ("uproxy_udp_flows", ("default/dns:dns",), 0.0),
+    ]
+    # One connection to web: the worker that accepted it binds web's series, and only web's.
+    assert await greet("127.0.0.1", proxy_port(proxy)) == "b1"
+    ok = ("uproxy_connections_total", ("default/web:http", "TCP", "ok"))
+    await wait_for(lambda: sum(per_worker(proxy, ok[0], ok[1])) == 1)
+    web = sorted(bound_in_workers(proxy, "default/web:http"), key=len)
+    assert web[0] == set()
+    assert web[1] == {
+        ("uproxy_bytes_total", ("default/web:http", "to_client")),
+        ("uproxy_bytes_total", ("default/web:http", "to_endpoint")),
+        ("uproxy_connections_total", ("default/web:http", "TCP", "ok")),
+        ("uproxy_open_connections", ("default/web:http", "TCP")),
+    }
+    assert bound_in_workers(proxy, "default/idle:http") == [set(), set()]
+    lines = await scrape_lines(server.port)
+    web_series = series_of(lines, "default/web:http")
+    assert [(n, ls) for n, ls, _ in web_series] == [  # each once: counts, not also a zero
+        ("uproxy_bytes_total", ("default/web:http", "to_client")),
+        ("uproxy_bytes_total", ("default/web:http", "to_endpoint")),
+        ("uproxy_connections_total", ("default/web:http", "TCP", "ok")),
+        ("uproxy_open_connections", ("default/web:http", "TCP")),
+    ]
+    counted = {(n, ls): v for n, ls, v in web_series}
+    assert counted[ok] == 1
+    assert counted[("uproxy_bytes_total", ("default/web:http", "to_client"))] > 0
+    assert len({(n, ls) for n, ls, _ in lines}) == len(lines)  # no series twice anywhere
+
+
 async def test_pending_changes_count_what_the_workers_have_not_applied(
     tmp_path: Path, backends: list[NamedBackend], proxies: list[Proxy]
 ) -> None:

@@ -77,7 +77,7 @@ from uproxy.dataplane.poller import (
 )
 from uproxy.dataplane.splice import SPLICE_FLAGS, Pipe
 from uproxy.dataplane.timers import Deadline
-from uproxy.model import Endpoint, ServicePortName, Traffic
+from uproxy.model import Endpoint
 
 if TYPE_CHECKING:
     from uproxy.dataplane.tcp import TcpListener
@@ -91,60 +91,6 @@ _INPUT = IN | RDHUP | HUP
 _DIAL_OK = metrics.DIAL_ATTEMPTS.labels("ok")
 _DIAL_FAILED = metrics.DIAL_ATTEMPTS.labels("failed")
 _DIAL_DURATION = metrics.DIAL_DURATION
-
-
-class Stats:
-    """Metric tallies for one listener, bound once (``.labels()`` is a dict lookup).
-
-    The failure tallies are bound at their first event: most listeners never have one, and
-    binding a label set in a worker costs a shared-memory slot and a directory record (three
-    of the seven per listener were a fifth of a worker's start at 10,000 service ports).
-    """
-
-    __slots__ = (
-        "_dial_failed",
-        "_no_endpoints",
-        "_refused",
-        "bytes_to_client",
-        "bytes_to_endpoint",
-        "ok",
-        "open",
-        "protocol",
-        "service",
-        "traffic",
-    )
-
-    def __init__(self, name: ServicePortName, traffic: Traffic) -> None:
-        self.service = service = str(name)
-        self.protocol = protocol = name.protocol.value
-        self.traffic = traffic.value
-        self.ok = metrics.CONNECTIONS.labels(service, protocol, "ok")
-        self.open = metrics.OPEN_CONNECTIONS.labels(service, protocol)
-        self.bytes_to_endpoint = metrics.BYTES.labels(service, "to_endpoint")
-        self.bytes_to_client = metrics.BYTES.labels(service, "to_client")
-        self._refused: metrics.AnyTally | None = None
-        self._dial_failed: metrics.AnyTally | None = None
-        self._no_endpoints: metrics.AnyTally | None = None
-
-    @property
-    def refused(self) -> metrics.AnyTally:
-        if self._refused is None:
-            self._refused = metrics.CONNECTIONS.labels(self.service, self.protocol, "no_endpoints")
-        return self._refused
-
-    @property
-    def dial_failed(self) -> metrics.AnyTally:
-        if self._dial_failed is None:
-            self._dial_failed = metrics.CONNECTIONS.labels(
-                self.service, self.protocol, "dial_failed"
-            )
-        return self._dial_failed
-
-    @property
-    def no_endpoints(self) -> metrics.AnyTally:
-        if self._no_endpoints is None:
-            self._no_endpoints = metrics.NO_ENDPOINTS.labels(self.service, self.traffic)
-        return self._no_endpoints
 
 
 def reset_socket(sock: socket.socket) -> None:
@@ -668,7 +614,7 @@ class Connection(_Side):
         listener = self.listener
         stats = listener.stats
         stats.ok.value += 1
-        stats.open.value += 1
+        stats.live.value += 1
         _DIAL_OK.value += 1
         _DIAL_DURATION.observe(listener.loop.time() - self.started)
         if mask & _INPUT:
@@ -720,7 +666,7 @@ class Connection(_Side):
             self.peer = None
         listener = self.listener
         if self.linked:
-            listener.stats.open.value -= 1
+            listener.stats.live.value -= 1
         listener.released(self)
         if FD_RESERVE.waiters:  # one attribute test per connection while nothing waits
             FD_RESERVE.released(listener.loop)

@@ -28,9 +28,10 @@ from uproxy import metrics
 from uproxy.dataplane.balancer import Balancer
 from uproxy.dataplane.fdreserve import FD_RESERVE, RESOURCE_ERRNOS
 from uproxy.dataplane.poller import per_loop, poller_for, read_poller_for
-from uproxy.dataplane.relay import Connection, Stats, reset_socket
+from uproxy.dataplane.relay import Connection, reset_socket
 from uproxy.dataplane.settings import DataplaneSettings
 from uproxy.dataplane.sockets import bind_tcp
+from uproxy.dataplane.stats import Stats
 from uproxy.dataplane.timers import FixedDelayTimers, shared_timers
 from uproxy.model import ServicePortName, Traffic
 
@@ -174,6 +175,8 @@ class TcpListener:
         traffic = self.traffic
         family = lsock.family
         fds = FD_RESERVE
+        if not self.stats.bound:
+            self.stats.bind()
         for _ in range(self.settings.accept_batch):
             try:
                 # _accept() skips socket.accept()'s enum conversions (measurable per conn).

@@ -36,11 +36,11 @@ import socket
 import struct
 from typing import Self
 
-from uproxy import metrics
 from uproxy.dataplane.balancer import Balancer
 from uproxy.dataplane.poller import read_poller_for
 from uproxy.dataplane.settings import DataplaneSettings
 from uproxy.dataplane.sockets import bind_udp
+from uproxy.dataplane.stats import Stats
 from uproxy.log import kv
 from uproxy.model import Endpoint, ServicePortName, Traffic
 
@@ -85,7 +85,7 @@ class UdpFlow:
             return
         view = listener.poller.buffer
         sock = self.sock
-        counter = listener.bytes_to_client
+        counter = listener.stats.bytes_to_client
         for _ in range(listener.settings.udp_batch):
             try:
                 n = sock.recv_into(view)
@@ -153,15 +153,8 @@ class UdpListener:
         self.poller = read_poller_for(loop)
         self.poller.reserve(settings.udp_buffer)
         self._sweeper: asyncio.TimerHandle | None = None
-        service = str(name)
-        self.bytes_to_endpoint = metrics.BYTES.labels(service, "to_endpoint")
-        self.bytes_to_client = metrics.BYTES.labels(service, "to_client")
-        self._flows_gauge = metrics.UDP_FLOWS.labels(service)
-        self._flows_counted = 0  # this listener's share of the gauge
-        self._new_flows = metrics.CONNECTIONS.labels(service, name.protocol.value, "ok")
-        self._refused = metrics.CONNECTIONS.labels(service, name.protocol.value, "no_endpoints")
-        self._failed = metrics.CONNECTIONS.labels(service, name.protocol.value, "dial_failed")
-        self._no_endpoints = metrics.NO_ENDPOINTS.labels(service, traffic.value)
+        self.stats = Stats(name, traffic)  # bound at the first datagram
+        self._flows_counted = 0  # this listener's share of the flows gauge
         self._starved = False  # a flow could not get a socket, and none has since
 
     @classmethod
@@ -236,6 +229,10 @@ class UdpListener:
         view = self.poller.buffer
         flows = self.flows
         pktinfo = self._pktinfo_level is not None
+        stats = self.stats
+        if not stats.bound:
+            stats.bind()
+        to_endpoint = stats.bytes_to_endpoint
         ancdata: list[tuple[int, int, bytes]] = []
         now = self.loop.time()
         for _ in range(self.settings.udp_batch):
@@ -257,7 +254,7 @@ class UdpListener:
                     continue
             flows[key] = flow  # re-insert: the dict stays in order of client activity
             flow.last = now
-            self.bytes_to_endpoint.value += n
+            to_endpoint.value += n
             try:
                 flow.sock.send(view[:n])
             except BlockingIOError:
@@ -275,8 +272,8 @@ class UdpListener:
         client_ip = key[0]
         ep = self.balancer.pick(client_ip, self.traffic)
         if ep is None:
-            self._refused.value += 1
-            self._no_endpoints.value += 1
+            self.stats.refused.value += 1
+            self.stats.no_endpoints.value += 1
             return None
         flows = self.flows
         while len(flows) >= self.settings.udp_max_flows:
@@ -287,7 +284,7 @@ class UdpListener:
         except OSError as exc:
             # Out of fds (or memory): drop this datagram, the client will retry. One line
             # per episode; the count goes on in uproxy_connections_total.
-            self._failed.value += 1
+            self.stats.dial_failed.value += 1
             if not self._starved:
                 self._starved = True
                 log.warning(
@@ -307,7 +304,7 @@ class UdpListener:
             sock.connect(ep.address)
         except OSError:
             sock.close()
-            self._failed.value += 1
+            self.stats.dial_failed.value += 1
             self.balancer.dial_failed(client_ip, ep)
             return None
         reply_anc = reply_pktinfo(ancdata) if ancdata is not None else None
@@ -316,9 +313,9 @@ class UdpListener:
             self.poller.watch(sock.fileno(), flow)
         except OSError:  # ENOMEM, ENOSPC (fs.epoll.max_user_watches): as a failed dial
             sock.close()
-            self._failed.value += 1
+            self.stats.dial_failed.value += 1
             return None
-        self._new_flows.value += 1
+        self.stats.ok.value += 1
         if self._sweeper is None:
             self._sweeper = self.loop.call_later(self._sweep_interval(), self._sweep)
         return flow
@@ -340,7 +337,7 @@ class UdpListener:
         listener per traffic class and IP family, all counted in the one series."""
         n = len(self.flows)
         if n != self._flows_counted:
-            self._flows_gauge.value += n - self._flows_counted
+            self.stats.live.value += n - self._flows_counted
             self._flows_counted = n
 
     def drop_flow(self, flow: UdpFlow) -> None:
