@@ -221,6 +221,49 @@ def test_endpoint_changes_go_alone_unless_the_service_also_changed() -> None:
     assert t.take_changes().ports == {_spn("b")}
 
 
+def test_endpoint_only_changes_in_any_order_follow_both_takers() -> None:
+    """Whatever the order of Service changes, slice changes and the two takes, the fast road
+    hands over exactly the services whose slices changed and whose Service did not since the
+    syncer last took, and the syncer gets the rest (the set is kept as changes come)."""
+    import random
+
+    rng = random.Random(7)
+    names = [f"s{i}" for i in range(8)]
+    t = Tracker()
+    _listed(t, names)
+    t.take_changes()
+    services_changed: set[str] = set()
+    slices_changed: set[str] = set()
+    affinity = dict.fromkeys(names, "None")
+    for step in range(2_000):
+        name = rng.choice(names)
+        action = rng.random()
+        if action < 0.35:
+            ip = f"10.0.{step // 250}.{step % 250 + 1}"
+            t.upsert(
+                Kind.ENDPOINT_SLICE, endpoint_slice(f"{name}-1", name, endpoints=[endpoint(ip)])
+            )
+            slices_changed.add(name)
+        elif action < 0.55:
+            new = rng.choice(["ClientIP", "None"])
+            t.upsert(Kind.SERVICE, service(name, sessionAffinity=new))
+            if new != affinity[name]:  # the same spec again is no change
+                services_changed.add(name)
+                affinity[name] = new
+        elif action < 0.85:
+            fast = {spn.name for spn in t.take_endpoint_changes().ports}
+            want = slices_changed - services_changed
+            assert fast == want, step
+            slices_changed -= want
+        else:
+            taken = {spn.name for spn in t.take_changes().ports}
+            assert (
+                (slices_changed - services_changed) <= taken <= (slices_changed | services_changed)
+            )
+            services_changed.clear()
+            slices_changed.clear()
+
+
 def test_trigger_times_from_before_start_are_not_reported() -> None:
     t = Tracker(clock=lambda: 1_000_000_000.0)  # started at 2001-09-09T01:46:40Z
     _listed(t, ["a"])
