@@ -179,26 +179,34 @@ class Worker:
             heap.resume()
 
     def _apply(self, message: Message, sock: socket.socket | None) -> None:
-        if isinstance(message, Configure):
-            self.config = message
-        elif isinstance(message, SetEndpoints):
+        # By exact type: the messages are final dataclasses, and a chain of isinstance
+        # checks ran up to six per message (40,000 messages in a 10,000-port swap).
+        if type(message) is SetEndpoints:
             self._set_endpoints(message)
-        elif isinstance(message, OpenListener) and sock is not None:
-            self._open(message, sock)
-        elif isinstance(message, CloseListener):
-            key = (message.name, message.traffic, message.family)
-            listener = self.listeners.pop(key, None)
-            if listener is not None:
-                listener.close()
-                self.closing = [lst for lst in self.closing if lst.active] + [listener]
-        elif isinstance(message, Steer):
+        elif type(message) is OpenListener:
+            if sock is not None:
+                self._open(message, sock)
+        elif type(message) is CloseListener:
+            self._close(message)
+        elif type(message) is Forget:
+            self._forget(message)
+        elif type(message) is Steer:
             self._steer(message)
-        elif isinstance(message, Forget):
-            self.balancers.pop((message.name, message.family), None)
-            if not any((message.name, family) in self.balancers for family in IPFamily):
-                # Gone in every family: its series go (the control process stops showing
-                # them; connections still draining keep counting into slots nobody reads).
-                metrics.forget_service(str(message.name))
+        elif type(message) is Configure:
+            self.config = message
+
+    def _close(self, message: CloseListener) -> None:
+        listener = self.listeners.pop((message.name, message.traffic, message.family), None)
+        if listener is not None:
+            listener.close()
+            self.closing = [lst for lst in self.closing if lst.active] + [listener]
+
+    def _forget(self, message: Forget) -> None:
+        self.balancers.pop((message.name, message.family), None)
+        if not any((message.name, family) in self.balancers for family in IPFamily):
+            # Gone in every family: its series go (the control process stops showing
+            # them; connections still draining keep counting into slots nobody reads).
+            metrics.forget_service(str(message.name))
 
     def _set_endpoints(self, message: SetEndpoints) -> None:
         settings = self._configured().settings
