@@ -76,6 +76,11 @@ async def start_proxy(path: Path, **overrides: Any) -> Proxy:
     proxy = Proxy(settings)
     await proxy.start()
     await asyncio.wait_for(proxy.synced.wait(), 10)
+    # Synced is the control process's view; each worker applies it a moment later (in slices
+    # between its relays). A test that counts per worker or scrapes at once waits for both.
+    pool = proxy.workers
+    if pool is not None:
+        await wait_for(lambda: pool.pending() == 0, timeout=10, message="the workers applied")
     return proxy
 
 
