@@ -9,15 +9,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterable
 from pathlib import Path
+from typing import cast
 
 import pytest
 
 from tests.apiserver import ApiServerDouble
 from tests.conftest import wait_for
 from uproxy.model import Protocol, ServicePortName
-from uproxy.sources.kube import KubeConfigError, make_api_client, service_label_selector
-from uproxy.tracker import Tracker
+from uproxy.sources.kube import (
+    KubeConfigError,
+    Listing,
+    Obj,
+    make_api_client,
+    service_label_selector,
+)
+from uproxy.tracker import Kind, Tracker
 
 from .conftest import NODE, SourceFactory
 from .helpers import endpoint_slice, headless_labels, node, proxy_name_labels, service
@@ -105,6 +113,84 @@ async def test_paged_list_is_applied_whole(
     assert len(names(tracker)) == 1234
     assert apiserver.list_count(SVC) == 3  # pages of 500
     assert apiserver.last_params[("list", SVC)]["limit"] == "500"
+
+
+class _HeldPages:
+    """Service listings whose first page is held in ``add`` until released: what the source
+    asks the API server for meanwhile shows whether it reads ahead."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.holding = asyncio.Event()
+        self.release = asyncio.Event()
+        self._held_once = False
+        real = Tracker.listing
+
+        def listing(tracker: Tracker, kind: Kind) -> Listing:
+            inner = real(tracker, kind)
+            return self._wrap(inner) if kind is Kind.SERVICE else inner
+
+        monkeypatch.setattr(Tracker, "listing", listing)
+
+    def _wrap(self, inner: Listing) -> Listing:
+        held = self
+
+        class Held:
+            async def add(self, objs: Iterable[Obj]) -> None:
+                if not held._held_once:
+                    held._held_once = True
+                    held.holding.set()
+                    await held.release.wait()
+                await inner.add(objs)
+
+            async def finish(self) -> None:
+                await inner.finish()
+
+            def abandon(self) -> None:
+                inner.abandon()
+
+        return cast(Listing, Held())
+
+
+async def _first_page_held(
+    apiserver: ApiServerDouble, start_source: SourceFactory, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Tracker, _HeldPages]:
+    """1,234 services (3 pages); returns once page 1 is held and page 2 has been asked for."""
+    pages = _HeldPages(monkeypatch)
+    for i in range(1234):
+        apiserver.create(SVC, service(f"s{i:04}", cluster_ip=f"10.96.{i // 200}.{i % 200 + 1}"))
+    tracker, _ = await start_source()
+    await asyncio.wait_for(pages.holding.wait(), timeout=10)
+    await wait_for(lambda: apiserver.list_count(SVC) == 2, timeout=5)
+    return tracker, pages
+
+
+async def test_next_page_is_asked_for_while_a_page_is_applied(
+    apiserver: ApiServerDouble, start_source: SourceFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Page 1 is being applied (held): page 2 is already asked for, page 3 not yet.
+    tracker, pages = await _first_page_held(apiserver, start_source, monkeypatch)
+    assert apiserver.list_count(SVC) == 2
+    assert not tracker.synced
+    pages.release.set()
+    await wait_for(lambda: apiserver.open_watches(SVC) == 1, timeout=10)
+    assert len(names(tracker)) == 1234
+    assert apiserver.list_count(SVC) == 3
+
+
+async def test_continuation_expired_while_reading_ahead_lists_again_whole(
+    apiserver: ApiServerDouble, start_source: SourceFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tracker, pages = await _first_page_held(apiserver, start_source, monkeypatch)
+    # Page 2 came ahead; the snapshot behind page 3's continuation goes before it is asked.
+    apiserver.delete(SVC, service("s0000"))
+    apiserver.create(SVC, service("late", cluster_ip="10.97.0.1"))
+    apiserver.compact()
+    pages.release.set()
+    await wait_for(lambda: apiserver.open_watches(SVC) == 1, timeout=10)
+    want = {f"s{i:04}" for i in range(1, 1234)} | {"late"}
+    assert names(tracker) == want
+    # Pages 1-2, page 3's 410, then a whole listing of 3 pages.
+    assert apiserver.list_count(SVC) == 6
 
 
 async def test_relists_after_410_and_converges(
