@@ -17,7 +17,7 @@ from uproxy.model import Protocol, ServicePortName
 from uproxy.objects import object_key
 from uproxy.sources import file as file_source
 from uproxy.sources.file import FileSource, ServicesFileError, parse_manifests, split_documents
-from uproxy.tracker import Kind, Obj, Tracker
+from uproxy.tracker import Converted, Incoming, Kind, Obj, Tracker
 
 WEB = ServicePortName("default", "web", "http", Protocol.TCP)
 LOADERS: list[file_source._Loader] = [file_source._PythonLoader]
@@ -43,15 +43,16 @@ class SpyTracker(Tracker):
         super().__init__()
         self.calls: list[tuple[str, Kind, str]] = []
 
-    def upsert(self, kind: Kind, obj: Obj) -> None:
-        self.calls.append(("upsert", kind, object_key(obj)))
+    def upsert(self, kind: Kind, obj: Incoming) -> None:
+        raw = obj.obj if isinstance(obj, Converted) else obj
+        self.calls.append(("upsert", kind, object_key(raw)))
         super().upsert(kind, obj)
 
     def delete(self, kind: Kind, obj: Obj) -> None:
         self.calls.append(("delete", kind, object_key(obj)))
         super().delete(kind, obj)
 
-    async def replace_async(self, kind: Kind, objs: Iterable[Obj]) -> None:
+    async def replace_async(self, kind: Kind, objs: Iterable[Incoming]) -> None:
         objs = list(objs)
         self.calls.append(("replace", kind, str(len(objs))))
         await super().replace_async(kind, objs)
@@ -337,6 +338,45 @@ async def test_one_changed_document_is_parsed_and_upserted_alone(tmp_path: Path)
     rewrite(path, dump(*docs))
     await src.poll()
     assert src.documents_parsed == 101 and tracker.calls == []
+
+
+async def test_each_object_is_converted_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The source converts every object to validate the file; the tracker takes those
+    conversions (and builds the same state as from the objects themselves)."""
+    converted: list[str] = []
+    for name in ("service_ports", "endpoint_slice"):
+        real = getattr(file_source, name)
+
+        def counting(obj: Obj, real: Any = real) -> Any:
+            converted.append(object_key(obj))
+            return real(obj)
+
+        monkeypatch.setattr(file_source, name, counting)
+        monkeypatch.setattr("uproxy.tracker." + name, counting)
+    path = tmp_path / "services.yaml"
+    docs = cluster(20)
+    src, tracker = await loaded(path, docs)
+    assert sorted(converted) == sorted(object_key(d) for d in docs)
+    fresh = Tracker()
+    fresh.replace(Kind.SERVICE, docs[0::2])
+    fresh.replace(Kind.ENDPOINT_SLICE, docs[1::2])
+    assert tracker.snapshot() == fresh.snapshot()
+
+    converted.clear()
+    docs[3] = endpoint_slice("svc-1-1", "svc-1", endpoints=[endpoint("10.0.0.9")])
+    rewrite(path, dump(*docs))
+    await src.poll()  # by document: the changed one alone
+    assert converted == ["default/svc-1-1"]
+    svc1 = ServicePortName("default", "svc-1", "http", Protocol.TCP)
+    assert [e.ip for e in tracker.snapshot()[svc1].endpoints] == ["10.0.0.9"]
+
+    converted.clear()
+    rewrite(path, "%YAML 1.1\n---\n" + dump(*docs[:-2]))  # a directive: parsed whole
+    await src.poll()
+    assert sorted(converted) == sorted(object_key(d) for d in docs[:-2])
+    assert ServicePortName("default", "svc-19", "http", Protocol.TCP) not in tracker.snapshot()
 
 
 async def test_a_removed_document_deletes_only_its_object(tmp_path: Path) -> None:
