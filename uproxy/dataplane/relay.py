@@ -54,6 +54,7 @@ of each other at 64-512 KiB, and 128 KiB opens no pipe for the many replies belo
 
 from __future__ import annotations
 
+import _socket
 import asyncio
 import errno
 import os
@@ -93,7 +94,7 @@ _DIAL_FAILED = metrics.DIAL_ATTEMPTS.labels("failed")
 _DIAL_DURATION = metrics.DIAL_DURATION
 
 
-def reset_socket(sock: socket.socket) -> None:
+def reset_socket(sock: _socket.socket) -> None:
     """Close ``sock`` so that the peer gets a RST rather than a FIN."""
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
@@ -138,7 +139,7 @@ class _Side:
         self.poller = poller
         self.counter = counter
         self.chunk = chunk  # bytes per read (settings.high_water)
-        self.sock: socket.socket | None = None
+        self.sock: _socket.socket | None = None
         self.fd = -1
         self.peer: _Side | None = None
         self.readable = False  # input (data or FIN) may be waiting: the edge was seen
@@ -390,7 +391,7 @@ class _Side:
 class _EndpointSide(_Side):
     __slots__ = ("conn",)
 
-    def __init__(self, conn: Connection, sock: socket.socket) -> None:
+    def __init__(self, conn: Connection, sock: _socket.socket) -> None:
         super().__init__(conn.poller, conn.listener.stats.bytes_to_client, conn.chunk)
         self.conn = conn
         self.sock = sock
@@ -459,7 +460,7 @@ class Connection(_Side):
     def _pair(self) -> Connection:
         return self
 
-    def start(self, sock: socket.socket) -> None:
+    def start(self, sock: _socket.socket) -> None:
         """Take the accepted socket and dial; the pair runs on events from here on."""
         self.sock = sock
         self.fd = fd = sock.fileno()
@@ -502,7 +503,7 @@ class Connection(_Side):
         self.started = listener.loop.time()
         family = socket.AF_INET6 if ":" in ep.ip else socket.AF_INET
         try:
-            sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+            sock = _socket.socket(family, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
         except OSError as exc:
             self.dial_failed(exc.errno)
             return

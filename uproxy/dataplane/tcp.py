@@ -10,6 +10,10 @@ system calls it takes.
   traceback and retries after 1 s; libuv accepts and drops the surplus), so it could not be
   counted or paced. One readiness callback accepts up to ``accept_batch`` connections, with
   ``socket._accept()`` (``socket.accept()`` converts enums per call, visible in profiles).
+  A connection's sockets (the accepted one and the dial) are ``_socket.socket``, the C type
+  that ``socket.socket`` subclasses in Python: its ``__init__`` and ``close`` are two Python
+  frames each, and nothing else of the subclass is used here (create and close: 3.0-4.5 us
+  against 2.3-3.0, timeit, three rounds).
 * The endpoint is picked in the accept callback (a synchronous index step). With no
   endpoint the accepted socket is closed with SO_LINGER 0 at once: the client sees a RST,
   and no pair is ever made for it.
@@ -18,6 +22,7 @@ system calls it takes.
 
 from __future__ import annotations
 
+import _socket
 import asyncio
 import logging
 import socket
@@ -189,7 +194,7 @@ class TcpListener:
                     self.pause(reason)
                     return
                 continue  # ECONNABORTED and the like: that client is gone already
-            sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP, fd)
+            sock = _socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP, fd)
             if self._starved:
                 self._starved = False
                 log.info("Accepting resumed", extra={"kv": {"service": str(self.name)}})
