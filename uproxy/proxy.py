@@ -121,6 +121,7 @@ class Proxy:
         self._stopped = asyncio.Event()
         self.failure: str | None = None
         self.synced = asyncio.Event()
+        self._prepare: asyncio.Task[None] | None = None
 
     # ----- lifecycle -----
 
@@ -133,6 +134,8 @@ class Proxy:
                 await self.workers.start()
             except (OSError, RuntimeError) as e:
                 raise StartupError(f"cannot start the data-plane workers: {e}") from None
+        # While the sources list (the first sync takes the backend's lock after it).
+        self._prepare = asyncio.create_task(self.rules.prepare(), name="rules-prepare")
         await self._start_sources()
         self._spawn("sync-runner", self.runner.loop())
         if not self.settings.laptop:
@@ -159,6 +162,10 @@ class Proxy:
 
     async def stop(self) -> None:
         self._stopped.set()
+        if self._prepare is not None:
+            self._prepare.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._prepare
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

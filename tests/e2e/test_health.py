@@ -35,6 +35,10 @@ class BlockingRules:
         self.gate.set()
         self.blocked = asyncio.Event()
 
+    async def prepare(self) -> None:
+
+        return None
+
     async def sync(self, portals: Collection[Portal]) -> None:
         if not self.gate.is_set():
             self.blocked.set()

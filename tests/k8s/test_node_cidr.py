@@ -27,6 +27,10 @@ class RecordingRules:
     def __init__(self) -> None:
         self.events: list[tuple[str, Any]] = []
 
+    async def prepare(self) -> None:
+
+        return None
+
     async def sync(self, portals: Collection[Portal]) -> None:
         self.events.append(("sync", len(portals)))
 

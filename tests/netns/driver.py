@@ -110,6 +110,9 @@ async def _op(backend: RulesBackend, op: dict[str, Any]) -> Any:
         return None
     if kind == "detect_mode":
         return await detect_mode()
+    if kind == "prepare":
+        await backend.prepare()
+        return None
     if kind == "clear_udp":
         await conntrack.clear_udp(op["ip"], op["port"])
         return None

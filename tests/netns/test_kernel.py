@@ -39,6 +39,14 @@ def test_auto_backend_writes_where_the_hint_is(topo: Topology) -> None:
     assert "KUBE-PORTALS-CONTAINER" not in save(topo, "nft")
 
 
+def test_prepare_probes_the_variant_so_the_first_sync_does_not(topo: Topology) -> None:
+    ops = [{"op": "prepare"}, {"op": "spawns"}, sync_op(PORTALS), {"op": "spawns"}]
+    _, probed, _, synced = run_ops(topo, "auto", "auto", ops)
+    assert probed == ["iptables-nft-save", "iptables-legacy-save"]  # no hint anywhere: nft
+    assert not [p for p in synced[len(probed) :] if p.endswith("-save")]
+    assert "KUBE-PORTALS-CONTAINER" in save(topo, "nft")
+
+
 def conntrack_count(topo: Topology, port: int) -> int:
     done = subprocess.run(
         topo.exec_argv(topo.node, "conntrack", "-L", "-p", "udp", "--dport", str(port)),

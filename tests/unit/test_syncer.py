@@ -68,6 +68,10 @@ class RecordingRules:
     def __init__(self) -> None:
         self.syncs: list[frozenset[Portal]] = []
 
+    async def prepare(self) -> None:
+
+        return None
+
     async def sync(self, portals: Collection[Portal]) -> None:
         self.syncs.append(frozenset(portals))
 

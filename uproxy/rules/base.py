@@ -115,6 +115,10 @@ class RulesError(Exception):
 class RulesBackend(TypingProtocol):
     name: str
 
+    async def prepare(self) -> None:
+        """Probe what the first sync needs from the host and nothing from the services (the
+        tools' variant, say), while the sources list; never raises: ``sync`` reports."""
+
     async def sync(self, portals: Collection[Portal]) -> None:
         """Make the installed rules exactly ``portals``; raise RulesError on failure."""
 

@@ -738,6 +738,9 @@ class NftablesBackend:
         split = split_by_family(portals, self._tables)
         return {f: t.builder.build(split[f]) for f, t in self._tables.items()}
 
+    async def prepare(self) -> None:
+        return None  # nothing to probe: ``nft`` is the one tool, and a table is ours or not
+
     async def sync(self, portals: Collection[Portal]) -> None:
         async with self._lock:
             try:

@@ -15,6 +15,9 @@ class NoRules:
     def __init__(self) -> None:
         self.portals: frozenset[Portal] = frozenset()
 
+    async def prepare(self) -> None:
+        return None
+
     async def sync(self, portals: Collection[Portal]) -> None:
         self.portals = frozenset(portals)
 

