@@ -379,6 +379,32 @@ async def test_each_object_is_converted_once(
     assert ServicePortName("default", "svc-19", "http", Protocol.TCP) not in tracker.snapshot()
 
 
+async def test_a_reload_is_announced_once_when_all_of_it_is_in(tmp_path: Path) -> None:
+    """A reload replacing every service is one change for the syncer: each callback runs
+    once, after the last object is in (a sync started on the first one saw half of it)."""
+    path = tmp_path / "services.yaml"
+    src, tracker = await loaded(path, cluster(30))
+    seen: list[tuple[str, int]] = []
+
+    def on(kind: str) -> None:
+        seen.append((kind, len(tracker.snapshot())))
+
+    tracker.on_change = lambda: on("services")
+    tracker.on_endpoints = lambda: on("endpoints")
+    others = []
+    for i in range(40):
+        others.append(service(f"new-{i}", ports=[{"name": "http", "port": 80 + i}]))
+        others.append(endpoint_slice(f"new-{i}-1", f"new-{i}", endpoints=[endpoint("10.0.0.2")]))
+    rewrite(path, dump(*others))
+    await src.poll()
+    assert seen == [("services", 40), ("endpoints", 40)]
+    assert {k.name for k in tracker.snapshot()} == {f"new-{i}" for i in range(40)}
+    # Outside a reload, each change is announced as it comes.
+    seen.clear()
+    tracker.upsert(Kind.SERVICE, service("late", ports=[{"name": "http", "port": 9}]))
+    assert seen == [("services", 41)]
+
+
 async def test_a_removed_document_deletes_only_its_object(tmp_path: Path) -> None:
     path = tmp_path / "services.yaml"
     docs = cluster(20)

@@ -508,15 +508,17 @@ class FileSource:
                 objs = [obj for k, obj in change.upserts if k is kind]
                 await self.tracker.replace_async(kind, objs)
         else:
-            # Deletes first: a sync in between closes the old proxy ports before it opens
-            # new ones, so replacing every service does not need twice the listeners.
+            # One change for the syncer, announced once all of it is in (``batch``): the
+            # sync that takes it closes the old proxy ports before it opens the new ones,
+            # so replacing every service does not need twice the listeners.
             ts = TimeSlice()
-            for key in change.deletes:
-                self.tracker.delete(key[0], _tombstone(key))
-                await ts.tick()
-            for kind, obj in change.upserts:
-                self.tracker.upsert(kind, obj)
-                await ts.tick()
+            with self.tracker.batch():
+                for key in change.deletes:
+                    self.tracker.delete(key[0], _tombstone(key))
+                    await ts.tick()
+                for kind, obj in change.upserts:
+                    self.tracker.upsert(kind, obj)
+                    await ts.tick()
         self._kept = change.kept  # once the tracker has all of it
         self.reloads += 1
         services = sum(1 for kind, _ in change.kept.keys if kind is Kind.SERVICE)
