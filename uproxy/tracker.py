@@ -51,7 +51,8 @@ class Converted:
     ``endpoint_slice``): the tracker uses that instead of converting it again.
 
     The file source converts every object of a file to validate it before the tracker sees
-    any of it; converting each again here was ~0.2 CPU-s of a 10,000-service load.
+    any of it; converting each again here made the tracker's share of a 10,000-service
+    first load 0.30 CPU-s instead of 0.06.
     """
 
     obj: Obj
