@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from tests.rules.test_portals import HOST_IP, PORTALS
-from uproxy.rules import RestoreBackend, command
+from uproxy.rules import RestoreBackend, RulesError, command
 from uproxy.rules.watch import (
     FULL_SYNC_PERIOD_S,
     GenerationWatch,
@@ -179,9 +179,16 @@ def test_legacy_watch_unreadable(broken: str) -> None:
 @dataclass
 class FakeIptables:
     calls: list[list[str]] = field(default_factory=list)
+    inputs: list[str] = field(default_factory=list)  # what each restore was given
+    fail_restores: int = 0  # this many restores fail from now on
 
     async def run(self, argv: Any, *, stdin: str | None = None, **kwargs: Any) -> command.Completed:
         self.calls.append(list(argv))
+        if str(argv[0]).endswith("-restore"):
+            self.inputs.append(stdin or "")
+            if self.fail_restores:
+                self.fail_restores -= 1
+                raise RulesError("iptables-nft-restore failed: line 2 failed")
         return command.Completed(tuple(argv), 0, "", "")
 
     def programs(self) -> list[str]:
@@ -259,3 +266,61 @@ async def test_dual_stack_restores_only_the_family_that_changed(iptables: FakeIp
     await backend.sync([*PORTALS, *SIX[:-1]])
     assert iptables.programs()[first:] == ["ip6tables-nft-restore"]
     assert await backend.check() is True  # one generation step, ours
+
+
+def declares_chains(payload: str) -> bool:
+    """Whether a restore input rewrites uproxy's chains (declaring a chain flushes it)."""
+    return any(line.startswith(":KUBE-") for line in payload.splitlines())
+
+
+async def test_small_changes_are_edits_foreign_commits_rewrite(iptables: FakeIptables) -> None:
+    gen = Gen()
+    backend = RestoreBackend(host_ip=HOST_IP, mode="nft", watch_factory=lambda m: gen)
+    await backend.sync(PORTALS)
+    assert declares_chains(iptables.inputs[-1])
+    # The DNS portal goes: its two rules are deleted where they stand, nothing is read.
+    calls = len(iptables.calls)
+    await backend.sync(PORTALS[:-1])
+    assert iptables.programs()[calls:] == ["iptables-nft-restore"]
+    assert iptables.inputs[-1] == (
+        "*nat\n-D KUBE-PORTALS-CONTAINER 5\n-D KUBE-PORTALS-HOST 4\nCOMMIT\n"
+    )
+    assert backend.edits == 2
+    assert await backend.check() is True  # one commit, ours: nothing to look at
+    # Somebody else commits: the chains may not be as we left them, so a rewrite.
+    gen.gen += 1
+    await backend.sync(PORTALS)
+    assert declares_chains(iptables.inputs[-1])
+    assert backend.edits == 2
+
+
+async def test_edits_that_may_have_gone_astray_are_rewritten(iptables: FakeIptables) -> None:
+    gen = Gen()
+    backend = RestoreBackend(host_ip=HOST_IP, mode="nft", watch_factory=lambda m: gen)
+    await backend.sync(PORTALS)
+    # Somebody commits between our last look and our edit (positions may have moved): the
+    # generation moves by one more than our commit.
+    own = gen.mark_after_commit
+
+    def and_another(before: Any, commits: int = 1) -> Any:
+        gen.gen += 1
+        return own(before, commits)
+
+    gen.mark_after_commit = and_another  # type: ignore[method-assign]
+    await backend.sync(PORTALS[:-1])
+    assert not declares_chains(iptables.inputs[-1])
+    gen.mark_after_commit = own  # type: ignore[method-assign]
+    calls = len(iptables.calls)
+    assert await backend.check() is False  # without reading: a rewrite is due
+    assert len(iptables.calls) == calls
+    await backend.sync(PORTALS[:-1])  # the same portals, rewritten
+    assert declares_chains(iptables.inputs[-1])
+    assert await backend.check() is True
+    # An edit the kernel refuses (a rule not where we left it): the syncer's retry rewrites.
+    iptables.fail_restores = 1
+    with pytest.raises(RulesError):
+        await backend.sync(PORTALS)
+    assert not declares_chains(iptables.inputs[-1])
+    await backend.sync(PORTALS)
+    assert declares_chains(iptables.inputs[-1])
+    assert await backend.check() is True

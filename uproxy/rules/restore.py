@@ -8,6 +8,16 @@ are read (``-S`` on the four built-in chains) and added in the same commit when 
 sync also repairs a flushed table; jumps into uproxy's chains that the configuration no longer
 has (an earlier ``--nodeport-addresses``) are deleted in that commit.
 
+A small change is an edit, not a rewrite: when nobody else committed since uproxy's last
+commit (the watch below says so), its chains hold exactly what that commit left, so the sync
+deletes and inserts only the rules that changed, at the positions a rewrite would give them
+(``portals.edit_payload``): the chains end up the same text either way, still in one commit
+per table. A service added or removed at 10,000 services is then a handful of lines for
+``iptables-restore`` instead of 20,000 (in a 10,000-rule chain: 0.08-0.10 s for
+iptables-nft-restore against 0.26 s, 0.03-0.04 s against 0.06 s for legacy). If somebody
+else committed in between after all (the generation moved by more than uproxy's commits), the
+next check asks for a rewrite, which puts every rule back where it belongs.
+
 nft or legacy: chosen the way kube-proxy's image does it (iptables-wrappers' DetectMode), so
 uproxy writes to the same variant as the kubelet; ``mode`` overrides it.
 
@@ -47,6 +57,7 @@ from uproxy.rules.portals import (
     JumpRule,
     RuleBuilder,
     RuleSet,
+    edit_payload,
     restore_payload,
     split_by_family,
     stacks,
@@ -68,6 +79,12 @@ FAMILIES = (IPFamily.V4, IPFamily.V6)  # what cleanup removes
 _HINTS = ("KUBE-IPTABLES-HINT", "KUBE-KUBELET-CANARY")
 LOCK_WAIT_S = 5
 _PROGRAMS = {IPFamily.V4: "iptables", IPFamily.V6: "ip6tables"}
+# A sync edits uproxy's chains rule by rule while it changes at most one rule in EDIT_SHARE
+# (and at least MIN_EDITS), else it rewrites them. Measured in a chain of 10,000 rules
+# (iptables-nft-restore): 1, 20 and 200 deletions and insertions by position take 0.08-0.10 s,
+# 2,000 take 0.26 s, as long as rewriting the chain; legacy: 0.03-0.05 s against 0.06 s.
+EDIT_SHARE = 8
+MIN_EDITS = 64
 
 
 def program(family: IPFamily, mode: str, suffix: str = "") -> str:
@@ -190,6 +207,8 @@ class RestoreBackend:
         self._clock = clock
         self._last_full = float("-inf")
         self.restores = 0
+        self.edits = 0  # rules deleted or inserted one by one (not in rewrites)
+        self._repair = False  # edits may have gone astray: rewrite at the next sync
         self.reads = 0  # reads of one family's built-in chains (each is four processes)
 
     @property
@@ -248,27 +267,54 @@ class RestoreBackend:
             if not full and not changed and self._untouched(watch):
                 return  # exactly what our last restore left, and nobody committed since
             jumps: dict[IPFamily, tuple[list[JumpRule], list[str]]] = {}
-            if full or watch.changed():
+            # Edits only on chains known to hold exactly what our last commit left.
+            editable = not (full or self._repair or watch.changed())
+            if editable:  # the jumps are as our last commit or check left them
+                before = watch.marked
+                jumps = {f: ([], []) for f in changed}
+            else:
                 before = watch.read()
                 for family, ruleset in rulesets.items():  # every family: repair them all
                     builtin = await self._read_jumps(mode, family)
                     jumps[family] = (missing_jumps(builtin, ruleset), stale_jumps(builtin, ruleset))
-            else:  # the jumps are as our last commit or check left them
-                before = watch.marked
-                jumps = {f: ([], []) for f in changed}
-            await self._restore(mode, {f: rulesets[f] for f in jumps}, jumps, before)
+            rewrote = await self._restore(
+                mode, {f: rulesets[f] for f in jumps}, jumps, before, editable=editable
+            )
+            if rewrote:
+                self._repair = False
             if full:
                 self._last_full = self._clock()
 
     def _payload(
-        self, family: IPFamily, ruleset: RuleSet, jumps: tuple[list[JumpRule], list[str]]
-    ) -> str:
+        self,
+        family: IPFamily,
+        mode: str,
+        ruleset: RuleSet,
+        jumps: tuple[list[JumpRule], list[str]],
+        editable: bool,
+    ) -> tuple[str, int, bool]:
+        """The restore input for one family, its number of commits, and whether it
+        rewrites uproxy's chains (else it edits them rule by rule)."""
+        fam = self._families[family]
+        if editable and fam.installed is not None:
+            edits = edit_payload(
+                fam.installed,
+                ruleset,
+                lines=fam.builder.lines,
+                delete_by_spec=mode == "legacy",
+                max_edits=max(MIN_EDITS, len(ruleset.rules) // EDIT_SHARE),
+            )
+            if edits is not None:
+                self.edits += edits.count
+                return edits.payload, edits.commits, False
         missing, stale = jumps
-        lines = self._families[family].builder.lines
-        return "".join(
-            restore_payload(ruleset, t, missing_jumps=missing, stale_jumps=stale, lines=lines)
+        payload = "".join(
+            restore_payload(
+                ruleset, t, missing_jumps=missing, stale_jumps=stale, lines=fam.builder.lines
+            )
             for t in TABLES
         )
+        return payload, len(TABLES), True
 
     def _untouched(self, watch: Watch) -> bool:
         return self._committed is not None and watch.read() == self._committed
@@ -279,22 +325,34 @@ class RestoreBackend:
         rulesets: dict[IPFamily, RuleSet],
         jumps: dict[IPFamily, tuple[list[JumpRule], list[str]]],
         before: Token | None,
-    ) -> None:
+        *,
+        editable: bool,
+    ) -> bool:
+        """Restore each family's rules; whether every family's chains were rewritten."""
         watch = self.watch(mode)
         self._committed = None  # unknown until the commits are through
+        commits = 0
+        rewrote = True
         for family, ruleset in rulesets.items():
-            payload = await asyncio.to_thread(self._payload, family, ruleset, jumps[family])
+            payload, count, whole = await asyncio.to_thread(
+                self._payload, family, mode, ruleset, jumps[family], editable
+            )
             try:
                 self.restores += 1
                 await restore(mode, payload, family)
             except RulesError:
-                watch.forget()
+                watch.forget()  # the next sync reads the jumps and rewrites
                 raise
             self._families[family].installed = ruleset
+            commits += count  # each COMMIT line is a transaction: one generation step
+            rewrote = rewrote and whole
             _log_jumps(mode, family, *jumps[family])
-        # Each table's COMMIT line is a transaction of its own: one generation step each.
-        commits = len(rulesets) * len(TABLES)
         self._committed = watch.mark_after_commit(before, commits=commits)
+        if self._committed is None and not rewrote:
+            # Somebody else committed between our last look and our edits: positions may
+            # have moved under them. Rewrite at the next sync, which the check asks for.
+            self._repair = True
+        return rewrote
 
     async def check(self) -> bool:
         """Whether the jumps into uproxy's chains are all in place, in every family.
@@ -310,6 +368,8 @@ class RestoreBackend:
             installed = {f: fam.installed for f, fam in self._families.items() if fam.installed}
             if not installed:
                 return True
+            if self._repair:
+                return False
             mode = await self.mode()
             watch = self.watch(mode)
             if not watch.changed():

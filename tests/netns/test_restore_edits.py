@@ -1,0 +1,60 @@
+"""The iptables-restore backend edits small changes in place, in real iptables (nft and
+legacy): the chains must read back exactly as a rewrite leaves them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.netns.driver import many_portals
+from tests.netns.helpers import BACKENDS, install_foreign, run_ops, save, sync_op
+from tests.netns.test_rules import PORTALS, WEB, assert_installed
+from tests.netns.topology import Topology
+from uproxy.model import Protocol, ServicePortName
+from uproxy.rules.base import Portal, PortalKind
+
+RESTORE = [p for p in BACKENDS if p.values[0] == "iptables-restore"]
+
+pytestmark = [pytest.mark.root, pytest.mark.parametrize(("backend", "mode"), RESTORE)]
+
+
+def test_small_changes_are_edited_in_place(topo: Topology, backend: str, mode: str) -> None:
+    # 1,000 services, then one added in the middle of the chains, then it and another one
+    # removed, then that one back on another proxy port. Each sync edits those rules only and
+    # the chains read back as exactly the text a rewrite gives, others' rules untouched.
+    install_foreign(topo, mode)
+    before = save(topo, mode)
+    mid = ServicePortName("scale", "svc-500a", "http", Protocol.TCP)
+    added = Portal(mid, PortalKind.CLUSTER_IP, "10.97.99.1", 80, 40500)
+    moved = [Portal(WEB, PortalKind.CLUSTER_IP, "10.96.0.10", 80, 40099), *PORTALS[1:]]
+    steps = [PORTALS, [*PORTALS, added], PORTALS[1:], moved]
+    ops: list[dict[str, Any]] = []
+    for portals in steps:
+        ops += [{**sync_op(portals), "many": 1000}, {"op": "attr", "name": "edits"}]
+        ops += [{"op": "attr", "name": "restores"}, {"op": "verify"}]
+    results = run_ops(topo, backend, mode, ops)
+    # Rules edited so far: none (the first sync writes everything), then the added portal's
+    # two (container and host), then those two and the ClusterIP's two, then two again.
+    assert results[1::4] == [0, 2, 6, 8]
+    assert results[2::4] == [1, 2, 3, 4]  # one restore per sync
+    assert results[3::4] == [True] * len(steps)
+    assert_installed(before, save(topo, mode), [*many_portals(1000), *moved], topo.node_ip)
+
+
+def test_a_rule_deleted_by_someone_else_is_rewritten(
+    topo: Topology, backend: str, mode: str
+) -> None:
+    # Somebody deletes one of uproxy's rules: its positions are no longer uproxy's, so the next
+    # change is a rewrite, not an edit (which would delete the wrong rules).
+    install_foreign(topo, mode)
+    before = save(topo, mode)
+    delete = {
+        "op": "shell",
+        "argv": [f"iptables-{mode}", "-w", "-t", "nat", "-D", "KUBE-PORTALS-CONTAINER", "1"],
+    }
+    ops = [sync_op(PORTALS), delete, sync_op(PORTALS[1:]), {"op": "attr", "name": "edits"}]
+    ops.append({"op": "verify"})
+    results = run_ops(topo, backend, mode, ops)
+    assert results[3:] == [0, True]
+    assert_installed(before, save(topo, mode), PORTALS[1:], topo.node_ip)
