@@ -10,7 +10,8 @@ import pytest
 
 from uproxy.model import Protocol, ServicePortName
 from uproxy.rules.base import LocalTraffic, Portal, PortalKind
-from uproxy.rules.portals import ALL_CHAINS, TABLES, RuleBuilder, RuleSet, edit_payload
+from uproxy.rules.payload import edit_payload
+from uproxy.rules.portals import ALL_CHAINS, TABLES, RuleBuilder, RuleSet
 
 HOST_IP = "192.168.7.1"
 PODS = LocalTraffic(cidrs=("10.244.0.0/16",))

@@ -6,6 +6,7 @@ import pytest
 
 from uproxy.model import IPFamily, Protocol, ServicePortName
 from uproxy.rules.base import LocalTraffic, Portal, PortalKind, Stack
+from uproxy.rules.payload import restore_payload
 from uproxy.rules.portals import (
     CHAINS,
     FILTER,
@@ -16,7 +17,6 @@ from uproxy.rules.portals import (
     insert_positions,
     mark_match,
     quote,
-    restore_payload,
     split_by_family,
     stacks,
     within,

@@ -61,7 +61,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 import sys
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from ipaddress import IPv4Network, IPv6Network
 
@@ -650,113 +650,6 @@ def build_rules(
     ).build(portals)
 
 
-def restore_payload(
-    ruleset: RuleSet,
-    table: str,
-    *,
-    missing_jumps: Collection[JumpRule] = (),
-    stale_jumps: Collection[str] = (),
-    lines: Mapping[PortalRule, str] | None = None,
-) -> str:
-    """The ``iptables-restore --noflush`` input replacing uproxy's chains in ``table``.
-
-    Declaring a chain (``:NAME - [0:0]``) creates it or flushes it, so the whole table's share
-    of uproxy is replaced in one atomic commit; other chains are left alone. Jumps that are
-    missing from built-in chains are added in the same commit, and ``stale_jumps`` (``-A``
-    lines of jumps into uproxy's chains that this configuration no longer has, such as an old
-    ``--nodeport-addresses``) are deleted.
-    """
-    out = [f"*{table}"]
-    out.extend(f":{chain} - [0:0]" for chain in ruleset.chains[table])
-    out.extend(f"-D {line[3:]}" for line in stale_jumps if _table_of_jump(line) == table)
-    for jump, position in insert_positions(ruleset.jumps_in(table), missing_jumps):
-        where = f"-I {jump.chain} {position}" if jump.first else f"-A {jump.chain}"
-        out.append(f"{where} {jump.spec()}")
-    if lines is None:
-        out.extend(rule.save_line() for rule in ruleset.rules_in(table))
-    else:
-        out.extend(lines[rule] for rule in ruleset.rules_in(table))
-    out.append("COMMIT")
-    return "\n".join(out) + "\n"
-
-
-@dataclass(frozen=True, slots=True)
-class Edits:
-    """``iptables-restore --noflush`` input that turns uproxy's chains from one rule set into
-    the next by deleting and inserting single rules: ``payload`` holds one ``COMMIT`` per
-    table it touches (``commits``); ``count`` is the number of rules deleted and inserted."""
-
-    payload: str
-    commits: int
-    count: int
-
-
-def edit_payload(
-    old: RuleSet,
-    new: RuleSet,
-    *,
-    lines: Mapping[PortalRule, str],
-    delete_by_spec: bool,
-    max_edits: int,
-) -> Edits | None:
-    """The edits from ``old`` (what uproxy's chains hold, in their order) to ``new``; None
-    when a rewrite is the way: the jumps or chains differ, more than ``max_edits`` rules
-    would change, or a rule both keep stands in another order (never with portal-sorted
-    sets, checked anyway).
-
-    Rules are told apart by identity: the builder hands back the very objects of the portals
-    that did not change, so sets of ``id()`` compare 10,000 rules in a few milliseconds
-    where hashing the dataclasses took several times that. A rule rebuilt equal (a new
-    builder) is deleted and inserted again at its place: more edits, the same chains.
-
-    Each chain keeps the order a rewrite would give it, so the kernel's rules are the same
-    text either way: rules that go are deleted from the highest position down, so every
-    position is still the one uproxy knows, and rules that come are inserted at their final
-    positions, lowest first. ``delete_by_spec`` deletes by the rule's text instead of its
-    position (legacy iptables: libiptc finds it at once, and a rule that is not where uproxy
-    left it fails the restore rather than deleting another); iptables-nft compares a spec
-    with every rule of the chain (4-5 ms per deletion in a chain of 10,000), so positions.
-    ``lines`` are ``new``'s rules as text (the builder's).
-    """
-    if old.jumps != new.jumps or old.chains != new.chains:
-        return None
-    before, after = _rules_by_chain(old.rules), _rules_by_chain(new.rules)
-    tables: list[str] = []
-    count = 0
-    for table in TABLES:
-        body: list[str] = []
-        for chain in new.chains[table]:
-            was, now = before.get(chain, []), after.get(chain, [])
-            if len(was) == len(now) and all(a is b for a, b in zip(was, now, strict=True)):
-                continue
-            was_ids = {id(r) for r in was}
-            now_ids = {id(r) for r in now}
-            kept_before = [id(r) for r in was if id(r) in now_ids]
-            if kept_before != [id(r) for r in now if id(r) in was_ids]:
-                return None
-            gone = [(i, r) for i, r in enumerate(was, 1) if id(r) not in now_ids]
-            came = [(i, r) for i, r in enumerate(now, 1) if id(r) not in was_ids]
-            count += len(gone) + len(came)
-            if count > max_edits:
-                return None
-            for position, rule in reversed(gone):
-                body.append(
-                    f"-D {rule.save_line()[3:]}" if delete_by_spec else f"-D {chain} {position}"
-                )
-            prefix = len(chain) + 4  # "-A CHAIN "
-            body.extend(f"-I {chain} {position} {lines[rule][prefix:]}" for position, rule in came)
-        if body:
-            tables.append("\n".join([f"*{table}", *body, "COMMIT"]) + "\n")
-    return Edits("".join(tables), len(tables), count)
-
-
-def _rules_by_chain(rules: Iterable[PortalRule]) -> dict[str, list[PortalRule]]:
-    out: dict[str, list[PortalRule]] = {}
-    for rule in rules:
-        out.setdefault(rule.chain, []).append(rule)
-    return out
-
-
 def insert_positions(
     jumps: Iterable[JumpRule], missing: Collection[JumpRule]
 ) -> list[tuple[JumpRule, int]]:
@@ -772,9 +665,3 @@ def insert_positions(
             inserted[jump.chain] = position
         out.append((jump, position))
     return out
-
-
-def _table_of_jump(line: str) -> str:
-    """The table of a jump line, by the uproxy chain it jumps to."""
-    target = line.rsplit(" -j ", 1)[-1].split()[0]
-    return next((t for t, chains in CHAINS.items() if target in chains), "")

@@ -11,7 +11,7 @@ has (an earlier ``--nodeport-addresses``) are deleted in that commit.
 A small change is an edit, not a rewrite: when nobody else committed since uproxy's last
 commit (the watch below says so), its chains hold exactly what that commit left, so the sync
 deletes and inserts only the rules that changed, at the positions a rewrite would give them
-(``portals.edit_payload``): the chains end up the same text either way, still in one commit
+(``payload.edit_payload``): the chains end up the same text either way, still in one commit
 per table. A service added or removed at 10,000 services is then a handful of lines for
 ``iptables-restore`` instead of 20,000 (in a 10,000-rule chain: 0.08-0.10 s for
 iptables-nft-restore against 0.26 s, 0.03-0.04 s against 0.06 s for legacy). If somebody
@@ -50,6 +50,7 @@ from uproxy.log import V2, kv
 from uproxy.model import IPFamily
 from uproxy.rules import command
 from uproxy.rules.base import NO_LOCAL_TRAFFIC, LocalTraffic, Portal, RulesError, Stack
+from uproxy.rules.payload import edit_payload, restore_payload
 from uproxy.rules.portals import (
     ANY_IPV4,
     JUMP_CHAINS,
@@ -57,8 +58,6 @@ from uproxy.rules.portals import (
     JumpRule,
     RuleBuilder,
     RuleSet,
-    edit_payload,
-    restore_payload,
     split_by_family,
     stacks,
 )
