@@ -9,7 +9,7 @@ what is expected as text.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from uproxy.rules.portals import (
@@ -92,7 +92,7 @@ def edit_payload(
     """
     if old.jumps != new.jumps or old.chains != new.chains:
         return None
-    before, after = _rules_by_chain(old.rules), _rules_by_chain(new.rules)
+    before, after = old.by_chain(), new.by_chain()
     tables: list[str] = []
     count = 0
     for table in TABLES:
@@ -120,13 +120,6 @@ def edit_payload(
         if body:
             tables.append("\n".join([f"*{table}", *body, "COMMIT"]) + "\n")
     return Edits("".join(tables), len(tables), count)
-
-
-def _rules_by_chain(rules: Iterable[PortalRule]) -> dict[str, list[PortalRule]]:
-    out: dict[str, list[PortalRule]] = {}
-    for rule in rules:
-        out.setdefault(rule.chain, []).append(rule)
-    return out
 
 
 def _table_of_jump(line: str) -> str:

@@ -250,6 +250,13 @@ class RuleSet:
     def jumps_in(self, table: str) -> list[JumpRule]:
         return [j for j in self.jumps if j.table == table]
 
+    def by_chain(self) -> dict[str, list[PortalRule]]:
+        """The rules of each chain that has any, in install order (one pass over them all)."""
+        out: dict[str, list[PortalRule]] = {}
+        for rule in self.rules:
+            out.setdefault(rule.chain, []).append(rule)
+        return out
+
     def count_by_chain(self) -> dict[str, int]:
         counts = {c: 0 for c in ALL_CHAINS}
         for rule in self.rules:
