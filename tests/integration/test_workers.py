@@ -150,6 +150,69 @@ async def test_client_ip_affinity_holds_across_workers(
         assert len(seen) == 1, (client, seen)
 
 
+async def test_turning_affinity_on_and_off_regroups_the_port_without_closing_it(
+    tmp_path: Path, backends: list[NamedBackend], proxies: list[Proxy]
+) -> None:
+    # A TCP port is one socket both workers accept on, until ClientIP affinity asks for a
+    # socket per worker steered by client address (and back): the port never stops
+    # accepting meanwhile, and keeps its number.
+    path = tmp_path / "services.yaml"
+    services_file(path, backends)
+    proxy = await start_proxy(path)
+    proxies.append(proxy)
+    pool = proxy.workers
+    assert pool is not None
+    port = proxy_port(proxy)
+    refused: list[BaseException] = []
+    stop = asyncio.Event()
+
+    async def keep_connecting() -> int:  # another client, all along (bounded)
+        done = 0
+        while not stop.is_set() and done < 5000:
+            try:
+                reader, writer = await asyncio.open_connection(
+                    "127.0.0.1", port, local_addr=("127.0.0.9", 0)
+                )
+                assert (await reader.readline()).strip() in {b"b1", b"b2", b"b3"}
+                writer.close()
+            except OSError as exc:
+                refused.append(exc)
+            done += 1
+        return done
+
+    background = asyncio.create_task(keep_connecting())
+    assert listening_sockets(port) == 1
+    for affinity in ("ClientIP", "None", "ClientIP"):
+        services_file(path, backends, sessionAffinity=affinity)
+        steered = affinity == "ClientIP"
+        await wait_for(functools.partial(_steered, pool, steered), timeout=10, message=affinity)
+        await wait_for(lambda: pool.pending() == 0, timeout=10, message="the workers applied")
+        assert listening_sockets(port) == (2 if steered else 1), affinity
+        names = {await greet("127.0.0.1", port) for _ in range(60)}
+        if steered:
+            assert len(names) == 1, names  # one client address, one endpoint
+        assert proxy_port(proxy) == port
+    stop.set()
+    assert await background > 0
+    assert refused == []
+
+
+def _steered(pool: Any, steered: bool) -> bool:
+    return all(listener.steered == steered for listener in pool._listeners.values())
+
+
+def listening_sockets(port: int) -> int:
+    """Listening TCP sockets on ``port`` (a socket that several processes hold counts once)."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as fh:
+            for line in list(fh)[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    count += 1
+    return count
+
+
 async def test_one_udp_client_is_one_flow(tmp_path: Path, proxies: list[Proxy]) -> None:
     loop = asyncio.get_running_loop()
     echoes = []
@@ -273,7 +336,13 @@ async def test_a_killed_worker_is_replaced_and_the_others_connections_carry_on(
     proxies.append(proxy)
     assert proxy.workers is not None
     port = proxy_port(proxy)
-    streams = [await _Stream.open(port) for _ in range(12)]
+    # At least 12 streams, and some on each worker: a TCP port is one socket both accept on,
+    # so who takes a connection depends on who is free (sequential ones may all go to one).
+    live = ("default/web:http", "TCP")
+    streams: list[_Stream] = []
+    while len(streams) < 12 or min(per_worker(proxy, "uproxy_open_connections", live)) == 0:
+        assert len(streams) < 200, per_worker(proxy, "uproxy_open_connections", live)
+        streams.append(await _Stream.open(port))
     for s in streams:
         s.send(64 * 1024)
     victim = proxy.workers.pids[0]
@@ -283,8 +352,12 @@ async def test_a_killed_worker_is_replaced_and_the_others_connections_carry_on(
     await wait_for(lambda: proxy.workers is not None and proxy.workers.restarts == 1)
     # The replacement serves within 1 s: new connections reach a backend again, on any worker.
     await wait_for(lambda: _all_ready(proxy), timeout=1.0 - (time.monotonic() - killed_at))
-    for _ in range(20):
+    ok = ("default/web:http", "TCP", "ok")
+    before = per_worker(proxy, "uproxy_connections_total", ok)
+    for _ in range(200):
         assert await greet("127.0.0.1", port) in {"b1", "b2", "b3"}
+    after = per_worker(proxy, "uproxy_connections_total", ok)
+    assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)  # both take some
     # Each stream either was on the dead worker (reset, nothing corrupted) or carries on whole.
     outcomes = await asyncio.gather(*(s.finish(2 << 20) for s in streams))
     assert set(outcomes) <= {"intact", "reset"}, outcomes

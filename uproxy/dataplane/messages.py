@@ -98,8 +98,8 @@ class CloseListener:
 
 @dataclass(frozen=True, slots=True)
 class Steer:
-    """Choose sockets in this listener's group by client address (``workers`` > 1), or not
-    (0); see ``sockets.steer``."""
+    """Choose sockets in this (UDP) listener's group by client address (``workers`` > 1), or
+    not (0); see ``sockets.steer``. A TCP listener is regrouped instead (``workers``)."""
 
     name: ServicePortName
     traffic: Traffic

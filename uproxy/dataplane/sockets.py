@@ -1,18 +1,20 @@
 """The listening sockets of proxy ports: one per listener, or a group of them, one per worker.
 
-With data-plane workers, every worker accepts on a socket of its own, all bound to the same
-address with SO_REUSEPORT: the kernel spreads new connections (and UDP datagrams) over the
-group by a hash of the four-tuple, so connections spread evenly and one UDP client (one
-address and port) always lands in the same worker, i.e. in one flow. The control process
-binds the whole group (a port that is taken fails there, at once, in one place) and hands
-each worker its socket.
+With data-plane workers, a proxy port is a group of sockets bound to the same address with
+SO_REUSEPORT, by the control process (a port that is taken fails there, at once, in one
+place), which hands them to the workers. A TCP port is usually one socket that every worker
+accepts on (``workers.WorkerPool._bind`` says why); otherwise every worker accepts on a
+socket of its own, and the kernel spreads new connections (and UDP datagrams) over the group
+by a hash of the four-tuple: connections spread evenly and one UDP client (one address and
+port) always lands in the same worker, i.e. in one flow. Being a group, a port can change
+from the one to the other without closing: new sockets join it, the old ones leave.
 
 ClientIP session affinity needs more: every connection of one client *address* must reach
 the same worker, whose balancer remembers the client. For such service ports the group gets a
 classic BPF program (SO_ATTACH_REUSEPORT_CBPF) that picks the socket by the client address
 alone: ``saddr % N``. Measured here: 8 client addresses x 5 connections each, every address
 always on the same one of 2 sockets. A group's program can be set and removed from any of its
-sockets (so a worker can switch it when affinity is turned on or off). When the group has
+sockets (a worker switches it when a UDP port's affinity is turned on or off). When the group has
 fewer sockets than the program expects (a worker being replaced), the kernel falls back to
 its hash for the connections that land on a missing index.
 """

@@ -180,8 +180,7 @@ class TcpListener:
         traffic = self.traffic
         family = lsock.family
         fds = FD_RESERVE
-        if not self.stats.bound:
-            self.stats.bind()
+        stats = self.stats
         for _ in range(self.settings.accept_batch):
             try:
                 # _accept() skips socket.accept()'s enum conversions (measurable per conn).
@@ -195,14 +194,16 @@ class TcpListener:
                     return
                 continue  # ECONNABORTED and the like: that client is gone already
             sock = _socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP, fd)
+            if not stats.bound:  # at the first connection (a shared socket wakes every worker)
+                stats.bind()
             if self._starved:
                 self._starved = False
                 log.info("Accepting resumed", extra={"kv": {"service": str(self.name)}})
             ep = balancer.pick(addr[0], traffic)
             if ep is None:
                 reset_socket(sock)
-                self.stats.refused.value += 1
-                self.stats.no_endpoints.value += 1
+                stats.refused.value += 1
+                stats.no_endpoints.value += 1
                 continue
             conn = Connection(self, addr[0], ep)
             self._conns[conn] = None

@@ -4,9 +4,11 @@ Started by the control process (``uproxy.workers``) as ``python -m uproxy.datapl
 with three inherited fds: its end of the channel and the two memfds of its counters. It
 learns everything from the channel (``messages``): its settings, each service port's
 endpoints (one ``Balancer`` per service port and IP family, the same class the in-process
-data plane uses) and the listening sockets it serves, each one socket of a SO_REUSEPORT group
-whose other sockets belong to the other workers. A listener uses the balancer of its own
-family: an IPv6 proxy port never dials an IPv4 endpoint.
+data plane uses) and the listening sockets it serves: a socket that every worker accepts on,
+or one socket of a SO_REUSEPORT group whose other sockets belong to the other workers (see
+``uproxy.workers``). A socket sent for a listener it already serves replaces that one's
+socket (the old one drains). A listener uses the balancer of its own family: an IPv6 proxy
+port never dials an IPv4 endpoint.
 
 Signals: SIGTERM drains (listeners close at once, established connections get up to the
 drain timeout, all listeners in parallel), then the worker exits. SIGINT is ignored: Ctrl-C
