@@ -312,10 +312,11 @@ class WorkerPool:
         A TCP port whose clients need not stick to one worker is one socket that every
         worker accepts on (each gets a copy): whichever worker is free takes the next
         connection. Measured with ``--workers 2`` on 2 CPUs shared with the load (``wrk -c16``,
-        ``Connection: close``, 2 alternating bench runs each): 13,242-13,508 new connections/s
-        against 11,875-12,132 with a socket per worker, connection p99 1.9-2.1 against 3.0 ms,
-        proxy CPU per connection 72.6-73.5 against 75.5-77.8 us; with a socket each, a
-        connection waits for its worker even while the other one idles. ClientIP affinity
+        ``Connection: close``; 3 alternating bench runs each, ``--workers 1`` moving by 18 %
+        between them): 12,678-13,093 new connections/s against 11,874-12,381 with a socket
+        per worker, connection p99 2.2 against 2.9-3.0 ms, proxy CPU per connection 74-77
+        against 76-80 us. With a socket each, a connection waits for its worker even while the
+        other one idles. ClientIP affinity
         (``steered``) and UDP need a socket per worker, the group choosing by client (see
         ``dataplane.sockets``): one client's connections, or one client's datagrams, must
         always reach the same worker.
