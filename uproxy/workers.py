@@ -244,8 +244,8 @@ class WorkerPool:
         port: int,
         settings: DataplaneSettings,
     ) -> RemoteListener:
-        """Bind the listener here (OSError when the port is taken) and hand it to the workers:
-        one socket all of them accept on, or one each (``_sockets_for``)."""
+        """Bind the listener here (OSError when the port is taken, or no fd is left) and hand
+        it to the workers: one socket all of them accept on, or one each (``_bind``)."""
         steered = balancer.affinity and self.count > 1
         family = ip_family(host)
         key = (name, traffic, family)
@@ -253,8 +253,8 @@ class WorkerPool:
         socks = self._bind(listener, port)
         bound_host, listener.port = socks[0].getsockname()[:2]
         bound_host = sys.intern(bound_host)  # one address for thousands of listeners
-        self._listeners[key] = listener
         self._hand_out(key, socks)
+        self._listeners[key] = listener
         return RemoteListener(self, key, bound_host, listener.port)
 
     def close_listener(self, key: ListenerKey) -> None:
@@ -316,10 +316,9 @@ class WorkerPool:
         between them): 12,678-13,093 new connections/s against 11,874-12,381 with a socket
         per worker, connection p99 2.2 against 2.9-3.0 ms, proxy CPU per connection 74-77
         against 76-80 us. With a socket each, a connection waits for its worker even while the
-        other one idles. ClientIP affinity
-        (``steered``) and UDP need a socket per worker, the group choosing by client (see
-        ``dataplane.sockets``): one client's connections, or one client's datagrams, must
-        always reach the same worker.
+        other one idles. ClientIP affinity (``steered``) and UDP need a socket per worker, the
+        group choosing by client (see ``dataplane.sockets``): one client's connections, or one
+        client's datagrams, must always reach the same worker.
         """
         shared = listener.protocol is Protocol.TCP and not listener.steered and self.count > 1
         return bind_group(
@@ -333,18 +332,23 @@ class WorkerPool:
         )
 
     def _hand_out(self, key: ListenerKey, socks: list[socket.socket]) -> None:
-        """Send each worker its socket of a listener: its own, or a copy of the one shared."""
+        """Send each worker its socket of a listener: its own, or a copy of the one shared.
+        Closes ``socks``; OSError (out of fds for the copies) before anything is sent."""
         workers = list(self._workers.values())
-        if len(socks) == len(workers):
-            for w, sock in zip(workers, socks, strict=True):
-                w.channel.send(OpenListener(*key), sock)
-            return
-        (shared,) = socks
-        try:
-            for w in workers:
-                w.channel.send(OpenListener(*key), shared.dup())
-        finally:
-            shared.close()  # the workers hold it now
+        if len(socks) < len(workers):
+            copies: list[socket.socket] = []
+            try:
+                for _ in workers:
+                    copies.append(socks[0].dup())
+            except OSError:
+                for sock in copies:
+                    sock.close()
+                raise
+            finally:
+                socks[0].close()  # the workers hold copies now
+            socks = copies
+        for w, sock in zip(workers, socks, strict=True):
+            w.channel.send(OpenListener(*key), sock)
 
     def _restear(self, balancer: BalancerKey, affinity: bool) -> None:
         if self.count < 2:
@@ -364,16 +368,15 @@ class WorkerPool:
             # worker serves its new socket and closes the old, which then leaves the group.
             try:
                 socks = self._bind(listener, listener.port)
+                if not affinity:
+                    _unsteer_or_close(socks)
+                self._hand_out(key, socks)
             except OSError as exc:
                 log.error(
                     "Cannot change how workers share a proxy port",
                     extra=kv(service=str(key[0]), port=listener.port, affinity=affinity, err=exc),
                 )
                 listener.steered = not affinity
-                continue
-            if not affinity:
-                unsteer(socks[0])
-            self._hand_out(key, socks)
 
     async def _spawn(self, index: int) -> _Worker:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -503,6 +506,16 @@ class WorkerPool:
         self._totals.retire(w.reader)
         w.reader.close()
         w.files.close()
+
+
+def _unsteer_or_close(socks: list[socket.socket]) -> None:
+    """Take the group's program away (the group hashes again); closes ``socks`` on OSError."""
+    try:
+        unsteer(socks[0])
+    except OSError:
+        for sock in socks:
+            sock.close()
+        raise
 
 
 def _signal(process: asyncio.subprocess.Process, sig: int) -> None:

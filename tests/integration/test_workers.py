@@ -795,3 +795,65 @@ async def test_network_programming_latency_is_observed_once_the_workers_have_it(
     assert {await greet("127.0.0.1", port) for _ in range(10)} == {"b2"}
     got = await scrape(server.port)
     assert 0 <= got[("kubeproxy_network_programming_duration_seconds_sum", ())] < 10
+
+
+class _Recorder:
+    """A worker's channel that keeps what it is sent (the socket's fd closed at once)."""
+
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+
+    def send(self, message: Any, sock: socket.socket | None = None) -> None:
+        self.sent.append(message)
+        if sock is not None:
+            sock.close()
+
+
+async def test_a_listener_that_cannot_be_copied_for_every_worker_goes_to_none(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Out of fds for the workers' copies of a shared socket: the open fails (the syncer tries
+    # again later) before any worker was told, and the port is free again.
+    from types import SimpleNamespace
+
+    from uproxy.dataplane.balancer import Balancer
+    from uproxy.dataplane.settings import DataplaneSettings
+    from uproxy.model import Traffic
+    from uproxy.workers import WorkerPool
+
+    settings = DataplaneSettings()
+    pool = WorkerPool(2, settings=settings, argv=[])
+    channels = [_Recorder(), _Recorder()]
+    # Workers that only record; the pool gets its own empty set back after the test, since
+    # uproxy_dataplane_pending_changes now reads this pool (as it reads a stopped one).
+    workers = {i: SimpleNamespace(channel=c) for i, c in enumerate(channels)}
+    monkeypatch.setattr(pool, "_workers", workers)
+    copies = 0
+    real_dup = socket.socket.dup
+
+    def dup(sock: socket.socket) -> socket.socket:
+        nonlocal copies
+        copies += 1
+        if copies == 2:
+            raise OSError(24, "Too many open files")
+        return real_dup(sock)
+
+    monkeypatch.setattr(socket.socket, "dup", dup)
+    args: dict[str, Any] = dict(
+        name=WEB,
+        balancer=Balancer(WEB, settings=settings),
+        traffic=Traffic.CLUSTER,
+        host="127.0.0.1",
+        port=0,
+        settings=settings,
+    )
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(OSError, match="Too many open files"):
+        await pool.open_listener(**args)
+    assert len(os.listdir("/proc/self/fd")) == fds  # the socket and the copy made: closed
+    assert [c.sent for c in channels] == [[], []]
+    assert pool._listeners == {}
+    monkeypatch.setattr(socket.socket, "dup", real_dup)
+    opened = await pool.open_listener(**args)  # the same pool works once fds are back
+    assert [len(c.sent) for c in channels] == [1, 1]
+    assert listening_sockets(opened.port) == 0  # the recorder closed every copy
