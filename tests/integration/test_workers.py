@@ -92,6 +92,17 @@ async def proxies() -> AsyncIterator[list[Proxy]]:
         await proxy.stop()
 
 
+async def serving_web(
+    path: Path, backends: list[NamedBackend], proxies: list[Proxy], **spec: Any
+) -> Proxy:
+    """A proxy with 2 workers serving the web service (``spec``: its Service spec) from
+    ``path``, stopped after the test."""
+    services_file(path, backends, **spec)
+    proxy = await start_proxy(path)
+    proxies.append(proxy)
+    return proxy
+
+
 def proxy_port(proxy: Proxy, name: ServicePortName = WEB) -> int:
     listener = proxy.syncer.ports[name].cluster
     assert listener is not None
@@ -112,9 +123,7 @@ async def test_connections_spread_over_the_workers(
     tmp_path: Path, backends: list[NamedBackend], proxies: list[Proxy]
 ) -> None:
     path = tmp_path / "services.yaml"
-    services_file(path, backends)
-    proxy = await start_proxy(path)
-    proxies.append(proxy)
+    proxy = await serving_web(path, backends, proxies)
     port = proxy_port(proxy)
     n = 2000
     for _ in range(n // 50):
@@ -130,9 +139,7 @@ async def test_client_ip_affinity_holds_across_workers(
     tmp_path: Path, backends: list[NamedBackend], proxies: list[Proxy]
 ) -> None:
     path = tmp_path / "services.yaml"
-    services_file(path, backends, sessionAffinity="ClientIP")
-    proxy = await start_proxy(path)
-    proxies.append(proxy)
+    proxy = await serving_web(path, backends, proxies, sessionAffinity="ClientIP")
     port = proxy_port(proxy)
     # One client address, 60 connections: without steering by address they would spread
     # over both workers, whose balancers would each pick (and remember) their own endpoint.
@@ -157,9 +164,7 @@ async def test_turning_affinity_on_and_off_regroups_the_port_without_closing_it(
     # socket per worker steered by client address (and back): the port never stops
     # accepting meanwhile, and keeps its number.
     path = tmp_path / "services.yaml"
-    services_file(path, backends)
-    proxy = await start_proxy(path)
-    proxies.append(proxy)
+    proxy = await serving_web(path, backends, proxies)
     pool = proxy.workers
     assert pool is not None
     port = proxy_port(proxy)
@@ -284,9 +289,7 @@ async def test_metrics_add_up_the_workers_exactly(
     tmp_path: Path, backends: list[NamedBackend], proxies: list[Proxy]
 ) -> None:
     path = tmp_path / "services.yaml"
-    services_file(path, backends)
-    proxy = await start_proxy(path)
-    proxies.append(proxy)
+    proxy = await serving_web(path, backends, proxies)
     port = proxy_port(proxy)
     sizes = [1, 1000, 70_000, 1 << 20, 5, 333_333] * 10
     sent = 0
@@ -331,9 +334,7 @@ async def test_a_killed_worker_is_replaced_and_the_others_connections_carry_on(
     tmp_path: Path, backends: list[NamedBackend], proxies: list[Proxy]
 ) -> None:
     path = tmp_path / "services.yaml"
-    services_file(path, backends)
-    proxy = await start_proxy(path)
-    proxies.append(proxy)
+    proxy = await serving_web(path, backends, proxies)
     assert proxy.workers is not None
     port = proxy_port(proxy)
     # At least 12 streams, and some on each worker: a TCP port is one socket both accept on,
