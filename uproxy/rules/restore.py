@@ -291,9 +291,9 @@ class RestoreBackend:
         ruleset: RuleSet,
         jumps: tuple[list[JumpRule], list[str]],
         editable: bool,
-    ) -> tuple[str, int, bool]:
-        """The restore input for one family, its number of commits, and whether it
-        rewrites uproxy's chains (else it edits them rule by rule)."""
+    ) -> tuple[str, int, int | None]:
+        """The restore input for one family, its number of commits, and the number of rules
+        it edits one by one (None: it rewrites uproxy's chains). Run on a thread."""
         fam = self._families[family]
         if editable and fam.installed is not None:
             edits = edit_payload(
@@ -304,8 +304,7 @@ class RestoreBackend:
                 max_edits=max(MIN_EDITS, len(ruleset.rules) // EDIT_SHARE),
             )
             if edits is not None:
-                self.edits += edits.count
-                return edits.payload, edits.commits, False
+                return edits.payload, edits.commits, edits.count
         missing, stale = jumps
         payload = "".join(
             restore_payload(
@@ -313,7 +312,7 @@ class RestoreBackend:
             )
             for t in TABLES
         )
-        return payload, len(TABLES), True
+        return payload, len(TABLES), None
 
     def _untouched(self, watch: Watch) -> bool:
         return self._committed is not None and watch.read() == self._committed
@@ -333,7 +332,7 @@ class RestoreBackend:
         commits = 0
         rewrote = True
         for family, ruleset in rulesets.items():
-            payload, count, whole = await asyncio.to_thread(
+            payload, count, edited = await asyncio.to_thread(
                 self._payload, family, mode, ruleset, jumps[family], editable
             )
             try:
@@ -344,7 +343,9 @@ class RestoreBackend:
                 raise
             self._families[family].installed = ruleset
             commits += count  # each COMMIT line is a transaction: one generation step
-            rewrote = rewrote and whole
+            if edited is not None:
+                self.edits += edited
+                rewrote = False
             _log_jumps(mode, family, *jumps[family])
         self._committed = watch.mark_after_commit(before, commits=commits)
         if self._committed is None and not rewrote:
