@@ -457,11 +457,12 @@ class WorkerPool:
             )
 
     async def _wait_ready(self, workers: list[_Worker]) -> None:
-        waits = [asyncio.wait_for(w.ready.wait(), READY_TIMEOUT_S) for w in workers]
-        results = await asyncio.gather(*waits, return_exceptions=True)
-        for w, result in zip(workers, results, strict=True):
+        """Until each of ``workers`` said it is ready; RuntimeError when one exits first or
+        does not answer within ``READY_TIMEOUT_S``."""
+        results = await asyncio.gather(*map(_ready_or_exit, workers), return_exceptions=True)
+        for result in results:
             if isinstance(result, BaseException):
-                raise RuntimeError(f"data-plane worker {w.index} did not start") from None
+                raise result
 
     async def _supervise(self) -> None:
         deaths_in_a_row: dict[int, int] = {}
@@ -475,8 +476,7 @@ class WorkerPool:
                 await self._replace(dead, deaths_in_a_row)
 
     async def _replace(self, dead: _Worker, deaths: dict[int, int]) -> None:
-        code = dead.process.returncode
-        how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        how = _how(dead.process.returncode)
         log.error("Data-plane worker died, replacing it", extra=kv(worker=dead.index, how=how))
         metrics.WORKER_RESTARTS.inc()
         self.restarts += 1
@@ -506,6 +506,29 @@ class WorkerPool:
         self._totals.retire(w.reader)
         w.reader.close()
         w.files.close()
+
+
+async def _ready_or_exit(w: _Worker) -> None:
+    """A worker that dies before it is ready (killed, out of memory) is seen at once, so its
+    replacement comes within the restart backoff, not after the ready timeout."""
+    ready = asyncio.ensure_future(w.ready.wait())
+    exited = asyncio.ensure_future(w.process.wait())
+    try:
+        await asyncio.wait((ready, exited), timeout=READY_TIMEOUT_S, return_when="FIRST_COMPLETED")
+    finally:
+        ready.cancel()
+        exited.cancel()
+    if w.ready.is_set():
+        return
+    if w.process.returncode is None:
+        raise RuntimeError(f"data-plane worker {w.index} did not start in {READY_TIMEOUT_S:g} s")
+    raise RuntimeError(
+        f"data-plane worker {w.index} exited before it was ready ({_how(w.process.returncode)})"
+    )
+
+
+def _how(code: int | None) -> str:
+    return f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
 
 
 def _unsteer_or_close(socks: list[socket.socket]) -> None:

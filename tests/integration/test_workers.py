@@ -365,6 +365,38 @@ async def test_a_killed_worker_is_replaced_and_the_others_connections_carry_on(
     assert "intact" in outcomes
 
 
+async def test_a_replacement_that_dies_before_it_is_ready_is_replaced_at_once(
+    tmp_path: Path, backends: list[NamedBackend], proxies: list[Proxy]
+) -> None:
+    """A worker killed while it starts (here: stopped, so it cannot say it is ready, then
+    killed) is seen when it exits. The supervisor waited for its ready message instead, 30
+    s, and noticed no other death meanwhile."""
+    proxy = await serving_web(tmp_path / "services.yaml", backends, proxies)
+    pool = proxy.workers
+    assert pool is not None
+    port = proxy_port(proxy)
+    first = pool.pids[0]
+    os.kill(first, signal.SIGKILL)
+
+    def replaced() -> bool:
+        return 0 in pool._workers and pool._workers[0].process.pid != first
+
+    await wait_for(replaced, timeout=2, interval=0.002)
+    starting = pool._workers[0].process.pid
+    os.kill(starting, signal.SIGSTOP)
+    assert not _all_ready(proxy)  # it had no time to import the worker, let alone say so
+    killed_at = time.monotonic()
+    os.kill(starting, signal.SIGKILL)
+    # The second death in a row backs off 0.1 s; the third worker serves within a second.
+    await wait_for(
+        lambda: pool.restarts == 2 and starting not in pool.pids and _all_ready(proxy),
+        timeout=1.0 - (time.monotonic() - killed_at),
+        message="a third worker 0, ready",
+    )
+    for _ in range(50):
+        assert await greet("127.0.0.1", port) in {"b1", "b2", "b3"}
+
+
 def _all_ready(proxy: Proxy) -> bool:
     return proxy.workers is not None and all(
         w.ready.is_set() for w in proxy.workers._workers.values()
