@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from uproxy.dataplane.messages import (
     APPLY_SLICE_S,
     MESSAGES_PER_PACKET,
@@ -165,6 +167,47 @@ async def test_a_packet_of_slow_messages_is_applied_in_slices() -> None:
     assert seen_by_others and seen_by_others[0] <= slice_messages < MESSAGES_PER_PACKET
     # "Applied" once everything received is applied, not after every slice.
     assert reports == [MESSAGES_PER_PACKET]
+
+
+async def _apply(count: int, cost_s: float, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Send ``count`` messages that each cost ``cost_s`` to apply; at each CPU yield of the
+    receiver, how many were applied."""
+    applied: list[int] = []
+    yields: list[int] = []
+    done = asyncio.Event()
+    monkeypatch.setattr(os, "sched_yield", lambda: yields.append(len(applied)))
+
+    def on_message(message: object, sock: socket.socket | None) -> None:
+        applied.append(1)
+        _busy(cost_s)
+        if len(applied) == count:
+            done.set()
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sender = Channel(ours, on_message=lambda m, s: None, on_closed=lambda: None)
+    receiver = Channel(theirs, on_message=on_message, on_closed=done.set)
+    try:
+        for i in range(count):
+            sender.send(_forget(i))
+        await asyncio.wait_for(done.wait(), 10)
+    finally:
+        sender.close()
+        receiver.close()
+    assert len(applied) == count
+    return yields
+
+
+async def test_a_worker_busy_with_a_bulk_yields_the_cpu_between_slices(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """To the scheduler a worker applying 10,000 ports is one task that never sleeps: it ran
+    out its time slice (2-4.5 ms) while a woken client or backend waited on its CPU. Each
+    pass that continues a bulk first yields the CPU; a change that fits one pass never does."""
+    yields = await _apply(MESSAGES_PER_PACKET * 2, SLOW_S, monkeypatch)
+    slice_messages = int(APPLY_SLICE_S / SLOW_S) + 1
+    assert len(yields) >= 2 * MESSAGES_PER_PACKET // slice_messages - 2, yields
+    assert yields == sorted(set(yields)) and yields[0] > 0  # between slices, never twice
+    assert await _apply(5, 0, monkeypatch) == []
 
 
 async def test_sockets_not_yet_applied_are_closed_with_the_channel() -> None:
