@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 
 import pytest
 
@@ -42,6 +42,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture
 def _fail_root_required() -> None:
     pytest.fail(f"UPROXY_REQUIRE_ROOT_TESTS=1 but {root_available()}")
+
+
+@pytest.fixture(autouse=True)
+def _same_priority_after() -> Iterator[None]:
+    """A test that runs uproxy's control process in this one lowers this process's priority
+    (``uproxy.priority``); the tests after it start from where the suite started (nice value
+    and the kernel's default time slice)."""
+    from uproxy import priority
+
+    before = priority.current()
+    yield
+    priority.set_process(before)
 
 
 def pytest_asyncio_loop_factories(

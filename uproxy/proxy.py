@@ -81,7 +81,14 @@ class Proxy:
         self.dataplane = DataplaneSettings.from_settings(s, dial_mark=self._dial_mark())
         count = s.workers if s.workers is not None else default_worker_count(laptop=s.laptop)
         self.workers: WorkerPool | None = (
-            WorkerPool(count, settings=self.dataplane, argv=worker_argv(s)) if count > 0 else None
+            WorkerPool(
+                count,
+                settings=self.dataplane,
+                argv=worker_argv(s),
+                control_nice=s.control_nice,
+            )
+            if count > 0
+            else None
         )
         self.healthchecks = HealthCheckServers(
             addresses=self._nodeport_addresses(), proxy_health=self.health

@@ -135,6 +135,16 @@ class Settings:
         "does everything else); 0 relays in the control process; default: the CPUs this "
         "process may use (affinity mask and cgroup quota), 1 with --rules none",
     )
+    control_nice: int = opt(
+        10,
+        flag="--control-nice",
+        config="uproxy.controlNice",
+        kind="int",
+        help="Nice levels the control process (and the commands it runs, such as "
+        "iptables-restore) takes below the workers, so that its bulk work yields the CPU to "
+        "relaying; needs CAP_SYS_NICE for the workers to keep the starting priority (else "
+        "nothing changes); 0 keeps one priority; ignored with --workers 0",
+    )
     lb_algorithm: str = opt(
         LbAlgorithm.ROUND_ROBIN.value,
         flag="--lb-algorithm",
@@ -449,6 +459,8 @@ def validate(s: Settings) -> None:
         raise SettingsError(f"invalid --proxy-port-range: {e}") from None
     if s.workers is not None and s.workers < 0:
         raise SettingsError("invalid --workers: must be 0 or more")
+    if not 0 <= s.control_nice <= 19:
+        raise SettingsError("invalid --control-nice: must be 0 to 19")
     if s.udp_receive_buffer < 0:
         raise SettingsError("invalid --udp-receive-buffer: must be 0 or more bytes")
     if s.udp_max_flows < 1:

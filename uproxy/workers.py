@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from uproxy import metrics
+from uproxy import metrics, priority
 from uproxy.dataplane.balancer import Balancer
 from uproxy.dataplane.counters import CounterFiles, SlotReader
 from uproxy.dataplane.messages import (
@@ -155,13 +155,23 @@ class RemoteListener:
 
 
 class WorkerPool:
-    def __init__(self, count: int, *, settings: DataplaneSettings, argv: list[str]) -> None:
+    def __init__(
+        self,
+        count: int,
+        *,
+        settings: DataplaneSettings,
+        argv: list[str],
+        control_nice: int = 0,
+    ) -> None:
         """``count`` workers, each configured with ``settings``; ``argv``: the flags a worker
         is started with (``worker_argv``), since it sets up logging and its event loop before
-        it reads its channel."""
+        it reads its channel; ``control_nice``: nice levels this (the control) process takes
+        below its workers when they start (``uproxy.priority``; 0: one priority)."""
         if count < 1:
             raise ValueError("a worker pool needs at least one worker")
         self.count = count
+        self._control_nice = control_nice
+        self.lowered: priority.Lowered | None = None
         self._configure = Configure(settings)
         self._settings = settings
         self._argv_extra = argv
@@ -200,11 +210,36 @@ class WorkerPool:
     # ----- lifecycle -----
 
     async def start(self) -> None:
-        """Start every worker and wait until each has said it is ready."""
+        """Lower this process's priority (``control_nice``), start every worker and wait
+        until each has said it is ready."""
+        self._lower_control()
         for index in range(self.count):
             self._workers[index] = await self._spawn(index)
         await self._wait_ready(list(self._workers.values()))
         self._supervisor = asyncio.create_task(self._supervise(), name="worker-supervisor")
+
+    def _lower_control(self) -> None:
+        if not self._control_nice:
+            return
+        self.lowered = low = priority.lower_control(self._control_nice)
+        if low is None:
+            log.warning(
+                "Control process keeps the workers' priority: its scheduling policy is not "
+                "the default one, or this kernel lets it change neither nice nor time slice"
+            )
+            return
+        slice_ms = "default" if low.control_slice_ns is None else low.control_slice_ns / 1e6
+        if low.control_nice == low.worker_nice:
+            log.info(
+                "Control process yields the CPU to the workers by its time slice only: a worker "
+                "could not raise its priority back (CAP_SYS_NICE missing)",
+                extra=kv(nice=low.worker_nice, slice_ms=slice_ms),
+            )
+        else:
+            log.info(
+                "Control process yields the CPU to the workers",
+                extra=kv(nice=low.control_nice, slice_ms=slice_ms, worker_nice=low.worker_nice),
+            )
 
     async def stop(self, *, drain: bool = True, timeout: float | None = None) -> None:
         """Drain every worker at once (SIGTERM) under one deadline; SIGKILL what is left."""
@@ -395,6 +430,7 @@ class WorkerPool:
                 "--index",
                 str(index),
                 *self._argv_extra,
+                *(["--nice", str(self.lowered.worker_nice)] if self.lowered else []),
                 pass_fds=(theirs.fileno(), files.values_fd, files.directory_fd),
                 stdin=asyncio.subprocess.DEVNULL,
             )

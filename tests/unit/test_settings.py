@@ -153,6 +153,8 @@ def test_settings_as_flags_parse_back_and_start_a_worker() -> None:
         (["--proxy-port-range", "9-1"], "--proxy-port-range"),
         (["--healthz-bind-address", "nope"], "--healthz-bind-address"),
         (["--services", "/does/not/exist.yaml"], "--services"),
+        (["--control-nice", "20"], "--control-nice: must be 0 to 19"),
+        (["--control-nice", "-1"], "--control-nice: must be 0 to 19"),
     ],
 )
 def test_bad_flags(argv: list[str], needle: str) -> None:

@@ -71,10 +71,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--event-loop", default="auto")
     p.add_argument("-v", type=int, default=0, dest="verbosity")
     p.add_argument("--logging-format", default="text")
+    p.add_argument("--nice", type=int, help="the priority to take back (uproxy.priority)")
     args = p.parse_args(argv)
     from uproxy.log import setup
 
     setup(verbosity=args.verbosity, fmt=args.logging_format)
+    if args.nice is not None:
+        _take_back_priority(args.nice)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
     # Before the data-plane modules bind their label sets: every tally lives in shared memory.
@@ -82,6 +85,17 @@ def main(argv: list[str] | None = None) -> int:
     from uproxy.eventloop import run_loop
 
     return run_loop(lambda: Worker(args.channel, args.index).run(), args.event_loop)
+
+
+def _take_back_priority(nice: int) -> None:
+    """The control process that started this one runs below the workers (and this process
+    started as it runs): back to where the control process started."""
+    from uproxy import priority
+
+    try:
+        priority.take_back(nice)
+    except OSError as exc:
+        log.error("Cannot take back the workers' priority", extra=kv(nice=nice, err=exc))
 
 
 def _die_with_parent() -> None:

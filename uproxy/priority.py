@@ -1,0 +1,141 @@
+"""CPU priority between the two roles: the control process yields the CPU to the workers.
+
+The control process's bulk work (a sync of 10,000 services, a rules rewrite and the
+``iptables-restore``/``nft`` it runs) shares the node's CPUs with the workers that relay, the
+clients and the backends. At one priority the scheduler lets that work finish its time slice
+(1.4-4 ms measured) while a woken relay, client or backend waits behind it on that CPU. Two
+settings of the scheduler fix that, each per thread:
+
+- **Nice.** The control process runs ``step`` nice levels below the workers: under full load
+  it gets about a tenth of what a worker gets at nice 10 (never nothing), the workers the rest.
+- **Slice.** The control process asks for a long time slice (``sched_setattr``'s
+  ``sched_runtime``, honoured since Linux 6.12). The fair scheduler (EEVDF) gives a task that
+  asks for more time a later deadline, and lets a woken task whose slice is shorter preempt
+  it at once, so every other task (a worker, a client, a backend) takes the CPU from the
+  control process as soon as it wakes, instead of at the end of the control's slice.
+
+A new thread or process starts with its creator's values. So the control process sets every
+thread it has (later threads, and every command it runs, inherit them), and a worker, forked
+from it, sets itself back to the nice value the control process started with and the
+kernel's default slice. Going back up in nice needs CAP_SYS_NICE (or RLIMIT_NICE): without it
+the nice value stays, since workers stuck at the control's lower priority would lose to every
+other process on the node; the slice needs no privilege.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import struct
+import threading
+from dataclasses import dataclass
+
+TASKS = "/proc/self/task"
+# The slice the control process asks for; the kernel clamps it to 0.1-100 ms.
+CONTROL_SLICE_NS = 20_000_000
+# sched_setattr(2) has no wrapper in Python or glibc: the system call, by number.
+_SCHED_SETATTR = {"x86_64": 314, "aarch64": 274}.get(platform.machine())
+_FAIR_POLICIES = (os.SCHED_OTHER, os.SCHED_BATCH)
+_libc: ctypes.CDLL | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Lowered:
+    """What the control process did to itself; workers take back ``worker_nice``."""
+
+    worker_nice: int
+    control_nice: int
+    control_slice_ns: int | None  # None: the kernel's default (sched_setattr unsupported)
+
+
+def current() -> int:
+    """The calling thread's nice value."""
+    return os.getpriority(os.PRIO_PROCESS, 0)
+
+
+def set_thread(tid: int, nice: int, slice_ns: int = 0) -> bool:
+    """Thread ``tid`` (0: the caller) to ``nice`` and a time slice of ``slice_ns`` (0: the
+    kernel's default). False when only the nice value could be set (no sched_setattr here)."""
+    if _sched_setattr(tid, nice, slice_ns):
+        return True
+    os.setpriority(os.PRIO_PROCESS, tid, nice)
+    return False
+
+
+def set_process(nice: int, slice_ns: int = 0, *, tasks: str = TASKS) -> bool:
+    """Every thread of this process (threads that end meanwhile are skipped), as
+    ``set_thread``; False when a slice could not be set."""
+    slices = True
+    for name in os.listdir(tasks):
+        try:
+            slices = set_thread(int(name), nice, slice_ns) and slices
+        except ProcessLookupError:
+            pass
+    return slices
+
+
+def can_raise_back(step: int) -> bool:
+    """Whether a thread that went ``step`` nice levels down may come back up (what a worker
+    does): tried for real, on a short-lived thread of its own."""
+    answer: list[bool] = []
+
+    def probe() -> None:
+        base = current()
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, base + step)
+            os.setpriority(os.PRIO_PROCESS, 0, base)
+        except PermissionError:
+            answer.append(False)
+        else:
+            answer.append(True)
+
+    t = threading.Thread(target=probe, name="nice-probe")
+    t.start()
+    t.join()
+    return answer == [True]
+
+
+def lower_control(step: int) -> Lowered | None:
+    """Lower this (the control) process: ``step`` nice levels (capped at 19) when workers
+    started from it can come back up, and a long time slice. None when nothing changed:
+    ``step`` 0, a scheduling policy other than the fair ones (an operator's choice, kept), or
+    neither setting possible."""
+    if step <= 0 or os.sched_getscheduler(0) not in _FAIR_POLICIES:
+        return None
+    base = current()
+    target = min(19, base + step)
+    if target != base and not can_raise_back(target - base):
+        target = base
+    slices = set_process(target, CONTROL_SLICE_NS)
+    if target == base and not slices:
+        return None
+    return Lowered(base, target, CONTROL_SLICE_NS if slices else None)
+
+
+def take_back(nice: int) -> None:
+    """In a worker started by a lowered control process: the control's starting nice value
+    and the kernel's default slice, for every thread."""
+    set_process(nice, 0)
+
+
+def _sched_setattr(tid: int, nice: int, slice_ns: int) -> bool:
+    """sched_setattr(2) for a fair-policy thread, keeping its policy; False when this kernel
+    or machine has no such call (or ignores nothing but rejects the attributes)."""
+    global _libc
+    if _SCHED_SETATTR is None:
+        return False
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    # struct sched_attr, first version (48 bytes): size, policy, flags, nice, priority,
+    # runtime, deadline, period. SCHED_FLAG_KEEP_POLICY (0x08): only nice and runtime change.
+    attr = struct.pack("IIQiIQQQ", 48, 0, 0x08, nice, 0, slice_ns, 0, 0)
+    buf = ctypes.create_string_buffer(attr, len(attr))
+    if _libc.syscall(_SCHED_SETATTR, tid, buf, 0) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err == 3:  # ESRCH
+        raise ProcessLookupError(err, os.strerror(err))
+    if err in (1, 13):  # EPERM, EACCES: a nice value below what we may take
+        raise PermissionError(err, os.strerror(err))
+    return False  # ENOSYS, EINVAL (E2BIG): fall back to setpriority
