@@ -35,7 +35,9 @@ TASKS = "/proc/self/task"
 # The slice the control process asks for; the kernel clamps it to 0.1-100 ms.
 CONTROL_SLICE_NS = 20_000_000
 # sched_setattr(2) has no wrapper in Python or glibc: the system call, by number.
-_SCHED_SETATTR = {"x86_64": 314, "aarch64": 274}.get(platform.machine())
+_SCHED_SETATTR, _SCHED_GETATTR = {"x86_64": (314, 315), "aarch64": (274, 275)}.get(
+    platform.machine(), (None, None)
+)
 _FAIR_POLICIES = (os.SCHED_OTHER, os.SCHED_BATCH)
 _libc: ctypes.CDLL | None = None
 
@@ -107,7 +109,8 @@ def lower_control(step: int) -> Lowered | None:
     target = min(19, base + step)
     if target != base and not can_raise_back(target - base):
         target = base
-    slices = set_process(target, CONTROL_SLICE_NS)
+    # A kernel before 6.12 takes the slice and ignores it: read back what it keeps.
+    slices = set_process(target, CONTROL_SLICE_NS) and slice_of(0) == CONTROL_SLICE_NS
     if target == base and not slices:
         return None
     return Lowered(base, target, CONTROL_SLICE_NS if slices else None)
@@ -119,19 +122,36 @@ def take_back(nice: int) -> None:
     set_process(nice, 0)
 
 
+def slice_of(tid: int) -> int | None:
+    """Thread ``tid``'s (0: the caller's) time slice in ns as the kernel reports it: since
+    Linux 6.12 the slice it runs with (asked for, or the default); before, 0. None when this
+    kernel or machine cannot say."""
+    if _SCHED_GETATTR is None:
+        return None
+    buf = ctypes.create_string_buffer(48)
+    if _c().syscall(_SCHED_GETATTR, tid, buf, 48, 0) != 0:
+        return None
+    runtime: int = struct.unpack_from("Q", buf, 24)[0]
+    return runtime
+
+
+def _c() -> ctypes.CDLL:
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    return _libc
+
+
 def _sched_setattr(tid: int, nice: int, slice_ns: int) -> bool:
     """sched_setattr(2) for a fair-policy thread, keeping its policy; False when this kernel
     or machine has no such call (or ignores nothing but rejects the attributes)."""
-    global _libc
     if _SCHED_SETATTR is None:
         return False
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
     # struct sched_attr, first version (48 bytes): size, policy, flags, nice, priority,
     # runtime, deadline, period. SCHED_FLAG_KEEP_POLICY (0x08): only nice and runtime change.
     attr = struct.pack("IIQiIQQQ", 48, 0, 0x08, nice, 0, slice_ns, 0, 0)
     buf = ctypes.create_string_buffer(attr, len(attr))
-    if _libc.syscall(_SCHED_SETATTR, tid, buf, 0) == 0:
+    if _c().syscall(_SCHED_SETATTR, tid, buf, 0) == 0:
         return True
     err = ctypes.get_errno()
     if err == 3:  # ESRCH
