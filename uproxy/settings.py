@@ -141,9 +141,10 @@ class Settings:
         config="uproxy.controlNice",
         kind="int",
         help="Nice levels the control process (and the commands it runs, such as "
-        "iptables-restore) takes below the workers, so that its bulk work yields the CPU to "
-        "relaying; needs CAP_SYS_NICE for the workers to keep the starting priority (else "
-        "nothing changes); 0 keeps one priority; ignored with --workers 0",
+        "iptables-restore) takes below the workers, with a long time slice, so that its bulk "
+        "work yields the CPU to relaying; the nice levels need CAP_SYS_NICE for the workers "
+        "to take back the starting priority (without it only the time slice changes); 0 "
+        "keeps one priority; ignored with --workers 0",
     )
     lb_algorithm: str = opt(
         LbAlgorithm.ROUND_ROBIN.value,
