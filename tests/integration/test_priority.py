@@ -23,6 +23,7 @@ import yaml
 from tests.conftest import wait_for
 from tests.deploy.manifests import DEPLOY, REPO, container, find, load
 from tests.factories import endpoint, endpoint_slice, service
+from tests.integration.procs import children
 from uproxy import priority
 
 pytestmark = pytest.mark.root
@@ -66,22 +67,6 @@ def _default_slice() -> int:
     return got[0]
 
 
-def _workers(pid: int) -> list[int]:
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{name}/stat").read_text()
-            cmdline = Path(f"/proc/{name}/cmdline").read_bytes()
-        except OSError:
-            continue
-        ppid = int(stat.rpartition(")")[2].split()[1])
-        if ppid == pid and b"uproxy.dataplane.worker" in cmdline:
-            found.append(int(name))
-    return sorted(found)
-
-
 @pytest.fixture
 def services(tmp_path: Path) -> Path:
     path = tmp_path / "services.yaml"
@@ -112,7 +97,7 @@ class Running:
         self.pid = self.process.pid
 
     def workers(self) -> list[int]:
-        found = _workers(self.pid)
+        found = children(self.pid)
         assert self.process.poll() is None, self.log.read_text()
         return found
 

@@ -29,6 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.conftest import wait_for
 from tests.factories import endpoint, endpoint_slice, service
 from tests.integration.backends import NamedBackend, greet
+from tests.integration.procs import children
 from uproxy.localnet import has_loopback6
 from uproxy.model import IPFamily, Protocol, ServicePortName
 from uproxy.proxy import Proxy
@@ -395,6 +396,39 @@ async def test_a_replacement_that_dies_before_it_is_ready_is_replaced_at_once(
     )
     for _ in range(50):
         assert await greet("127.0.0.1", port) in {"b1", "b2", "b3"}
+
+
+def test_a_worker_that_dies_while_uproxy_starts_stops_it_with_one_error_line(
+    tmp_path: Path,
+) -> None:
+    """Killed before it could say it is ready (stopped first, so it cannot): uproxy stops at
+    once with one line naming the worker and the signal, instead of waiting 30 s for it."""
+    path = tmp_path / "services.yaml"
+    path.write_text(yaml.safe_dump_all([service(ports=[{"name": "http", "port": 1}])]))
+    argv = [
+        sys.executable, "-m", "uproxy.cli", "--services", str(path), "--rules", "none",
+        "--workers", "2", "--healthz-bind-address", "", "--metrics-bind-address", "",
+    ]  # fmt: skip
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+    try:
+        victim = None
+        deadline = time.monotonic() + 10
+        while victim is None and time.monotonic() < deadline and proc.poll() is None:
+            victim = next(iter(children(proc.pid)), None)
+        assert victim is not None, "no worker started"
+        os.kill(victim, signal.SIGSTOP)
+        os.kill(victim, signal.SIGKILL)
+        _, err = proc.communicate(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 1
+    errors = [line for line in err.splitlines() if line.startswith("uproxy: error:")]
+    assert errors == [
+        "uproxy: error: cannot start the data-plane workers: data-plane worker 0 exited "
+        "before it was ready (signal 9)"
+    ], err
 
 
 def _all_ready(proxy: Proxy) -> bool:
