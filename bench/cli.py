@@ -52,9 +52,10 @@ PROFILE_S = 6
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m bench",
-        description="uproxy side by side with no proxy, kernel DNAT, HAProxy, nginx stream and "
-        "socat, pinned and at equal cores: throughput, connection rate, latency, UDP, CPU, RSS, "
-        "latency during uproxy's control work and control-plane sync.",
+        description="uproxy side by side with no proxy, kernel DNAT, HAProxy, nginx stream, "
+        "socat and a bare splice(2) relay, pinned and at equal cores: throughput, connection "
+        "rate, latency, UDP, CPU, RSS, latency during uproxy's control work and control-plane "
+        "sync.",
     )
     p.add_argument("--quick", action="store_true", help="one brief run per peer (~3 minutes)")
     p.add_argument(

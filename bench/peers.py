@@ -410,6 +410,27 @@ class Socat(Peer):
         return self._wait(ctx, running)
 
 
+class SpliceRelay(Peer):
+    """``bench.splice_relay``: blocking splice(2) in a thread per direction, for reference (the
+    least a relay in user space costs here); TCP only."""
+
+    name = "splice-relay"
+    label = "splice(2) relay, reference"
+    udp = False
+
+    def start(self, ctx: Context, ports: PeerPorts) -> Running:
+        b = ctx.backend
+        argv = [
+            sys.executable,
+            "-m",
+            "bench.splice_relay",
+            f"{ports.http}:{b.http}",
+            f"{ports.iperf}:{b.iperf}",
+        ]
+        proc = ctx.procs.start(argv, core=ctx.where.proxy, name=self.name)
+        return self._wait(ctx, Running(ports=ports, procs=[proc], udp=False))
+
+
 def all_peers() -> list[Peer]:
     """In run order: the pinned peers, then the equal-cores ones. Each runs in a namespace of
     its own; kernel DNAT still goes last in each set (its nat rule turns on conntrack, which no
@@ -421,6 +442,7 @@ def all_peers() -> list[Peer]:
         Haproxy(),
         NginxStream(),
         Socat(),
+        SpliceRelay(),
         KernelDnat(),
         Uproxy("uvloop", workers=1, shared=True),
         Uproxy("uvloop", workers=2, shared=True),
