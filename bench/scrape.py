@@ -1,10 +1,13 @@
 """Scrape a /metrics endpoint on a fixed interval, as Prometheus would, and time each scrape.
 
 The deployed-path part runs this in the node namespace during a latency run: a node's
-kube-proxy is scraped all the time, and rendering metrics for 10,000 service ports happens on
-the proxy's event loop. Each scrape is one ``curl`` (what an operator would type), started on
-the interval's tick; like Prometheus, a scrape that overruns its interval delays the next one
-rather than overlapping it. Bounded in count and in time per scrape; the result is JSON.
+kube-proxy is scraped all the time, and rendering metrics for 10,000 service ports is CPU on
+the node's cores beside the relays. Each scrape is one ``curl`` (what an operator would type),
+without ``Accept-Encoding: gzip``: Prometheus asks for gzip and gets a body several times
+smaller for a little more CPU in uproxy; the plain body is what this measures. A scrape
+starts on the interval's tick; like Prometheus, a scrape that overruns its interval delays
+the next one rather than overlapping it. Bounded in count and in time per scrape; the result
+is JSON.
 
     python -m bench.scrape --url http://127.0.0.1:10249/metrics --seconds 3 --out FILE
 """

@@ -4,10 +4,12 @@ The same paths as kube-proxy's metrics server, so scrape configs and probes carr
 ``/metrics``, ``/proxyMode`` (which proxy mode runs here) and ``/healthz`` (a plain "ok": the
 process answers HTTP; proxy health lives on the healthz address).
 
-/metrics is served from the event loop that relays every byte, so a scrape must never hold
-the loop for long. prometheus_client's aiohttp handler rendered the whole exposition in one
-synchronous block: at 10,000 service ports, 12-13 MB (130,000 lines) in 1-2 s, during which
-every relay stalled (a connection waited 1.9 s behind one scrape). Here:
+/metrics is served from the control process's event loop, which also answers the health-check
+node ports and /healthz and carries watch events to the workers, so a scrape must never hold
+the loop for long. (It was written when that loop also relayed every byte, before the data
+plane moved to worker processes.) prometheus_client's aiohttp handler rendered the whole
+exposition in one synchronous block: at 10,000 service ports, 12-13 MB (130,000 lines) in
+1-2 s, during which every relay stalled (a connection waited 1.9 s behind one scrape). Here:
 
 * The data plane's families (``uproxy.metrics.DATA_PLANE``, all but a few hundred bytes of
   the body) are written by their own ``text()`` (prefixes built once per label set, see

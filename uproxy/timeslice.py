@@ -1,14 +1,16 @@
 """Giving the event loop back during long control work.
 
-The loop that runs the control plane also relays every byte, so bulk work (applying a listing
-of 10,000 Services, opening 10,000 listeners) must not hold it for long. ``TimeSlice`` lets a
-loop over many items pause at its budget: ``await ts.tick()`` after each item costs one
-counter test, reads the clock every ``check_every`` items, and yields to the loop (one
-``asyncio.sleep(0)``: every ready callback, relays included, runs) once ``budget_s`` has
-passed since the last yield.
+The loop that runs the control plane also answers the health-check node ports and /healthz,
+serves /metrics and passes every change on to the data-plane workers (it relayed every byte
+too before the workers took that over), so bulk work (applying a listing of 10,000 Services,
+binding 10,000 proxy ports) must not hold it for long. ``TimeSlice`` lets a loop over many
+items pause at its budget: ``await ts.tick()`` after each item costs one counter test, reads
+the clock every ``check_every`` items, and yields to the loop (one ``asyncio.sleep(0)``:
+every ready callback runs) once ``budget_s`` has passed since the last yield.
 
-The default budget, 10 ms, keeps a relay's worst wait behind control work well below the
-~50 ms a user would notice, while adding one loop pass per 10 ms of work (a few µs).
+The default budget, 10 ms, keeps a health check's or a worker's wait behind control work
+well below the ~50 ms anyone would notice, while adding one loop pass per 10 ms of work (a
+few us).
 """
 
 from __future__ import annotations

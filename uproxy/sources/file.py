@@ -8,7 +8,8 @@ The file is polled (stat every ``interval``) rather than watched with inotify: i
 every filesystem, across editors' rename-on-save, and costs one stat call.
 
 A benchmark's file is large (10,000 services: 20,000 documents, 5.4 MB), and the loop that
-reads it also relays every byte. Measured on 2 cores (CPU time, medians), parsing it takes
+reads it also serves health checks and feeds the workers (and relayed every byte when this
+was measured, before the workers). Measured on 2 cores (CPU time, medians), parsing it takes
 14 s with PyYAML's pure-Python loader and 1.9 s with libyaml's; hence three decisions:
 
 - **libyaml when PyYAML has it**, under a constructor that builds the plain documents
