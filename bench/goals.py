@@ -6,8 +6,8 @@ Each goal names the peers it compares, so it is read at the placement it is abou
 connection rate at equal cores (``uproxy --workers 2`` and HAProxy ``nbthread 2``, both free
 to use both CPUs), the cost per connection and per byte pinned (one core each, as before).
 The rows after the goals are read beside them, for context, with no target; among them,
-the TCP 1-stream figure of a bare splice(2) relay (``bench.splice_relay``), the most any
-relay in user space has reached on the machine.
+the TCP 1-stream figure of a bare splice(2) relay (``bench.splice_relay``): what a relay in
+user space gets here at all, two TCP connections where kernel DNAT has one.
 """
 
 from __future__ import annotations
