@@ -13,6 +13,7 @@ from tests.netns.test_rules import PORTALS, WEB, assert_installed
 from tests.netns.topology import Topology
 from uproxy.model import Protocol, ServicePortName
 from uproxy.rules.base import Portal, PortalKind
+from uproxy.rules.saved import strip_save
 
 RESTORE = [p for p in BACKENDS if p.values[0] == "iptables-restore"]
 
@@ -58,3 +59,36 @@ def test_a_rule_deleted_by_someone_else_is_rewritten(
     results = run_ops(topo, backend, mode, ops)
     assert results[3:] == [0, True]
     assert_installed(before, save(topo, mode), PORTALS[1:], topo.node_ip)
+
+
+# The jump uproxy puts first in nat PREROUTING, as another instance would have left it.
+_CONTAINER_JUMP = """\
+*nat
+:KUBE-PORTALS-CONTAINER - [0:0]
+-I PREROUTING 1 -m comment --comment "handle ClusterIPs; NOTE: this must be before the \
+NodePort rules" -j KUBE-PORTALS-CONTAINER
+COMMIT
+"""
+
+
+def test_jumps_read_before_the_first_sync_serve_it_unless_someone_committed(
+    topo: Topology, backend: str, mode: str
+) -> None:
+    # prepare() reads the built-in chains while the sources list. The first sync uses that
+    # read when nothing was committed since; otherwise it reads again. Here somebody puts
+    # uproxy's jump into PREROUTING in between: with the early read, the sync would add a
+    # second copy, and the jumps would not be exactly one each.
+    install_foreign(topo, mode)
+    before = save(topo, mode)
+    quiet = [{"op": "prepare"}, sync_op(PORTALS), {"op": "attr", "name": "reads"}]
+    assert run_ops(topo, backend, mode, [*quiet, {"op": "verify"}])[2:] == [1, True]
+    run_ops(topo, backend, mode, [{"op": "cleanup"}])
+    assert strip_save(save(topo, mode)) == strip_save(before)
+    argv = [f"iptables-{mode}-restore", "--noflush", "-w"]
+    meddled: list[dict[str, Any]] = [{"op": "prepare"}]
+    meddled.append({"op": "shell", "argv": argv, "stdin": _CONTAINER_JUMP})
+    meddled += [sync_op(PORTALS), {"op": "attr", "name": "reads"}, {"op": "verify"}]
+    assert run_ops(topo, backend, mode, meddled)[3:] == [2, True]
+    installed = save(topo, mode)
+    assert installed.count("-j KUBE-PORTALS-CONTAINER") == 1, installed
+    assert_installed(before, installed, PORTALS, topo.node_ip)
