@@ -59,8 +59,11 @@ _MAX_BIND_TRIES = 64
 
 
 class Listener(TypingProtocol):
-    host: str
-    port: int
+    @property
+    def host(self) -> str: ...
+
+    @property
+    def port(self) -> int: ...
 
     def close(self) -> None: ...
 

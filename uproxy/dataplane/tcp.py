@@ -69,6 +69,7 @@ class TcpListener:
 
     __slots__ = (
         "_acceptor",
+        "_address",
         "_conns",
         "_drained",
         "_paused",
@@ -76,11 +77,9 @@ class TcpListener:
         "_starved",
         "balancer",
         "dial_timers",
-        "host",
         "linger_timers",
         "loop",
         "name",
-        "port",
         "settings",
         "stats",
         "traffic",
@@ -102,9 +101,9 @@ class TcpListener:
         self.traffic = traffic
         self.settings = settings
         self.stats = Stats(name, traffic)
-        host, port = sock.getsockname()[:2]
-        self.host: str = sys.intern(host)  # a handful of addresses, for thousands of ports
-        self.port: int = port
+        # Asked of the socket when first wanted: a worker handed 10,000 sockets bound by the
+        # control process (which knows their addresses) never asks.
+        self._address: tuple[str, int] | None = None
         # The connections accepted and not yet released, as the keys of a dict: an empty
         # dict is 64 bytes, an empty set 216 (its first table is inline).
         self._conns: dict[Connection, None] = {}
@@ -129,6 +128,7 @@ class TcpListener:
         settings: DataplaneSettings,
     ) -> Self:
         """Bind and start accepting; port 0 lets the OS choose. Raises OSError."""
+        FD_RESERVE.refresh_limit()
         sock = bind_tcp(host, port, backlog=settings.listen_backlog)
         return cls.serve(sock, name=name, balancer=balancer, traffic=traffic, settings=settings)
 
@@ -141,12 +141,18 @@ class TcpListener:
         balancer: Balancer,
         traffic: Traffic,
         settings: DataplaneSettings,
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> Self:
         """Start accepting on a listening socket bound elsewhere (a worker's share of a
-        group, see ``sockets``); the listener owns it from now on."""
-        loop = asyncio.get_running_loop()
+        group, see ``sockets``); the listener owns it from now on.
+
+        ``loop``: the running loop, when the caller has it (asking for it reads the process
+        id, a system call: 10,000 of them when a worker is handed 10,000 ports). The fd
+        limit the reserve works with is the caller's to read (``FD_RESERVE.refresh_limit``),
+        once, not once per port."""
+        if loop is None:
+            loop = asyncio.get_running_loop()
         sock.setblocking(False)
-        FD_RESERVE.refresh_limit()
         poller_for(loop)  # the relays' epoll set (an fd): made now, not at an fd-starved accept
         self = cls(
             loop=loop,
@@ -158,6 +164,25 @@ class TcpListener:
         )
         self._acceptor.watch(sock.fileno(), self)
         return self
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """The bound address and port (``("", 0)`` if closed before anyone asked)."""
+        if self._address is None:
+            if self._sock is None:
+                return ("", 0)
+            host, port = self._sock.getsockname()[:2]
+            # Interned: a handful of addresses, for thousands of ports.
+            self._address = (sys.intern(host), port)
+        return self._address
+
+    @property
+    def host(self) -> str:
+        return self.address[0]
+
+    @property
+    def port(self) -> int:
+        return self.address[1]
 
     @property
     def socket(self) -> socket.socket | None:

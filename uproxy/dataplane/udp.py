@@ -137,6 +137,7 @@ class UdpListener:
         traffic: Traffic,
         settings: DataplaneSettings,
         pktinfo_level: int | None,
+        address: tuple[str, int],
     ) -> None:
         self.loop = loop
         self.sock: socket.socket | None = sock
@@ -144,8 +145,7 @@ class UdpListener:
         self.balancer = balancer
         self.traffic = traffic
         self.settings = settings
-        self.host: str = sock.getsockname()[0]
-        self.port: int = sock.getsockname()[1]
+        self.host, self.port = address
         self._family = sock.family
         self._pktinfo_level = pktinfo_level
         self.flows: dict[FlowKey, UdpFlow] = {}
@@ -185,13 +185,17 @@ class UdpListener:
         balancer: Balancer,
         traffic: Traffic,
         settings: DataplaneSettings,
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> Self:
         """Start receiving on a socket bound elsewhere (a worker's share of a group, see
-        ``sockets``); the listener owns it from now on. Raises OSError."""
-        loop = asyncio.get_running_loop()
+        ``sockets``); the listener owns it from now on. Raises OSError. ``loop``: the running
+        loop, when the caller has it (see ``TcpListener.serve``)."""
+        if loop is None:
+            loop = asyncio.get_running_loop()
         sock.setblocking(False)
         pktinfo_level: int | None = None
-        if sock.getsockname()[0] in _WILDCARDS:
+        host, port = sock.getsockname()[:2]
+        if host in _WILDCARDS:
             # Learn each datagram's destination address so the reply can leave from it.
             if sock.family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_RECVPKTINFO, 1)
@@ -207,6 +211,7 @@ class UdpListener:
             traffic=traffic,
             settings=settings,
             pktinfo_level=pktinfo_level,
+            address=(host, port),
         )
         self.poller.watch(sock.fileno(), self)
         return self

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 from uproxy import heap, metrics
 from uproxy.dataplane.balancer import Balancer
 from uproxy.dataplane.counters import CounterFiles, SlotWriter
+from uproxy.dataplane.fdreserve import FD_RESERVE
 from uproxy.dataplane.messages import (
     Applied,
     Channel,
@@ -128,10 +129,14 @@ class Worker:
         self._burst_seen = 0  # ... as of the last quiet check
         self._bulk = False
         self._quiet_check: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def run(self) -> int:
-        loop = asyncio.get_running_loop()
+        self._loop = loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self._stop.set)
+        # The fd limit this process started with (the control process raised it before):
+        # read once for every listener, not once per port.
+        FD_RESERVE.refresh_limit()
         channel = Channel(
             socket.socket(fileno=self._channel_fd),
             on_message=self._on_message,
@@ -251,6 +256,7 @@ class Worker:
             balancer=balancer,
             traffic=message.traffic,
             settings=config.settings,
+            loop=self._loop,
         )
 
     def _steer(self, message: Steer) -> None:
