@@ -31,10 +31,17 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from bench import controlplane, dataplane, deployed, deployed_report, disturb, netns, report
-from bench import workloads as wl
-from bench.backends import BackendPorts, missing_tools
-from bench.backends import start as start_backends
+from bench import (
+    controlplane,
+    dataplane,
+    deployed,
+    deployed_report,
+    disturb,
+    netns,
+    report,
+    workloads as wl,
+)
+from bench.backends import BackendPorts, missing_tools, start as start_backends
 from bench.peers import Context, Peer, Uproxy, all_peers
 from bench.procs import Cores, Placement, ProcessGroup, run_uproxy_as_shipped
 from bench.progress import Progress

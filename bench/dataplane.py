@@ -22,8 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import proctree
-from bench import workloads as wl
+from bench import proctree, workloads as wl
 from bench.backends import Backends
 from bench.peers import Context, Peer, PeerPorts, Running, ports_for
 from bench.procs import CpuSet, machine_busy_s

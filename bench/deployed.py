@@ -54,8 +54,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from bench import deployed_report
-from bench import workloads as wl
+from bench import deployed_report, workloads as wl
 from bench.deployed_peers import REFERENCE, NodePeer, all_peers
 from bench.deployed_setup import PREFIX, WARMUP_S, PeerSkipped, Plan, Run, run_setup
 from bench.procs import Cores, run_uproxy_as_shipped

@@ -29,10 +29,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from bench import topology
-from bench import workloads as wl
-from bench.backends import BackendPorts, Backends
-from bench.backends import start as start_backends
+from bench import topology, workloads as wl
+from bench.backends import BackendPorts, Backends, start as start_backends
 from bench.dataplane import derive_core_busy
 from bench.deployed_peers import METRICS_URL, NodeEnv, NodePeer, Service, ServiceSet
 from bench.procs import (

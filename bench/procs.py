@@ -24,8 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench import proctree
-from bench.proctree import CLK_TCK
-from bench.proctree import tree as tree  # re-exported: the control-plane probes read it here
+from bench.proctree import (
+    CLK_TCK,
+    tree as tree,  # re-exported: the control-plane probes read it here
+)
 
 # One CPU, or a set of them (``taskset -c 0,1``).
 CpuSet = int | tuple[int, ...]

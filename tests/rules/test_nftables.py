@@ -18,6 +18,7 @@ from uproxy.rules.nftables import (
     CLUSTER_IPS,
     EXTERNAL_IPS,
     FIREWALLED_LB_IPS,
+    IPV4 as V4,
     IPV6,
     LB_SOURCE_RANGES,
     NODE_PORT_PROXY_PORTS,
@@ -36,7 +37,6 @@ from uproxy.rules.nftables import (
     render_full,
     render_table,
 )
-from uproxy.rules.nftables import IPV4 as V4
 from uproxy.rules.watch import FULL_SYNC_PERIOD_S, Watch
 
 MARK = 0x1000

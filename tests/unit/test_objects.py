@@ -8,8 +8,7 @@ import pytest
 
 from tests.factories import endpoint, endpoint_slice, service
 from uproxy.model import Endpoint, LbAlgorithm, Protocol, ServicePortName
-from uproxy.objects import InvalidObject, service_ports
-from uproxy.objects import endpoint_slice as convert_slice
+from uproxy.objects import InvalidObject, endpoint_slice as convert_slice, service_ports
 
 
 def test_service_ports_carry_every_field() -> None:

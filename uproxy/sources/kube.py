@@ -37,8 +37,7 @@ import os
 import random
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
-from typing import Protocol as TypingProtocol
+from typing import Any, Protocol as TypingProtocol
 
 import aiohttp
 from kubernetes_asyncio import client, config
