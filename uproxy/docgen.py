@@ -211,21 +211,26 @@ def _exposed_name(kind: str, name: str) -> str:
 
 
 def metric_rows() -> list[tuple[str, str, tuple[str, ...], str]]:
-    """(exposed name, type, labels, help) of every metric ``uproxy.metrics`` defines."""
+    """(exposed name, type, labels, help) of every metric uproxy exports: prometheus_client's
+    (``uproxy.metrics``), then the data plane's scrape-time families, in the order
+    ``uproxy.dataplane.series`` defines them."""
     from prometheus_client.metrics import Info, MetricWrapperBase
 
     from uproxy import metrics
+    from uproxy.dataplane import series
 
+    wrappers: list[MetricWrapperBase | series.ScrapeFamily] = [
+        v for v in vars(metrics).values() if isinstance(v, MetricWrapperBase)
+    ]
+    families = [v for v in vars(series).values() if isinstance(v, series.ScrapeFamily)]
     rows = []
-    for value in vars(metrics).values():
-        # prometheus_client's own metrics, and uproxy's scrape-time collectors of the data path.
-        scrape_time = isinstance(value, metrics.LabelledFamily)
-        if not (scrape_time or isinstance(value, (MetricWrapperBase, metrics.ScrapeHistogram))):
-            continue
-        names = value.labelnames if scrape_time else getattr(value, "_labelnames", ())
-        labels: tuple[str, ...] = tuple(names)
-        if isinstance(value, Info):
+    for value in [*wrappers, *families]:
+        if isinstance(value, series.LabelledFamily):
+            labels: tuple[str, ...] = value.labelnames
+        elif isinstance(value, Info):
             labels = tuple(k for m in value.collect() for s in m.samples for k in s.labels)
+        else:
+            labels = tuple(getattr(value, "_labelnames", ()))
         for family in value.describe():
             rows.append(
                 (_exposed_name(family.type, family.name), family.type, labels, family.documentation)
@@ -263,7 +268,7 @@ def metrics_md() -> str:
     from uproxy.settings import Settings
 
     lines = [
-        GENERATED_NOTE.format(source="uproxy/metrics.py"),
+        GENERATED_NOTE.format(source="uproxy/metrics.py and uproxy/dataplane/series.py"),
         "",
         "# Metrics reference",
         "",

@@ -62,8 +62,7 @@ import socket
 import struct
 from typing import TYPE_CHECKING
 
-from uproxy import metrics
-from uproxy.dataplane import splice
+from uproxy.dataplane import series, splice
 from uproxy.dataplane.fdreserve import FD_RESERVE, RESOURCE_ERRNOS
 from uproxy.dataplane.poller import (
     ALL_EVENTS,
@@ -89,9 +88,9 @@ _TCP_ESTABLISHED = 1  # linux/tcp_states.h
 _NEVER = 1 << 62  # bytes to go before splicing, when it is off or was tried
 _INPUT = IN | RDHUP | HUP
 
-_DIAL_OK = metrics.DIAL_ATTEMPTS.labels("ok")
-_DIAL_FAILED = metrics.DIAL_ATTEMPTS.labels("failed")
-_DIAL_DURATION = metrics.DIAL_DURATION
+_DIAL_OK = series.DIAL_ATTEMPTS.labels("ok")
+_DIAL_FAILED = series.DIAL_ATTEMPTS.labels("failed")
+_DIAL_DURATION = series.DIAL_DURATION
 
 
 def reset_socket(sock: _socket.socket) -> None:
@@ -135,7 +134,7 @@ class _Side:
         "writes_watched",
     )
 
-    def __init__(self, poller: EdgePoller, counter: metrics.AnyTally, chunk: int) -> None:
+    def __init__(self, poller: EdgePoller, counter: series.AnyTally, chunk: int) -> None:
         self.poller = poller
         self.counter = counter
         self.chunk = chunk  # bytes per read (settings.high_water)

@@ -6,16 +6,16 @@ again a record more: done for four label sets when each listener opened, that wa
 half of a worker's work per new port (10 of 23 us, and 7 of 15 us to forget it), during a
 10,000-port sync that shares the worker's loop with its relays. So a port's tallies are bound
 when it first has something to count; until then the control process writes its series at
-zero (``metrics.PROXIED``), so a scrape shows the same series either way.
+zero (``series.PROXIED``), so a scrape shows the same series either way.
 
-The label sets are those ``metrics`` lists as a port's ``per_port`` series (successes, bytes
+The label sets are those ``series`` lists as a port's ``per_port`` series (successes, bytes
 both ways, open connections or UDP flows), plus the failure tallies, bound at their first
 event (they are sparse: never written at zero).
 """
 
 from __future__ import annotations
 
-from uproxy import metrics
+from uproxy.dataplane import series
 from uproxy.model import ServicePortName, Traffic
 
 
@@ -40,49 +40,49 @@ class Stats:
         "traffic",
     )
 
-    ok: metrics.AnyTally  # connections or flows accepted and dialed
-    live: metrics.AnyTally  # open connections (TCP) or flows (UDP) now
-    bytes_to_endpoint: metrics.AnyTally
-    bytes_to_client: metrics.AnyTally
+    ok: series.AnyTally  # connections or flows accepted and dialed
+    live: series.AnyTally  # open connections (TCP) or flows (UDP) now
+    bytes_to_endpoint: series.AnyTally
+    bytes_to_client: series.AnyTally
 
     def __init__(self, name: ServicePortName, traffic: Traffic) -> None:
         self.service = str(name)
         self.protocol = name.protocol.value
         self.traffic = traffic.value
         self.bound = False
-        self._refused: metrics.AnyTally | None = None
-        self._dial_failed: metrics.AnyTally | None = None
-        self._no_endpoints: metrics.AnyTally | None = None
+        self._refused: series.AnyTally | None = None
+        self._dial_failed: series.AnyTally | None = None
+        self._no_endpoints: series.AnyTally | None = None
 
     def bind(self) -> None:
         service, protocol = self.service, self.protocol
-        self.ok = metrics.CONNECTIONS.labels(service, protocol, "ok")
+        self.ok = series.CONNECTIONS.labels(service, protocol, "ok")
         self.live = (
-            metrics.UDP_FLOWS.labels(service)
+            series.UDP_FLOWS.labels(service)
             if protocol == "UDP"
-            else metrics.OPEN_CONNECTIONS.labels(service, protocol)
+            else series.OPEN_CONNECTIONS.labels(service, protocol)
         )
-        self.bytes_to_endpoint = metrics.BYTES.labels(service, "to_endpoint")
-        self.bytes_to_client = metrics.BYTES.labels(service, "to_client")
+        self.bytes_to_endpoint = series.BYTES.labels(service, "to_endpoint")
+        self.bytes_to_client = series.BYTES.labels(service, "to_client")
         self.bound = True
 
     @property
-    def refused(self) -> metrics.AnyTally:
+    def refused(self) -> series.AnyTally:
         """No endpoint to pick: the connection or datagram was refused."""
         if self._refused is None:
-            self._refused = metrics.CONNECTIONS.labels(self.service, self.protocol, "no_endpoints")
+            self._refused = series.CONNECTIONS.labels(self.service, self.protocol, "no_endpoints")
         return self._refused
 
     @property
-    def dial_failed(self) -> metrics.AnyTally:
+    def dial_failed(self) -> series.AnyTally:
         if self._dial_failed is None:
-            self._dial_failed = metrics.CONNECTIONS.labels(
+            self._dial_failed = series.CONNECTIONS.labels(
                 self.service, self.protocol, "dial_failed"
             )
         return self._dial_failed
 
     @property
-    def no_endpoints(self) -> metrics.AnyTally:
+    def no_endpoints(self) -> series.AnyTally:
         if self._no_endpoints is None:
-            self._no_endpoints = metrics.NO_ENDPOINTS.labels(self.service, self.traffic)
+            self._no_endpoints = series.NO_ENDPOINTS.labels(self.service, self.traffic)
         return self._no_endpoints

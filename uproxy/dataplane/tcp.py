@@ -29,7 +29,7 @@ import socket
 import sys
 from typing import Self
 
-from uproxy import metrics
+from uproxy.dataplane import series
 from uproxy.dataplane.balancer import Balancer
 from uproxy.dataplane.fdreserve import FD_RESERVE, RESOURCE_ERRNOS
 from uproxy.dataplane.poller import per_loop, poller_for, read_poller_for
@@ -242,7 +242,7 @@ class TcpListener:
         if self._paused is not None or self._sock is None:
             return
         self._acceptor.unwatch(self._sock.fileno())
-        metrics.ACCEPT_PAUSED.labels(reason).value += 1
+        series.ACCEPT_PAUSED.labels(reason).value += 1
         if self._starved:
             # Still out of fds after the backoff: counted, but one log line per episode.
             self._paused = self.loop.call_later(self.settings.accept_backoff_s, self._resume)

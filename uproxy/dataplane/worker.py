@@ -30,7 +30,8 @@ import socket
 import sys
 from typing import TYPE_CHECKING
 
-from uproxy import heap, metrics
+from uproxy import heap
+from uproxy.dataplane import series
 from uproxy.dataplane.balancer import Balancer
 from uproxy.dataplane.counters import CounterFiles, SlotWriter
 from uproxy.dataplane.fdreserve import FD_RESERVE
@@ -49,7 +50,7 @@ from uproxy.dataplane.messages import (
 from uproxy.log import V2, kv
 from uproxy.model import IPFamily, ServicePortName, Traffic
 
-if TYPE_CHECKING:  # imported at run time only after metrics.share() (they bind label sets)
+if TYPE_CHECKING:  # imported at run time only after series.share() (they bind label sets)
     from uproxy.dataplane.tcp import TcpListener
     from uproxy.dataplane.udp import UdpListener
 
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
     # Before the data-plane modules bind their label sets: every tally lives in shared memory.
-    metrics.share(SlotWriter(CounterFiles(*args.counters)))
+    series.share(SlotWriter(CounterFiles(*args.counters)))
     from uproxy.eventloop import run_loop
 
     return run_loop(lambda: Worker(args.channel, args.index).run(), args.event_loop)
@@ -227,7 +228,7 @@ class Worker:
         if not any((message.name, family) in self.balancers for family in IPFamily):
             # Gone in every family: its series go (the control process stops showing
             # them; connections still draining keep counting into slots nobody reads).
-            metrics.forget_service(str(message.name))
+            series.forget_service(str(message.name))
 
     def _set_endpoints(self, message: SetEndpoints) -> None:
         settings = self._configured().settings
