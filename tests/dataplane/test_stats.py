@@ -4,6 +4,9 @@ series at zero that never moves, or lose one at the first connection."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from uproxy import metrics
@@ -49,3 +52,16 @@ def test_bind_binds_exactly_the_series_a_proxied_port_always_has(protocol: Proto
     finally:
         metrics.forget_service(service)
     assert _bound_of(service) == set()
+
+
+def test_a_worker_counts_without_loading_prometheus_client() -> None:
+    # A worker's modules, as it imports them: the control process's metrics library (and the
+    # HTTP modules it brings, 4 MiB of a worker) must stay out of every worker.
+    code = (
+        "import sys\n"
+        "import uproxy.dataplane.worker, uproxy.dataplane.tcp, uproxy.dataplane.udp\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('prometheus_client', 'http')))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
