@@ -52,7 +52,7 @@ class Settings:
         None,
         flag="--services",
         config="uproxy.services",
-        help="Read Services and EndpointSlices from this multi-document YAML file "
+        help="Read Services and EndpointSlices from this multi-document YAML (or JSON) file "
         "(reloaded on change) instead of the Kubernetes API",
     )
     kubeconfig: str | None = opt(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -134,6 +135,36 @@ def test_bad_documents_name_document_and_field(docs: list[object], needle: str) 
 def test_yaml_error_names_the_line() -> None:
     with pytest.raises(ServicesFileError, match="line 2"):
         parse_manifests("kind: Service\n  bad: [unclosed\n", "svc.yaml")
+
+
+def kubectl_json(docs: list[dict[str, Any]]) -> str:
+    """What ``kubectl get services,endpointslices -A -o json`` writes: one List, indented."""
+    listing = {"apiVersion": "v1", "kind": "List", "items": docs, "metadata": {}}
+    return "\ufeff" + json.dumps(listing, indent=4) + "\n"
+
+
+def test_kubectl_json_is_read_as_json_and_gives_what_its_yaml_gives(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    docs = cluster(20)
+    expected = parse_manifests(dump(*docs))
+
+    def no_yaml(*args: object, **kwargs: object) -> object:
+        raise AssertionError("a JSON file went to the YAML loader")
+
+    monkeypatch.setattr(yaml, "load_all", no_yaml)
+    got = parse_manifests(kubectl_json(docs))
+    assert got == expected and len(got.services) == 20
+
+
+def test_flow_style_yaml_and_broken_json_are_read_as_yaml() -> None:
+    # Both start like JSON and are not: the YAML loader reads the one, and names the line
+    # of the other's error.
+    flow = yaml.safe_dump(service(), default_flow_style=True)
+    assert flow.startswith("{") and len(parse_manifests(flow).services) == 1
+    broken = kubectl_json(cluster(2)).rstrip()[:-1]  # the List's closing brace is lost
+    with pytest.raises(ServicesFileError, match=r"svc.json: line \d+ column \d+: not valid YAML"):
+        parse_manifests(broken, "svc.json")
 
 
 def test_libyaml_is_used_when_pyyaml_has_it() -> None:
@@ -306,6 +337,22 @@ async def test_reload_applies_changes_and_keeps_last_good_state(
     errors = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1
     assert "spec.ports[0].port" in errors[0].kv["error"]  # type: ignore[attr-defined]
+
+
+async def test_a_json_file_loads_and_reloads(tmp_path: Path) -> None:
+    path = tmp_path / "services.json"
+    docs = cluster(3)
+    path.write_text(kubectl_json(docs))
+    tracker = Tracker()
+    src = FileSource(path=str(path), tracker=tracker)
+    await src.load_initial()
+    svc1 = ServicePortName("default", "svc-1", "http", Protocol.TCP)
+    assert [e.ip for e in tracker.snapshot()[svc1].endpoints] == ["10.0.0.1"]
+    docs[3] = endpoint_slice("svc-1-1", "svc-1", endpoints=[endpoint("10.0.0.7")])
+    rewrite(path, kubectl_json(docs))
+    await src.poll()
+    assert [e.ip for e in tracker.snapshot()[svc1].endpoints] == ["10.0.0.7"]
+    assert len(tracker.snapshot()) == 3
 
 
 async def test_a_bad_first_file_fails_the_start(tmp_path: Path) -> None:
