@@ -186,7 +186,7 @@ def headline(result: dict[str, Any]) -> str:
         text += f", all CPUs {p.get('machine_us_per_conn', 0):.0f} µs/conn"
     text += f"; keep-alive p99 {k['p99_ms']:.2f} ms"
     if "runq_ms_per_s" in k:
-        text += f" (proxy waited for its CPU {k['runq_ms_per_s']:.0f} ms/s)"
+        text += f" (relaying processes waited for a CPU {k['runq_ms_per_s']:.0f} ms/s)"
     if "tcp1" in result:
         text += f"; 1 stream {result['tcp1']['gbps']:.2f} Gb/s"
     if "ka_scrape" in result:

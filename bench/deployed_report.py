@@ -117,7 +117,7 @@ FIGURES = [
         "ka_runq",
         "keepalive",
         "runq_ms_per_s",
-        "Proxy runnable but waiting for its CPU, keep-alive run",
+        "Proxy relaying, runnable but waiting for a CPU, keep-alive run",
         "ms/s",
         False,
         compared=False,

@@ -7,8 +7,9 @@ also /metrics' ``kubeproxy_sync_proxy_rules_last_timestamp_seconds`` > 0), fetch
 blob through the ClusterIP and compares its sha256, and only then runs the workloads from the
 pod namespace (new connections as fast as they go, then at a fixed offered rate, then
 keep-alive). Each run is accounted from /proc: the proxy's user and system CPU (its reaped
-child commands included), the time it waited for its CPU, and the whole machine's CPU, which
-is where a kernel peer's cost shows.
+child commands included), the time its relaying processes waited for their CPU (uproxy's
+workers, not its control process: see ``procs.runqueue_wait_s``), and the whole machine's
+CPU, which is where a kernel peer's cost shows.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def accounted(run: Callable[[], wl.Figures], pids: list[int]) -> wl.Figures:
     """Run a workload; add the proxy's user/system CPU, its children's, and the machine's."""
     before = [cpu_split(p) for p in pids]
     children_before = sum(reaped_children_s(p) for p in pids)
-    waited_before = sum(runqueue_wait_s(p) for p in pids)
+    waited_before = sum(runqueue_wait_s(p, relaying=True) for p in pids)
     machine_before = machine_busy_s()
     start = time.monotonic()
     figures = run()
@@ -87,7 +88,7 @@ def accounted(run: Callable[[], wl.Figures], pids: list[int]) -> wl.Figures:
         figures["cpu_s"] = figures["cpu_user_s"] + figures["cpu_system_s"]
         children = sum(reaped_children_s(p) for p in pids) - children_before
         figures["children_cpu_pct"] = 100.0 * children / figures["wall_s"]
-        waited = sum(runqueue_wait_s(p) for p in pids) - waited_before
+        waited = sum(runqueue_wait_s(p, relaying=True) for p in pids) - waited_before
         figures["runq_ms_per_s"] = waited * 1e3 / figures["wall_s"]
         derive_core_busy(figures)
     return figures

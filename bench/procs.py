@@ -251,14 +251,21 @@ def reaped_children_s(pid: int) -> float:
     return (int(fields[16 - 3]) + int(fields[17 - 3])) / CLK_TCK
 
 
-def runqueue_wait_s(pid: int) -> float:
+def runqueue_wait_s(pid: int, *, relaying: bool = False) -> float:
     """Seconds the process tree's threads were runnable but waiting for a CPU (schedstat).
 
     Near zero on a quiet machine. When other work shares the proxy's core, the proxy's
-    latency figures measure that contention rather than the proxy.
+    latency figures measure that contention rather than the proxy. ``relaying``: only the
+    processes that relay, i.e. uproxy's data-plane workers when the tree has them (its
+    control process runs below them by design, nice 10, and waits behind them while they
+    relay: not a wait any connection sees), else the whole tree.
     """
+    pids = tree(pid)
+    if relaying:
+        workers = [p for p in pids if _is_uproxy_worker(p)]
+        pids = workers or pids
     total = 0
-    for p in tree(pid):
+    for p in pids:
         try:
             tasks = list(Path(f"/proc/{p}/task").iterdir())
         except OSError:
@@ -267,6 +274,14 @@ def runqueue_wait_s(pid: int) -> float:
             with contextlib.suppress(OSError, ValueError, IndexError):
                 total += int((task / "schedstat").read_text().split()[1])
     return total / 1e9
+
+
+def _is_uproxy_worker(pid: int) -> bool:
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"uproxy.dataplane.worker" in argv
 
 
 # --- waiting for sockets -------------------------------------------------------------------
