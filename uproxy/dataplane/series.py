@@ -380,16 +380,16 @@ def _float_text(bound: float) -> str:
     return repr(float(bound))
 
 
-# --- data plane ---
-# Failures: written from their first event on (see "Sparse label sets" above).
+# --- the families ---
+# Failures: written from their first event on (see "Sparse label sets" in uproxy.metrics).
 _FAILED_RESULTS = {"result": ("no_endpoints", "dial_failed")}
 
 
 class ProxiedPorts:
     """The service ports the control process proxies, by ``service`` label, with their
     protocol: their always-written series are in every scrape, at zero until bound (see
-    "Always written, but not bound until used" above). The service label comes first in
-    every family that has one."""
+    "Always written, but not bound until used" in ``uproxy.metrics``). The service label
+    comes first in every family that has one."""
 
     __slots__ = ("_ports",)
 
