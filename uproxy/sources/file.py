@@ -189,14 +189,17 @@ if yaml.__with_libyaml__:  # PyYAML's wheels carry libyaml; a source build may n
     _LOADER = _LibyamlLoader
 
 
+# A text that may be JSON: an object first (after a byte-order mark and white space).
+_JSON_START = re.compile("\ufeff?[ \t\r\n]*{")
+
+
 def _load_all(text: str, loader: _Loader | None = None) -> list[Any]:
-    if loader is None:
-        body = text.lstrip("\ufeff \t\r\n")
-        if body.startswith("{"):
-            try:
-                return [json.loads(body)]
-            except (ValueError, RecursionError):
-                pass  # YAML in flow style, or a broken file: YAML's loader, and its messages
+    if loader is None and _JSON_START.match(text):
+        try:
+            # json takes the white space; only a byte-order mark is cut (a copy, then only).
+            return [json.loads(text[1:] if text[0] == "\ufeff" else text)]
+        except (ValueError, RecursionError):
+            pass  # YAML in flow style, or a broken file: YAML's loader, and its messages
     return list(yaml.load_all(text, Loader=loader or _LOADER))
 
 
