@@ -212,19 +212,17 @@ def _exposed_name(kind: str, name: str) -> str:
 
 def metric_rows() -> list[tuple[str, str, tuple[str, ...], str]]:
     """(exposed name, type, labels, help) of every metric uproxy exports: prometheus_client's
-    (``uproxy.metrics``), then the data plane's scrape-time families, in the order
-    ``uproxy.dataplane.series`` defines them."""
+    (``uproxy.metrics``), then the data plane's scrape-time families (``DATA_PLANE``, in
+    the order a scrape writes them)."""
     from prometheus_client.metrics import Info, MetricWrapperBase
 
     from uproxy import metrics
     from uproxy.dataplane import series
 
-    wrappers: list[MetricWrapperBase | series.ScrapeFamily] = [
-        v for v in vars(metrics).values() if isinstance(v, MetricWrapperBase)
-    ]
-    families = [v for v in vars(series).values() if isinstance(v, series.ScrapeFamily)]
+    wrappers = [v for v in vars(metrics).values() if isinstance(v, MetricWrapperBase)]
+    every: list[MetricWrapperBase | series.ScrapeFamily] = [*wrappers, *series.DATA_PLANE]
     rows = []
-    for value in [*wrappers, *families]:
+    for value in every:
         if isinstance(value, series.LabelledFamily):
             labels: tuple[str, ...] = value.labelnames
         elif isinstance(value, Info):
