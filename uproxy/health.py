@@ -7,6 +7,8 @@ existing probes, cloud load balancer checks and dashboards keep working unchange
 - A sync that was queued but has not finished within 2 x the sync period makes the proxy
   *stale*: its rules may no longer match the cluster. Only the oldest pending request
   counts, so a steady stream of changes that are processed in time never looks stale.
+  A sync answers only the requests made before it started: one queued while a sync is
+  running waits for the next, and is stale if that one hangs.
 - Before the first sync nothing is queued, so a starting proxy is healthy; this is
   kube-proxy's behaviour and keeps a rolling restart from failing every node at once.
 - ``/healthz`` is also 503 while this Node is being deleted (or tainted for deletion), so
@@ -49,7 +51,14 @@ class ProxyHealth:
     change and sync, and the HTTP handlers and health-check node ports read ``healthy``.
     """
 
-    __slots__ = ("_clock", "_last_updated", "_node_eligible", "_oldest_queued", "_timeout_s")
+    __slots__ = (
+        "_clock",
+        "_last_updated",
+        "_node_eligible",
+        "_oldest_queued",
+        "_oldest_taken",
+        "_timeout_s",
+    )
 
     def __init__(self, *, sync_period_s: float, clock: Callable[[], float] = time.time) -> None:
         if sync_period_s <= 0:
@@ -59,6 +68,8 @@ class ProxyHealth:
         self._oldest_queued: float | None = None
         self._last_updated: float | None = None
         self._node_eligible = True
+        # The oldest request the running sync (or a failed one before it) took.
+        self._oldest_taken: float | None = None
 
     @property
     def timeout_s(self) -> float:
@@ -79,9 +90,19 @@ class ProxyHealth:
         if self._oldest_queued is None:
             self._oldest_queued = self._clock()
 
-    def updated(self) -> None:
-        """A sync finished: everything queued before it is done."""
+    def started(self) -> None:
+        """A sync is taking every change queued so far; later ones wait for the next sync.
+
+        A sync that fails keeps what it took: the retry answers it, and until then the
+        oldest request keeps counting.
+        """
+        if self._oldest_taken is None:
+            self._oldest_taken = self._oldest_queued
         self._oldest_queued = None
+
+    def updated(self) -> None:
+        """A sync finished: every request made before it started is done."""
+        self._oldest_taken = None
         self._last_updated = self._clock()
 
     def set_node_eligible(self, eligible: bool) -> None:
@@ -91,7 +112,8 @@ class ProxyHealth:
         self._node_eligible = eligible
 
     def _fresh(self, now: float) -> bool:
-        oldest = self._oldest_queued
+        # Taken before queued, so when both are set the taken one is the older.
+        oldest = self._oldest_taken if self._oldest_taken is not None else self._oldest_queued
         return oldest is None or now - oldest < self._timeout_s
 
     def live(self) -> bool:

@@ -112,7 +112,7 @@ class Proxy:
         )
         self.runner = BoundedFrequencyRunner(
             "sync-proxy-rules",
-            self.syncer.sync,
+            self._sync,
             min_interval=s.iptables_min_sync_period,
             max_interval=s.iptables_sync_period,
         )
@@ -357,6 +357,11 @@ class Proxy:
         touched = self.syncer.apply_endpoints()
         if touched and self._note_healthchecks(self.syncer.ports, touched):
             self._queue_sync()  # a spec moved: the next sync opens or closes its server
+
+    async def _sync(self) -> None:
+        # No await between these two: the sync takes exactly the changes queued so far.
+        self.health.started()
+        await self.syncer.sync()
 
     def _synced(self) -> None:
         self.health.updated()

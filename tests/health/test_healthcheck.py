@@ -120,6 +120,7 @@ async def test_unhealthy_proxy_fails_despite_endpoints(
     status, body, weight = await check(http, unused_port)
     assert (status, weight) == (503, 3)
     assert_same_bytes(body, expected_body("shop", "web", 3, False))
+    health.started()
     health.updated()
     assert (await check(http, unused_port))[0] == 200
 

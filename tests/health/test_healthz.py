@@ -60,6 +60,7 @@ def test_stale_only_after_two_sync_periods(health: ProxyHealth, clock: FakeClock
     assert health.healthy() and health.live()
     clock.advance(0.001)
     assert not health.healthy() and not health.live()
+    health.started()
     health.updated()
     assert health.healthy() and health.live()
 
@@ -77,11 +78,41 @@ def test_updated_clears_queue_then_new_queue_starts_fresh(
 ) -> None:
     health.queued()
     clock.advance(SYNC_PERIOD_S)
+    health.started()
     health.updated()
     clock.advance(10 * SYNC_PERIOD_S)  # long quiet time without changes is healthy
     assert health.live()
     health.queued()
     clock.advance(2 * SYNC_PERIOD_S - 1)
+    assert health.live()
+
+
+def test_request_made_during_a_sync_waits_for_the_next_one(
+    health: ProxyHealth, clock: FakeClock
+) -> None:
+    """A sync answers what was queued before it started, not what arrived meanwhile."""
+    health.queued()
+    health.started()
+    clock.advance(SYNC_PERIOD_S)
+    health.queued()  # a change the running sync did not take
+    health.updated()
+    health.started()  # the next sync takes it, and hangs
+    clock.advance(2 * SYNC_PERIOD_S - 0.001)
+    assert health.live()
+    clock.advance(0.001)
+    assert not health.live()
+
+
+def test_failed_sync_keeps_its_oldest_request(health: ProxyHealth, clock: FakeClock) -> None:
+    """A sync that raised never calls updated(): the retry must not restart the clock."""
+    health.queued()
+    health.started()  # fails
+    clock.advance(SYNC_PERIOD_S)
+    health.queued()
+    health.started()  # the retry, which hangs
+    clock.advance(SYNC_PERIOD_S)
+    assert not health.live()
+    health.updated()
     assert health.live()
 
 
@@ -135,6 +166,7 @@ async def test_healthz_turns_503_when_stale_and_back(
     assert status == 503
     assert json.loads(body)["lastUpdated"] == synced_at
 
+    health.started()
     health.updated()
     status, body = await get(http, server, "/healthz")
     assert status == 200
