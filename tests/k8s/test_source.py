@@ -64,22 +64,22 @@ async def test_lists_then_follows_changes(
     apiserver.update(
         EPS, endpoint_slice("web-1", service_name="web", ips=["10.1.0.1", "10.1.0.2"], port=80)
     )
-    await wait_for(lambda: ips(tracker, "api") == ["10.2.0.1"], timeout=1)
-    await wait_for(lambda: ips(tracker, "web") == ["10.1.0.1", "10.1.0.2"], timeout=1)
+    await wait_for(lambda: ips(tracker, "api") == ["10.2.0.1"])
+    await wait_for(lambda: ips(tracker, "web") == ["10.1.0.1", "10.1.0.2"])
     apiserver.delete(SVC, service("api"))
-    await wait_for(lambda: names(tracker) == {"web"}, timeout=1)
+    await wait_for(lambda: names(tracker) == {"web"})
     draining = node(NODE, zone="zone-b", ip="192.0.2.20")
     draining["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
     draining["spec"]["taints"] = [
         {"key": "node.kubernetes.io/unschedulable", "effect": "NoSchedule"}
     ]
     apiserver.update("Node", draining)
-    await wait_for(lambda: tracker.node is not None and tracker.node.zone == "zone-b", timeout=1)
+    await wait_for(lambda: tracker.node is not None and tracker.node.zone == "zone-b")
     assert tracker.node is not None
     assert tracker.node.deleting and tracker.node.addresses == ("192.0.2.20",)
     assert tracker.node.taints == ("node.kubernetes.io/unschedulable:NoSchedule",)
     apiserver.delete("Node", node(NODE))
-    await wait_for(lambda: tracker.node is None, timeout=1)
+    await wait_for(lambda: tracker.node is None)
     assert apiserver.list_count(SVC) == 1
     assert apiserver.list_count(EPS) == 1
     # The watch starts from the list's version and asks for bookmarks.
