@@ -92,3 +92,38 @@ def test_jumps_read_before_the_first_sync_serve_it_unless_someone_committed(
     installed = save(topo, mode)
     assert installed.count("-j KUBE-PORTALS-CONTAINER") == 1, installed
     assert_installed(before, installed, PORTALS, topo.node_ip)
+
+
+def test_unreachable_chains_are_filled_in_several_commits(
+    topo: Topology, backend: str, mode: str
+) -> None:
+    # 5,000 services: over 10,000 nat rules. While no jump leads into uproxy's chains (the
+    # first sync, or after somebody removed uproxy's rules) nft mode fills them in commits of
+    # at most 2,000 rules, the jumps in the last; with the jumps in place a rewrite is one
+    # commit per table. Legacy mode always writes a table in one commit. Either way the rules
+    # read back exactly, and the commit count is right: the sync after each finds nothing to
+    # do (a count off by one would make it rewrite everything again).
+    install_foreign(topo, mode)
+    before = save(topo, mode)
+    nat = f"iptables-{mode}"
+    delete_one = {"op": "shell", "argv": [nat, "-w", "-t", "nat", "-D", "KUBE-PORTALS-HOST", "1"]}
+    sync = {**sync_op(PORTALS), "many": 5000}
+    counters = [{"op": "attr", "name": "commits"}, {"op": "attr", "name": "restores"}]
+    ops: list[dict[str, Any]] = []
+    read: list[int] = []  # where the counters' answers are
+    for meddle in ([], [{"op": "cleanup_all"}], [delete_one]):
+        for step in ([*meddle, sync], [sync]):  # a rewrite, then a sync with nothing to do
+            ops += step
+            read.append(len(ops))
+            ops += [*counters, {"op": "verify"}]
+    results = run_ops(topo, backend, mode, ops)
+    commits = [results[i] for i in read]
+    restores = [results[i + 1] for i in read]
+    assert [results[i + 2] for i in read] == [True] * 6
+    assert restores == [1, 1, 2, 2, 3, 3]  # one restore per rewrite, none when idle
+    assert commits[1] == commits[0] and commits[3] == commits[2] and commits[5] == commits[4]
+    nat_commits = 6 if mode == "nft" else 1  # 10,000 and a few rules, 2,000 per commit
+    assert commits[0] == nat_commits + 1  # and filter's
+    assert commits[2] - commits[1] == nat_commits + 1
+    assert commits[4] - commits[3] == 2  # the jumps were in place: one commit per table
+    assert_installed(before, save(topo, mode), [*many_portals(5000), *PORTALS], topo.node_ip)

@@ -6,7 +6,7 @@ import pytest
 
 from uproxy.model import IPFamily, Protocol, ServicePortName
 from uproxy.rules.base import LocalTraffic, Portal, PortalKind, Stack
-from uproxy.rules.payload import restore_payload
+from uproxy.rules.payload import restore_payload, rewrite_commits
 from uproxy.rules.portals import (
     CHAINS,
     FILTER,
@@ -75,6 +75,45 @@ def test_every_portal_kind_renders_exact_rules() -> None:
     jumps = ruleset.jumps
     assert restore_payload(ruleset, NAT, missing_jumps=jumps) == EXPECTED_NAT
     assert restore_payload(ruleset, FILTER, missing_jumps=jumps) == EXPECTED_FILTER
+
+
+def test_unreachable_chains_are_filled_commit_by_commit_jumps_last() -> None:
+    # Every jump of the table is missing: no packet enters the chains until the last commit,
+    # so they are filled in commits of at most `chunk` rules, and the jumps come last.
+    ruleset = build_rules(PORTALS, host_ip=HOST_IP)
+    commits = rewrite_commits(ruleset, NAT, missing_jumps=ruleset.jumps, chunk=4)
+    rule_lines = [line for line in EXPECTED_NAT.splitlines() if line.startswith("-A KUBE-")]
+    jump_lines = [line for line in EXPECTED_NAT.splitlines() if " -j KUBE-" in line]
+    assert len(rule_lines) == 11 and len(commits) == 3
+    blocks = [c.splitlines() for c in commits]
+    assert all(b[0] == "*nat" and b[-1] == "COMMIT" for b in blocks)
+    assert [line for line in blocks[0] if line.startswith(":")] == [
+        f":{chain} - [0:0]" for chain in CHAINS[NAT]
+    ]
+    assert [len([x for x in b if x.startswith("-A KUBE-")]) for b in blocks] == [4, 4, 3]
+    assert [x for b in blocks for x in b if x.startswith("-A KUBE-")] == rule_lines
+    assert [x for x in blocks[-1] if " -j KUBE-" in x] == jump_lines
+    assert not any(" -j KUBE-" in x for b in blocks[:-1] for x in b)
+    # The commits together install what the one-commit rewrite does.
+    assert sorted(x for b in blocks for x in b if x not in ("*nat", "COMMIT")) == sorted(
+        EXPECTED_NAT.splitlines()[1:-1]
+    )
+
+
+@pytest.mark.parametrize("reachable", ["one jump in place", "a stale jump"])
+def test_reachable_chains_are_rewritten_in_one_commit(reachable: str) -> None:
+    # While any jump leads into the chains, they serve traffic: a rewrite in pieces would
+    # leave services without their rules between commits.
+    ruleset = build_rules(PORTALS, host_ip=HOST_IP)
+    missing = list(ruleset.jumps_in(NAT))
+    stale: list[str] = []
+    if reachable == "one jump in place":
+        missing = missing[1:]
+    else:
+        stale = [missing[0].save_line().replace("PREROUTING", "OUTPUT")]
+    commits = rewrite_commits(ruleset, NAT, missing_jumps=missing, stale_jumps=stale, chunk=4)
+    assert len(commits) == 1
+    assert commits[0] == restore_payload(ruleset, NAT, missing_jumps=missing, stale_jumps=stale)
 
 
 def test_installed_jumps_are_not_repeated() -> None:
