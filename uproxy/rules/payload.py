@@ -38,11 +38,11 @@ def restore_payload(
     lines of jumps into uproxy's chains that this configuration no longer has, such as an old
     ``--nodeport-addresses``) are deleted.
     """
-    return "".join(
-        rewrite_commits(
-            ruleset, table, missing_jumps=missing_jumps, stale_jumps=stale_jumps, lines=lines
-        )
-    )
+    out = _declare(ruleset, table)
+    out.extend(f"-D {line[3:]}" for line in stale_jumps if _table_of_jump(line) == table)
+    out.extend(_jump_lines(ruleset, table, missing_jumps))
+    out.extend(_rule_lines(ruleset, table, lines))
+    return _commit(out)
 
 
 def rewrite_commits(
@@ -54,8 +54,8 @@ def rewrite_commits(
     lines: Mapping[PortalRule, str] | None = None,
     chunk: int | None = None,
 ) -> list[str]:
-    """``restore_payload`` as its commits: one, or several of at most ``chunk`` rules each
-    when nothing can reach uproxy's chains in ``table`` until the rewrite is done.
+    """``restore_payload`` as commits: that one, or, when nothing can reach uproxy's chains in
+    ``table`` before the rewrite is done, several of at most ``chunk`` rules each.
 
     The kernel takes an nft commit in one piece, and 20,000 rules in one commit held a CPU
     for 0.3 s (``iptables-nft-restore``: a process sleeping 0.5 ms at a time on that CPU
@@ -65,27 +65,38 @@ def rewrite_commits(
     commit and the jumps come in the last one. While any jump is in place (``stale_jumps``
     too), the chains serve traffic and the rewrite stays one commit.
     """
-    rules = [
-        lines[rule] if lines is not None else rule.save_line() for rule in ruleset.rules_in(table)
-    ]
-    stale = [f"-D {line[3:]}" for line in stale_jumps if _table_of_jump(line) == table]
-    jumps = [
-        f"{f'-I {jump.chain} {position}' if jump.first else f'-A {jump.chain}'} {jump.spec()}"
-        for jump, position in insert_positions(ruleset.jumps_in(table), missing_jumps)
-    ]
-    declare = [f"*{table}", *(f":{chain} - [0:0]" for chain in ruleset.chains[table])]
     missing = set(missing_jumps)
-    unreachable = not stale and all(jump in missing for jump in ruleset.jumps_in(table))
-    if chunk is None or not unreachable or len(rules) <= chunk:
-        return [_commit([*declare, *stale, *jumps, *rules])]
-    commits = []
-    for start in range(0, len(rules), chunk):
-        body = rules[start : start + chunk]
-        last = start + chunk >= len(rules)
-        commits.append(
-            _commit([*(declare if start == 0 else [f"*{table}"]), *body, *(jumps if last else [])])
+    unreachable = all(jump in missing for jump in ruleset.jumps_in(table)) and not any(
+        _table_of_jump(line) == table for line in stale_jumps
+    )
+    if chunk is None or not unreachable:
+        payload = restore_payload(
+            ruleset, table, missing_jumps=missing_jumps, stale_jumps=stale_jumps, lines=lines
         )
-    return commits
+        return [payload]
+    rules = _rule_lines(ruleset, table, lines)
+    pieces = [rules[i : i + chunk] for i in range(0, len(rules), chunk)] or [[]]
+    pieces[-1] = [*pieces[-1], *_jump_lines(ruleset, table, missing_jumps)]
+    heads = [_declare(ruleset, table)] + [[f"*{table}"]] * (len(pieces) - 1)
+    return [_commit([*head, *piece]) for head, piece in zip(heads, pieces, strict=True)]
+
+
+def _declare(ruleset: RuleSet, table: str) -> list[str]:
+    return [f"*{table}", *(f":{chain} - [0:0]" for chain in ruleset.chains[table])]
+
+
+def _jump_lines(ruleset: RuleSet, table: str, missing: Collection[JumpRule]) -> list[str]:
+    out = []
+    for jump, position in insert_positions(ruleset.jumps_in(table), missing):
+        where = f"-I {jump.chain} {position}" if jump.first else f"-A {jump.chain}"
+        out.append(f"{where} {jump.spec()}")
+    return out
+
+
+def _rule_lines(ruleset: RuleSet, table: str, lines: Mapping[PortalRule, str] | None) -> list[str]:
+    if lines is None:
+        return [rule.save_line() for rule in ruleset.rules_in(table)]
+    return [lines[rule] for rule in ruleset.rules_in(table)]
 
 
 def _commit(lines: list[str]) -> str:
