@@ -55,15 +55,17 @@ def portal_from_json(d: dict[str, Any]) -> Portal:
     )
 
 
-def many_portals(count: int) -> list[Portal]:
-    """``count`` ClusterIP portals (10.97.0.0/16), for tests at scale without a huge script."""
+def many_portals(count: int, moved: int = 0) -> list[Portal]:
+    """``count`` ClusterIP portals (10.97.0.0/16), for tests at scale without a huge script;
+    ``moved`` of them, spread evenly, on other proxy ports."""
+    step = count // moved if moved else 0
     return [
         Portal(
             ServicePortName("scale", f"svc-{i}", "http", Protocol.TCP),
             PortalKind.CLUSTER_IP,
             f"10.97.{i // 250}.{i % 250 + 1}",
             80,
-            20000 + i,
+            (40000 if step and i % step == 0 and i // step < moved else 20000) + i,
         )
         for i in range(count)
     ]
@@ -89,7 +91,7 @@ async def _op(backend: RulesBackend, op: dict[str, Any]) -> Any:
     kind = op["op"]
     if kind == "sync":
         portals = [portal_from_json(p) for p in op["portals"]]
-        await backend.sync(portals + many_portals(op.get("many", 0)))
+        await backend.sync(portals + many_portals(op.get("many", 0), op.get("moved", 0)))
         return None
     if kind == "spawns":
         return [argv[0] for argv in SPAWNS.argvs]

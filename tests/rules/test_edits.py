@@ -11,7 +11,7 @@ import pytest
 from uproxy.model import Protocol, ServicePortName
 from uproxy.rules.base import LocalTraffic, Portal, PortalKind
 from uproxy.rules.payload import edit_payload
-from uproxy.rules.portals import ALL_CHAINS, TABLES, RuleBuilder, RuleSet
+from uproxy.rules.portals import ALL_CHAINS, CHAINS, TABLES, RuleBuilder, RuleSet
 
 HOST_IP = "192.168.7.1"
 PODS = LocalTraffic(cidrs=("10.244.0.0/16",))
@@ -175,3 +175,58 @@ def test_rewrites_instead_when_edits_cannot_say_it() -> None:
     # Nothing changed: an empty edit, no table touched.
     same = edit_payload(old, old, lines=builder.lines, delete_by_spec=False, max_edits=64)
     assert same is not None and (same.payload, same.commits, same.count) == ("", 0, 0)
+
+
+def by_comment(
+    chains: dict[str, list[str]], comments: dict[str, str]
+) -> dict[tuple[str, str], list[str]]:
+    """The rules of each service port (by its comment) in each table, in chain order."""
+    out: dict[tuple[str, str], list[str]] = {}
+    for table in TABLES:
+        for chain in CHAINS[table]:
+            for line in chains[chain]:
+                out.setdefault((table, comments[line]), []).append(line)
+    return out
+
+
+@pytest.mark.parametrize("budget", [1, 250, 1_000])
+def test_edits_in_several_commits_never_leave_a_service_half_changed(budget: int) -> None:
+    rng = random.Random(budget)
+    everything = pool(160)
+    builder = RuleBuilder(host_ip=HOST_IP, dial_mark=0x1000, local=PODS)
+    current = set(rng.sample(everything, 100))
+    old = builder.build(current)
+    for _ in range(30):
+        step = rng.randrange(3)
+        if step == 0:
+            current.discard(rng.choice(sorted(current)))
+        elif step == 1:
+            current.add(rng.choice(everything))
+        else:  # moved proxy ports: the same service port, other rules
+            moved = rng.choice(sorted(current))
+            current.discard(moved)
+            current.add(replace(moved, proxy_port=moved.proxy_port + 3))
+    new = builder.build(current)
+    edits = edit_payload(
+        old,
+        new,
+        lines=builder.lines,
+        delete_by_spec=False,
+        max_edits=10_000,
+        commit_cost=budget,
+    )
+    assert edits is not None
+    one = edit_payload(old, new, lines=builder.lines, delete_by_spec=False, max_edits=10_000)
+    assert one is not None and edits.count == one.count and one.commits <= 2
+    comments = {r.save_line(): r.comment for r in (*old.rules, *new.rules)}
+    was, will = by_comment(chains_of(old), comments), by_comment(chains_of(new), comments)
+    chains = chains_of(old)
+    pieces = edits.payload.split("COMMIT\n")[:-1]
+    assert len(pieces) == edits.commits > (one.commits if budget < 1_000 else 0)
+    for piece in pieces:
+        apply(chains, piece + "COMMIT\n")
+        now = by_comment(chains, comments)
+        for comment in set(was) | set(will):
+            # in each table, a service port has all its old rules or all its new ones
+            assert now.get(comment, []) in (was.get(comment, []), will.get(comment, [])), comment
+    assert chains == chains_of(new)

@@ -106,12 +106,16 @@ def _commit(lines: list[str]) -> str:
 @dataclass(frozen=True, slots=True)
 class Edits:
     """``iptables-restore --noflush`` input that turns uproxy's chains from one rule set into
-    the next by deleting and inserting single rules: ``payload`` holds one ``COMMIT`` per
-    table it touches (``commits``); ``count`` is the number of rules deleted and inserted."""
+    the next by deleting and inserting single rules: ``payload`` holds ``commits`` ``COMMIT``
+    lines (one per table it touches, or more, see ``commit_cost``); ``count`` is the number
+    of rules deleted and inserted."""
 
     payload: str
     commits: int
     count: int
+
+
+_KEPT, _GONE, _CAME = 0, 1, 2
 
 
 def edit_payload(
@@ -121,6 +125,7 @@ def edit_payload(
     lines: Mapping[PortalRule, str],
     delete_by_spec: bool,
     max_edits: int,
+    commit_cost: int | None = None,
 ) -> Edits | None:
     """The edits from ``old`` (what uproxy's chains hold, in their order) to ``new``; None
     when a rewrite is the way: the jumps or chains differ, more than ``max_edits`` rules
@@ -140,37 +145,124 @@ def edit_payload(
     left it fails the restore rather than deleting another); iptables-nft compares a spec
     with every rule of the chain (4-5 ms per deletion in a chain of 10,000), so positions.
     ``lines`` are ``new``'s rules as text (the builder's).
+
+    ``commit_cost`` splits a table's edits into several commits. The kernel finds the rule
+    an nft edit names (by position: its handle) by walking the chain, under the commit
+    mutex and without giving up the CPU, so an edit weighs the length of its chain and a
+    commit holds at most ``commit_cost`` of that weight (one service port more, if that
+    one alone weighs more). The edits of one service port (its comment) stay in one commit,
+    so between commits every service has either its old rules or its new ones, never
+    neither; positions are those of the chains as the commits before left them.
     """
     if old.jumps != new.jumps or old.chains != new.chains:
         return None
     before, after = old.by_chain(), new.by_chain()
-    tables: list[str] = []
-    count = 0
+    payload: list[str] = []
+    commits = count = 0
     for table in TABLES:
-        body: list[str] = []
+        merged: dict[str, list[tuple[PortalRule, int]]] = {}
+        weights: dict[str, int] = {}  # per service port (comment), in chain order
         for chain in new.chains[table]:
             was, now = before.get(chain, []), after.get(chain, [])
             if len(was) == len(now) and all(a is b for a, b in zip(was, now, strict=True)):
                 continue
-            was_ids = {id(r) for r in was}
-            now_ids = {id(r) for r in now}
-            kept_before = [id(r) for r in was if id(r) in now_ids]
-            if kept_before != [id(r) for r in now if id(r) in was_ids]:
+            rules = _merge(was, now)
+            if rules is None:
                 return None
-            gone = [(i, r) for i, r in enumerate(was, 1) if id(r) not in now_ids]
-            came = [(i, r) for i, r in enumerate(now, 1) if id(r) not in was_ids]
-            count += len(gone) + len(came)
-            if count > max_edits:
-                return None
-            for position, rule in reversed(gone):
-                body.append(
-                    f"-D {rule.save_line()[3:]}" if delete_by_spec else f"-D {chain} {position}"
-                )
-            prefix = len(chain) + 4  # "-A CHAIN "
-            body.extend(f"-I {chain} {position} {lines[rule][prefix:]}" for position, rule in came)
-        if body:
-            tables.append("\n".join([f"*{table}", *body, "COMMIT"]) + "\n")
-    return Edits("".join(tables), len(tables), count)
+            weight = max(len(was), len(now))
+            for rule, state in rules:
+                if state != _KEPT:
+                    count += 1
+                    weights[rule.comment] = weights.get(rule.comment, 0) + weight
+            merged[chain] = rules
+        if count > max_edits:
+            return None
+        for group in _groups(weights, commit_cost):
+            body: list[str] = []
+            for chain, rules in merged.items():
+                body.extend(_edit_lines(chain, rules, group, lines, delete_by_spec))
+            payload.append("\n".join([f"*{table}", *body, "COMMIT"]) + "\n")
+            commits += 1
+    return Edits("".join(payload), commits, count)
+
+
+def _merge(was: list[PortalRule], now: list[PortalRule]) -> list[tuple[PortalRule, int]] | None:
+    """One chain before and after, as one list: the rules both keep, in their common order,
+    and between two of them the rules that go, then those that come; None when the rules
+    both keep stand in another order."""
+    was_ids = {id(r) for r in was}
+    now_ids = {id(r) for r in now}
+    kept = [r for r in was if id(r) in now_ids]
+    if any(a is not b for a, b in zip(kept, (r for r in now if id(r) in was_ids), strict=True)):
+        return None
+    out: list[tuple[PortalRule, int]] = []
+    i = j = 0
+    for anchor in [*kept, None]:
+        while i < len(was) and was[i] is not anchor:
+            out.append((was[i], _GONE))
+            i += 1
+        while j < len(now) and now[j] is not anchor:
+            out.append((now[j], _CAME))
+            j += 1
+        if anchor is not None:
+            out.append((anchor, _KEPT))
+            i += 1
+            j += 1
+    return out
+
+
+def _groups(weights: dict[str, int], budget: int | None) -> list[dict[str, int]]:
+    """The commits of a table's edits: for each, every edited service port (comment) with
+    its commit counted from that one (negative: an earlier commit, 0: this one, positive: a
+    later one), filled greedily in chain order up to ``budget`` weight each."""
+    index: dict[str, int] = {}
+    commit = used = 0
+    for comment, weight in weights.items():
+        if budget is not None and used and used + weight > budget:
+            commit += 1
+            used = 0
+        index[comment] = commit
+        used += weight
+    if not index:
+        return []
+    return [{comment: c - at for comment, c in index.items()} for at in range(commit + 1)]
+
+
+def _edit_lines(
+    chain: str,
+    rules: list[tuple[PortalRule, int]],
+    group: dict[str, int],
+    lines: Mapping[PortalRule, str],
+    delete_by_spec: bool,
+) -> list[str]:
+    """One commit's lines for ``chain``: ``group`` maps each edited service port to its
+    commit, counted from this one (negative: an earlier commit, 0: this one)."""
+
+    def present(rule: PortalRule, state: int, after: bool) -> bool:
+        if state == _KEPT:
+            return True
+        step = group[rule.comment]
+        done = step < 0 or (after and step == 0)
+        return done if state == _CAME else not done
+
+    out: list[str] = []
+    position = 0
+    gone: list[tuple[int, PortalRule]] = []
+    for rule, state in rules:
+        if present(rule, state, after=False):
+            position += 1
+            if state == _GONE and group[rule.comment] == 0:
+                gone.append((position, rule))
+    for position, rule in reversed(gone):
+        out.append(f"-D {rule.save_line()[3:]}" if delete_by_spec else f"-D {chain} {position}")
+    prefix = len(chain) + 4  # "-A CHAIN "
+    position = 0
+    for rule, state in rules:
+        if present(rule, state, after=True):
+            position += 1
+            if state == _CAME and group[rule.comment] == 0:
+                out.append(f"-I {chain} {position} {lines[rule][prefix:]}")
+    return out
 
 
 def _table_of_jump(line: str) -> str:

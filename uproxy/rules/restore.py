@@ -11,8 +11,9 @@ has (an earlier ``--nodeport-addresses``) are deleted in that commit.
 A small change is an edit, not a rewrite: when nobody else committed since uproxy's last
 commit (the watch below says so), its chains hold exactly what that commit left, so the sync
 deletes and inserts only the rules that changed, at the positions a rewrite would give them
-(``payload.edit_payload``): the chains end up the same text either way, still in one commit
-per table. A service added or removed at 10,000 services is then a handful of lines for
+(``payload.edit_payload``): the chains end up the same text either way, in one commit per
+table (iptables-nft: more when many rules change, each service's edits in one of them). A
+service added or removed at 10,000 services is then a handful of lines for
 ``iptables-restore`` instead of 20,000 (in a 10,000-rule chain: 0.08-0.10 s for
 iptables-nft-restore against 0.26 s, 0.03-0.04 s against 0.06 s for legacy). If somebody
 else committed in between after all (the generation moved by more than uproxy's commits), the
@@ -90,6 +91,14 @@ MIN_EDITS = 64
 # stays one commit: its kernel replaces the whole table per commit (20,000 rules: 32-34 ms
 # held in one commit, 50-53 ms and four times the work in commits of 2,000).
 REWRITE_CHUNK = 2000
+# The weight of an nft-mode edit commit (``edit_payload``'s ``commit_cost``): an edit weighs
+# the length of its chain, which the kernel walks to find the rule it names. 625 services
+# changed at 10,000 (2,500 edits in two chains of 10,000 rules): in one commit a process
+# sleeping 0.5 ms at a time on the same CPU overslept by 174-195 ms, in 13 commits of this
+# weight by 35-37 ms (as a REWRITE_CHUNK commit), in 9 by 43-44 ms. Each commit costs
+# iptables-nft-restore a new read of the table, preemptible but not cheap: the sync took
+# 2.6-2.7 s against 0.5 s in one commit (1.8-1.9 s in 9).
+EDIT_COMMIT_COST = 2_000_000
 
 
 def program(family: IPFamily, mode: str, suffix: str = "") -> str:
@@ -328,6 +337,7 @@ class RestoreBackend:
                 lines=fam.builder.lines,
                 delete_by_spec=mode == "legacy",
                 max_edits=max(MIN_EDITS, len(ruleset.rules) // EDIT_SHARE),
+                commit_cost=EDIT_COMMIT_COST if mode == "nft" else None,
             )
             if edits is not None:
                 return edits.payload, edits.commits, edits.count
