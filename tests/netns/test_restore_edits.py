@@ -88,6 +88,74 @@ def test_many_edits_go_in_several_commits_in_nft_mode(
     assert_installed(before, save(topo, mode), [*many_portals(5000, 300), *PORTALS], topo.node_ip)
 
 
+def test_after_a_foreign_commit_chains_that_read_back_as_ours_are_edited(
+    topo: Topology, backend: str, mode: str
+) -> None:
+    # Somebody else commits (a rule in a chain of theirs, as a CNI plugin would) between two
+    # syncs. uproxy reads its chains back, finds every rule of every kind exactly as it left
+    # them (iptables-save prints what uproxy wrote), and edits the change in: no rewrite.
+    # Then nothing changes but somebody commits again: read, nothing written at all.
+    install_foreign(topo, mode)
+    before = save(topo, mode)
+    foreign = {"op": "shell", "argv": [f"iptables-{mode}", "-w", "-A", "FORWARD", "-j", "ACCEPT"]}
+    counters = [{"op": "attr", "name": "edits"}, {"op": "attr", "name": "restores"}]
+    ops: list[dict[str, Any]] = [{**sync_op(PORTALS), "many": 1000}, foreign]
+    ops += [{**sync_op(PORTALS[1:]), "many": 1000}, *counters, {"op": "verify"}, foreign]
+    ops += [{**sync_op(PORTALS[1:]), "many": 1000}, *counters, {"op": "verify"}]
+    results = run_ops(topo, backend, mode, ops)
+    assert results[3:6] == [2, 2, True]  # the ClusterIP's two rules deleted, one restore
+    assert results[8:11] == [2, 2, True]  # nothing written
+    after = save(topo, mode)
+    assert after.count("-A FORWARD -j ACCEPT") == 2
+    assert_installed(
+        before,
+        after.replace("-A FORWARD -j ACCEPT\n", ""),
+        [*many_portals(1000), *PORTALS[1:]],
+        topo.node_ip,
+    )
+
+
+def test_jumps_flushed_with_the_chains_intact_are_put_back(
+    topo: Topology, backend: str, mode: str
+) -> None:
+    # Somebody flushes the built-in chains (a firewall reload) but not uproxy's: the chains
+    # read back as uproxy's, yet the jumps into them are gone. The sync puts them back, with
+    # no change of its own and with one.
+    install_foreign(topo, mode)
+    flushes = [
+        [f"iptables-{mode}", "-w", "-t", table, "-F", chain]
+        for table, chain in (("nat", "PREROUTING"), ("nat", "OUTPUT"), ("filter", "INPUT"))
+    ]
+    for argv in flushes:  # so that later flushes take only uproxy's jumps
+        topo.run(topo.node, *argv)
+    before = save(topo, mode)
+    flush = [{"op": "shell", "argv": argv} for argv in flushes]
+    ops: list[dict[str, Any]] = [{**sync_op(PORTALS), "many": 1000}, *flush]
+    ops += [{**sync_op(PORTALS), "many": 1000}, {"op": "verify"}, *flush]
+    ops += [{**sync_op(PORTALS[1:]), "many": 1000}, {"op": "verify"}]
+    results = run_ops(topo, backend, mode, ops)
+    assert [results[5], results[10]] == [True, True]
+    after = save(topo, mode)
+    assert_installed(before, after, [*many_portals(1000), *PORTALS[1:]], topo.node_ip)
+
+
+def test_a_rule_deleted_by_someone_else_is_rewritten_after_a_check(
+    topo: Topology, backend: str, mode: str
+) -> None:
+    # The same, with the rules check in between (it runs every second): the jumps are all in
+    # place, so it passes, but uproxy's chains are still not what its last commit left.
+    install_foreign(topo, mode)
+    before = save(topo, mode)
+    delete = {
+        "op": "shell",
+        "argv": [f"iptables-{mode}", "-w", "-t", "nat", "-D", "KUBE-PORTALS-CONTAINER", "1"],
+    }
+    ops = [sync_op(PORTALS), delete, {"op": "check"}, sync_op(PORTALS[1:]), {"op": "verify"}]
+    results = run_ops(topo, backend, mode, ops)
+    assert results[2:] == [True, None, True]
+    assert_installed(before, save(topo, mode), PORTALS[1:], topo.node_ip)
+
+
 # The jump uproxy puts first in nat PREROUTING, as another instance would have left it.
 _CONTAINER_JUMP = """\
 *nat

@@ -10,7 +10,9 @@ from typing import Any
 import pytest
 
 from tests.rules.test_portals import HOST_IP, PORTALS
+from uproxy.model import IPFamily
 from uproxy.rules import RestoreBackend, RulesError, command
+from uproxy.rules.portals import TABLES, RuleSet
 from uproxy.rules.watch import (
     FULL_SYNC_PERIOD_S,
     GenerationWatch,
@@ -181,6 +183,7 @@ class FakeIptables:
     calls: list[list[str]] = field(default_factory=list)
     inputs: list[str] = field(default_factory=list)  # what each restore was given
     fail_restores: int = 0  # this many restores fail from now on
+    saved: str = ""  # what iptables-save prints
 
     async def run(self, argv: Any, *, stdin: str | None = None, **kwargs: Any) -> command.Completed:
         self.calls.append(list(argv))
@@ -189,7 +192,8 @@ class FakeIptables:
             if self.fail_restores:
                 self.fail_restores -= 1
                 raise RulesError("iptables-nft-restore failed: line 2 failed")
-        return command.Completed(tuple(argv), 0, "", "")
+        out = self.saved if str(argv[0]).endswith("-save") else ""
+        return command.Completed(tuple(argv), 0, out, "")
 
     def programs(self) -> list[str]:
         return [argv[0] for argv in self.calls]
@@ -237,15 +241,16 @@ async def test_restore_backend_stays_idle_while_nothing_changes(iptables: FakeIp
     await backend.sync(PORTALS[:-1])
     assert iptables.programs()[first:] == ["iptables-nft-restore"]
     # Somebody commits: the check reads the jumps (the fake has none: missing), then the
-    # sync reads them again and restores.
+    # sync reads everything (the fake: nothing of ours) and restores.
     gen.gen += 1
     assert await backend.check() is False
     await backend.sync(PORTALS[:-1])
-    assert iptables.programs()[first + 1 :] == [*reads, *reads, "iptables-nft-restore"]
-    # Once an hour everything is read and rewritten regardless.
+    whole = ["iptables-nft-save", "iptables-nft-restore"]
+    assert iptables.programs()[first + 1 :] == [*reads, *whole]
+    # Once an hour everything is read, and rewritten where it differs.
     now[0] += FULL_SYNC_PERIOD_S
     await backend.sync(PORTALS[:-1])
-    assert iptables.programs()[first + 2 + 2 * len(reads) :] == [*reads, "iptables-nft-restore"]
+    assert iptables.programs()[first + 3 + len(reads) :] == whole
     assert backend.restores == 4
 
 
@@ -287,11 +292,61 @@ async def test_small_changes_are_edits_foreign_commits_rewrite(iptables: FakeIpt
     )
     assert backend.edits == 2
     assert await backend.check() is True  # one commit, ours: nothing to look at
-    # Somebody else commits: the chains may not be as we left them, so a rewrite.
+    # Somebody else commits: the chains may not be as we left them; read, they are not
+    # (the fake prints nothing of ours), so a rewrite.
     gen.gen += 1
     await backend.sync(PORTALS)
     assert declares_chains(iptables.inputs[-1])
     assert backend.edits == 2
+
+
+def ours(backend: RestoreBackend) -> RuleSet:
+    """The IPv4 rules the backend last installed."""
+    ruleset = backend._families[IPFamily.V4].installed
+    assert ruleset is not None
+    return ruleset
+
+
+def saved(ruleset: RuleSet) -> str:
+    """What iptables-save prints for ``ruleset`` alone (and a rule of somebody else's)."""
+    out = ["*nat", ":OTHER - [0:0]", "-A OTHER -j RETURN"]
+    for table in TABLES:
+        out += [] if table == "nat" else [f"*{table}"]
+        for chain, lines in ruleset.save_lines(table).items():
+            out += [f":{chain} - [0:0]", *lines]
+        out.append("COMMIT")
+    return "\n".join(out) + "\n"
+
+
+async def test_after_a_foreign_commit_chains_read_as_ours_are_edited(
+    iptables: FakeIptables,
+) -> None:
+    gen = Gen()
+    now = [0.0]
+    backend = RestoreBackend(
+        host_ip=HOST_IP, mode="nft", watch_factory=lambda m: gen, clock=lambda: now[0]
+    )
+    await backend.sync(PORTALS)
+    installed = ours(backend)
+    iptables.saved = saved(installed)
+    # Somebody else commits; uproxy's chains still read exactly as it left them. With no
+    # change of its own, the sync reads them and writes nothing, and is idle after that.
+    gen.gen += 1
+    calls = len(iptables.calls)
+    await backend.sync(PORTALS)
+    assert iptables.programs()[calls:] == ["iptables-nft-save"]
+    await backend.sync(PORTALS)
+    assert len(iptables.calls) == calls + 1
+    # Again, with a portal gone: edited in, not rewritten.
+    gen.gen += 1
+    await backend.sync(PORTALS[:-1])
+    assert iptables.programs()[calls + 1 :] == ["iptables-nft-save", "iptables-nft-restore"]
+    assert not declares_chains(iptables.inputs[-1]) and backend.edits == 2
+    # A rule of uproxy's deleted by somebody else (and the hourly sync): a rewrite.
+    iptables.saved = saved(ours(backend)).replace(installed.rules[1].save_line() + "\n", "")
+    now[0] += FULL_SYNC_PERIOD_S
+    await backend.sync(PORTALS[:-1])
+    assert declares_chains(iptables.inputs[-1]) and backend.restores == 3
 
 
 async def test_edits_that_may_have_gone_astray_are_rewritten(iptables: FakeIptables) -> None:

@@ -25,7 +25,8 @@ uproxy writes to the same variant as the kubelet; ``mode`` overrides it.
 Each IP family the node serves has its own rules, written with its own program:
 ``iptables-{nft,legacy}-restore`` for IPv4, ``ip6tables-{nft,legacy}-restore`` for IPv6 (the
 same variant for both). A sync restores only the families whose rules changed, unless
-somebody else committed (then every family is read and rewritten); one change detector
+somebody else committed (then every family is read, and rewritten where it differs); one
+change detector
 covers both families (the nf_tables generation is per namespace; the legacy shape reads
 both ``ip_tables`` and ``ip6_tables``). A restore input holds two tables, nat and filter, and
 each ``COMMIT`` is a transaction of its own: uproxy's restore moves the generation by two.
@@ -34,8 +35,10 @@ Reading rules costs processes, so a change detector (``watch``: the nf_tables ge
 the shape of the legacy tables) decides when to read: ``check`` reads the four built-in
 chains only when somebody committed something since uproxy last looked, a sync skips that
 read when nothing changed since uproxy's own last commit, and a sync of the very rules that
-commit installed, with nothing changed since, does nothing at all. At least once an hour a
-sync reads and rewrites regardless, for what the watch cannot see.
+commit installed, with nothing changed since, does nothing at all. After somebody else's
+commit, a sync reads each family whole (one ``*-save``): chains that still hold exactly what
+uproxy installed are edited, or left alone, instead of rewritten; only chains that differ are
+rewritten. At least once an hour a sync reads everything so, for what the watch cannot see.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ import asyncio
 import logging
 import shutil
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from uproxy.log import V2, kv
@@ -57,6 +60,7 @@ from uproxy.rules.portals import (
     JUMP_CHAINS,
     TABLES,
     JumpRule,
+    PortalRule,
     RuleBuilder,
     RuleSet,
     split_by_family,
@@ -65,6 +69,7 @@ from uproxy.rules.portals import (
 from uproxy.rules.saved import (
     SavedTable,
     cleanup_payload,
+    holds,
     matches,
     missing_jumps,
     parse_save,
@@ -298,26 +303,59 @@ class RestoreBackend:
             if not full and not changed and self._untouched(watch):
                 return  # exactly what our last restore left, and nobody committed since
             jumps: dict[IPFamily, tuple[list[JumpRule], list[str]]] = {}
-            # Edits only on chains known to hold exactly what our last commit left.
-            editable = not (full or self._repair or watch.changed())
-            if editable:  # the jumps are as our last commit or check left them
-                before = watch.marked
+            if not (full or self._repair) and self._untouched(watch):
+                # Nobody committed since our last commit: the chains hold what it left.
+                before = self._committed
                 jumps = {f: ([], []) for f in changed}
+                editable: set[IPFamily] = set(changed)
             else:
                 before = watch.read()
-                early = self._take_early_jumps(before)
-                for family, ruleset in rulesets.items():  # every family: repair them all
-                    builtin = early.get(family)
-                    if builtin is None:
-                        builtin = await self._read_jumps(mode, family)
-                    jumps[family] = (missing_jumps(builtin, ruleset), stale_jumps(builtin, ruleset))
+                jumps, editable = await self._look(mode, rulesets, before)
+                if before is None or watch.read() != before:
+                    editable = set()  # somebody may have committed while we read: rewrite
+                for family in [f for f in editable if f not in changed]:
+                    if jumps[family] == ([], []):
+                        del jumps[family]  # exactly in place already: nothing to write
             rewrote = await self._restore(
                 mode, {f: rulesets[f] for f in jumps}, jumps, before, editable=editable
             )
-            if rewrote:
-                self._repair = False
+            if rewrote or self._committed is not None:
+                self._repair = False  # rewritten, or edits on chains known to be ours
             if full:
                 self._last_full = self._clock()
+
+    async def _look(
+        self, mode: str, rulesets: dict[IPFamily, RuleSet], token: Token | None
+    ) -> tuple[dict[IPFamily, tuple[list[JumpRule], list[str]]], set[IPFamily]]:
+        """After somebody else's commit (or for the hourly full sync): each family's missing
+        and stale jumps, and the families whose chains still hold exactly what uproxy last
+        installed, so that a change can be edited in and no change needs no commit.
+
+        A family with rules installed is read whole (one ``*-save``: 0.2 s at 20,000 rules,
+        none of it holding a CPU) rather than rewritten (0.4 s, and a commit that held a CPU
+        for 0.3 s in nft mode). Nodes where other programs commit rules (a CNI plugin, a
+        firewall) would otherwise rewrite uproxy's chains at every sync after theirs.
+        """
+        early = self._take_early_jumps(token)
+        jumps: dict[IPFamily, tuple[list[JumpRule], list[str]]] = {}
+        editable: set[IPFamily] = set()
+        for family, ruleset in rulesets.items():
+            installed = self._families[family].installed
+            builtin = early.get(family)
+            if builtin is None and installed is not None:
+                self.reads += 1
+                text = await save(mode, family)
+                lines = self._families[family].builder.lines
+                tables, ours = await asyncio.to_thread(_read_back, text, installed, lines)
+                builtin = tables
+                if ours:
+                    editable.add(family)
+            elif builtin is None:
+                builtin = await self._read_jumps(mode, family)
+            jumps[family] = (missing_jumps(builtin, ruleset), stale_jumps(builtin, ruleset))
+            if jumps[family] != ([], []):
+                editable.discard(family)  # edits never touch the jumps: a rewrite puts them back
+        return jumps, editable
 
     def _payload(
         self,
@@ -366,7 +404,7 @@ class RestoreBackend:
         jumps: dict[IPFamily, tuple[list[JumpRule], list[str]]],
         before: Token | None,
         *,
-        editable: bool,
+        editable: Collection[IPFamily],
     ) -> bool:
         """Restore each family's rules; whether every family's chains were rewritten."""
         watch = self.watch(mode)
@@ -375,7 +413,7 @@ class RestoreBackend:
         rewrote = True
         for family, ruleset in rulesets.items():
             payload, count, edited = await asyncio.to_thread(
-                self._payload, family, mode, ruleset, jumps[family], editable
+                self._payload, family, mode, ruleset, jumps[family], family in editable
             )
             try:
                 self.restores += 1
@@ -404,8 +442,8 @@ class RestoreBackend:
         then four short built-in chains per family are read. That notices what actually
         happens to nodes: a flushed table, a firewall reload, deleted chains (a chain cannot
         be deleted while a jump refers to it). A rule deleted by hand from inside uproxy's
-        chains is not looked for: the watch saw a change, so the next sync rewrites those
-        chains whole. ``verify`` compares everything.
+        chains is not looked for here: the watch saw a change, so the next sync reads the
+        chains whole and rewrites them if they differ. ``verify`` compares everything.
         """
         async with self._lock:
             installed = {f: fam.installed for f, fam in self._families.items() if fam.installed}
@@ -449,6 +487,15 @@ class RestoreBackend:
 
     async def close(self) -> None:
         return None
+
+
+def _read_back(
+    text: str, installed: RuleSet, lines: Mapping[PortalRule, str]
+) -> tuple[dict[str, SavedTable], bool]:
+    """``iptables-save`` output parsed, and whether uproxy's chains in it hold exactly
+    ``installed`` (20,000 rules: tens of milliseconds, so on a thread)."""
+    tables = parse_save(text)
+    return tables, holds(tables, installed, lines)
 
 
 def _log_jumps(mode: str, family: IPFamily, missing: list[JumpRule], stale: list[str]) -> None:

@@ -6,9 +6,10 @@ The backends compare installed rules with the desired ones as text, so this pars
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from uproxy.rules.portals import ALL_CHAINS, CHAINS, TABLES, JumpRule, RuleSet
+from uproxy.rules.portals import ALL_CHAINS, CHAINS, TABLES, JumpRule, PortalRule, RuleSet
 
 BUILTIN_CHAINS = frozenset({"PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING"})
 
@@ -89,6 +90,24 @@ def stale_jumps(tables: dict[str, SavedTable], ruleset: RuleSet) -> list[str]:
         for line in lines
         if jump_target(line) in ALL_CHAINS and line not in wanted
     ]
+
+
+def holds(tables: dict[str, SavedTable], ruleset: RuleSet, lines: Mapping[PortalRule, str]) -> bool:
+    """Whether uproxy's chains hold exactly ``ruleset``'s rules, as text and in its order
+    (the jumps into them aside); ``lines`` has the text of some rules (the builder's)."""
+    wanted = ruleset.by_chain()
+    for table, chains in ruleset.chains.items():
+        saved = tables.get(table)
+        if saved is None:
+            return False
+        for chain in chains:
+            have, want = saved.chains.get(chain), wanted.get(chain, [])
+            if have is None or len(have) != len(want):
+                return False
+            for line, rule in zip(have, want, strict=True):
+                if line != (lines.get(rule) or rule.save_line()):
+                    return False
+    return True
 
 
 def matches(tables: dict[str, SavedTable], ruleset: RuleSet) -> bool:
