@@ -95,19 +95,17 @@ def stale_jumps(tables: dict[str, SavedTable], ruleset: RuleSet) -> list[str]:
 def holds(tables: dict[str, SavedTable], ruleset: RuleSet, lines: Mapping[PortalRule, str]) -> bool:
     """Whether uproxy's chains hold exactly ``ruleset``'s rules, as text and in its order
     (the jumps into them aside); ``lines`` has the text of some rules (the builder's)."""
-    wanted = ruleset.by_chain()
-    for table, chains in ruleset.chains.items():
-        saved = tables.get(table)
-        if saved is None:
+    have = _our_chains(tables, ruleset)
+    if have is None:
+        return False
+    for chain, rules in ruleset.by_chain().items():
+        saved = have.pop(chain)
+        if len(saved) != len(rules):
             return False
-        for chain in chains:
-            have, want = saved.chains.get(chain), wanted.get(chain, [])
-            if have is None or len(have) != len(want):
+        for line, rule in zip(saved, rules, strict=True):
+            if line != (lines.get(rule) or rule.save_line()):
                 return False
-            for line, rule in zip(have, want, strict=True):
-                if line != (lines.get(rule) or rule.save_line()):
-                    return False
-    return True
+    return not any(have.values())
 
 
 def matches(tables: dict[str, SavedTable], ruleset: RuleSet) -> bool:
@@ -118,16 +116,24 @@ def matches(tables: dict[str, SavedTable], ruleset: RuleSet) -> bool:
     """
     if missing_jumps(tables, ruleset) or stale_jumps(tables, ruleset):
         return False
+    have = _our_chains(tables, ruleset)
     counts = ruleset.count_by_chain()
+    return have is not None and all(len(lines) == counts[c] for c, lines in have.items())
+
+
+def _our_chains(tables: dict[str, SavedTable], ruleset: RuleSet) -> dict[str, list[str]] | None:
+    """The installed lines of each of ``ruleset``'s chains; None when one is missing."""
+    out: dict[str, list[str]] = {}
     for table_name, chains in ruleset.chains.items():
         table = tables.get(table_name)
         if table is None:
-            return False
+            return None
         for chain in chains:
             lines = table.chains.get(chain)
-            if lines is None or len(lines) != counts[chain]:
-                return False
-    return True
+            if lines is None:
+                return None
+            out[chain] = lines
+    return out
 
 
 def cleanup_payload(
