@@ -144,6 +144,41 @@ def test_jumps_flushed_with_the_chains_intact_are_put_back(
     assert_installed(before, after, [*many_portals(1000), *PORTALS[1:]], topo.node_ip)
 
 
+# What a live rewrite that stopped halfway leaves: a chain that was being filled, with a
+# jump already turned to it, and an old chain not yet deleted.
+_LEFTOVERS = """\
+*nat
+:KUBE-PORTALS-HOST-NEW - [0:0]
+-A KUBE-PORTALS-HOST-NEW -j RETURN
+-I OUTPUT 1 -j KUBE-PORTALS-HOST-NEW
+:KUBE-PORTALS-CONTAINER-OLD - [0:0]
+-A KUBE-PORTALS-CONTAINER-OLD -j RETURN
+COMMIT
+"""
+
+
+def test_what_a_stopped_live_rewrite_left_is_removed(
+    topo: Topology, backend: str, mode: str
+) -> None:
+    # Left behind with uproxy's chains in place, it goes at the next rewrite (the stale jump
+    # makes it one commit); an old chain left alone goes at the next live rewrite (in nft
+    # mode: chains of its own swapped in); and --cleanup removes them too.
+    install_foreign(topo, mode)
+    before = save(topo, mode)
+    leave = {"op": "shell", "argv": [f"iptables-{mode}-restore", "--noflush", "-w"]}
+    leave["stdin"] = _LEFTOVERS
+    old = _LEFTOVERS.split(":KUBE-PORTALS-CONTAINER-OLD", 1)[1]
+    leave_old = {**leave, "stdin": "*nat\n:KUBE-PORTALS-CONTAINER-OLD" + old}
+    big = {**sync_op(PORTALS), "many": 2000}
+    ops: list[dict[str, Any]] = [big, leave, {**big, "moved": 1000}, {"op": "verify"}]
+    ops += [leave_old, big, {"op": "verify"}, {"op": "attr", "name": "edits"}]
+    results = run_ops(topo, backend, mode, ops)
+    assert results[3] is True and results[6] is True and results[7] == 0  # rewrites
+    assert_installed(before, save(topo, mode), [*many_portals(2000), *PORTALS], topo.node_ip)
+    run_ops(topo, backend, mode, [leave, {"op": "cleanup"}])
+    assert strip_save(save(topo, mode)) == strip_save(before)
+
+
 # The jump uproxy puts first in nat PREROUTING, as another instance would have left it.
 _CONTAINER_JUMP = """\
 *nat
@@ -182,8 +217,8 @@ def test_unreachable_chains_are_filled_in_several_commits(
 ) -> None:
     # 5,000 services: over 10,000 nat rules. While no jump leads into uproxy's chains (the
     # first sync, or after somebody removed uproxy's rules) nft mode fills them in commits of
-    # at most 2,000 rules, the jumps in the last; with the jumps in place a rewrite is one
-    # commit per table. Legacy mode always writes a table in one commit. Either way the rules
+    # at most 2,000 rules, the jumps in the last; with the jumps in place it fills new
+    # chains so and swaps them in. Legacy mode always writes a table in one commit. Either way the rules
     # read back exactly, and the commit count is right: the sync after each finds nothing to
     # do (a count off by one would make it rewrite everything again).
     install_foreign(topo, mode)
@@ -208,5 +243,8 @@ def test_unreachable_chains_are_filled_in_several_commits(
     nat_commits = 6 if mode == "nft" else 1  # 10,000 and a few rules, 2,000 per commit
     assert commits[0] == nat_commits + 1  # and filter's
     assert commits[2] - commits[1] == nat_commits + 1
-    assert commits[4] - commits[3] == 2  # the jumps were in place: one commit per table
+    # The jumps were in place: nft mode fills chains of its own and swaps them in (nat: 6
+    # commits of rules, then 3 to turn, rename and clean up; filter: 1 and 3), legacy
+    # writes one commit per table.
+    assert commits[4] - commits[3] == (13 if mode == "nft" else 2)
     assert_installed(before, save(topo, mode), [*many_portals(5000), *PORTALS], topo.node_ip)

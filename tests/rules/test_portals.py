@@ -87,23 +87,25 @@ def test_unreachable_chains_are_filled_commit_by_commit_jumps_last() -> None:
     assert len(rule_lines) == 11 and len(commits) == 3
     blocks = [c.splitlines() for c in commits]
     assert all(b[0] == "*nat" and b[-1] == "COMMIT" for b in blocks)
-    assert [line for line in blocks[0] if line.startswith(":")] == [
-        f":{chain} - [0:0]" for chain in CHAINS[NAT]
-    ]
+    # uproxy's chains declared (flushed); leftovers of a live rewrite declared and deleted
+    declared = [line for line in blocks[0] if line.startswith(":")]
+    assert declared[:4] == [f":{chain} - [0:0]" for chain in CHAINS[NAT]]
+    assert all("-NEW " in x or "-OLD " in x for x in declared[4:]) and len(declared) == 12
     assert [len([x for x in b if x.startswith("-A KUBE-")]) for b in blocks] == [4, 4, 3]
     assert [x for b in blocks for x in b if x.startswith("-A KUBE-")] == rule_lines
     assert [x for x in blocks[-1] if " -j KUBE-" in x] == jump_lines
     assert not any(" -j KUBE-" in x for b in blocks[:-1] for x in b)
     # The commits together install what the one-commit rewrite does.
-    assert sorted(x for b in blocks for x in b if x not in ("*nat", "COMMIT")) == sorted(
+    kept = [x for b in blocks for x in b if "-NEW" not in x and "-OLD" not in x]
+    assert sorted(x for x in kept if x not in ("*nat", "COMMIT")) == sorted(
         EXPECTED_NAT.splitlines()[1:-1]
     )
 
 
 @pytest.mark.parametrize("reachable", ["one jump in place", "a stale jump"])
-def test_reachable_chains_are_rewritten_in_one_commit(reachable: str) -> None:
-    # While any jump leads into the chains, they serve traffic: a rewrite in pieces would
-    # leave services without their rules between commits.
+def test_partly_reachable_chains_are_rewritten_in_one_commit(reachable: str) -> None:
+    # Some jumps lead into the chains and others do not (or a stale one does): they serve
+    # traffic, and which of them exist is not known, so one commit.
     ruleset = build_rules(PORTALS, host_ip=HOST_IP)
     missing = list(ruleset.jumps_in(NAT))
     stale: list[str] = []
@@ -113,7 +115,94 @@ def test_reachable_chains_are_rewritten_in_one_commit(reachable: str) -> None:
         stale = [missing[0].save_line().replace("PREROUTING", "OUTPUT")]
     commits = rewrite_commits(ruleset, NAT, missing_jumps=missing, stale_jumps=stale, chunk=4)
     assert len(commits) == 1
-    assert commits[0] == restore_payload(ruleset, NAT, missing_jumps=missing, stale_jumps=stale)
+    assert commits[0] == restore_payload(
+        ruleset, NAT, missing_jumps=missing, stale_jumps=stale, purge=True
+    )
+
+
+class Kernel:
+    """Chains as iptables-nft-restore changes them, a rule as its matches and its target:
+    a jump names its chain as the kernel holds it (the chain itself: a rename carries it)."""
+
+    def __init__(self) -> None:
+        self.chains: dict[str, list[list[str]]] = {"PREROUTING": [], "OUTPUT": []}
+
+    def apply(self, commit: str) -> None:
+        freed: set[str] = set()  # names renamed away in this commit
+        for line in commit.splitlines():
+            if line.startswith("*") or line == "COMMIT":
+                freed.clear()
+                continue
+            op, chain, *rest = line.split(" ", 2)
+            if op.startswith(":"):
+                self.chains[op[1:]] = []
+            elif op == "-X":
+                assert not self.chains.pop(chain) and not self.jumps_to(chain), line
+            elif op == "-F":
+                self.chains[chain] = []
+            elif op == "-E":
+                # The kernel refuses a taken name, and one freed in the same commit.
+                assert rest[0] not in self.chains and rest[0] not in freed, line
+                self.chains[rest[0]] = self.chains.pop(chain)
+                freed.add(chain)
+                for rules in self.chains.values():
+                    for rule in rules:
+                        rule[1:] = [rest[0] if t == chain else t for t in rule[1:]]
+            elif op == "-A":
+                self.chains[chain].append(rest[0].rsplit(" -j ", 1))
+            elif op == "-I":
+                position, spec = rest[0].split(" ", 1)
+                self.chains[chain].insert(int(position) - 1, spec.rsplit(" -j ", 1))
+            else:
+                assert op == "-D", line
+                self.chains[chain].remove(rest[0].rsplit(" -j ", 1))
+
+    def jumps_to(self, chain: str) -> list[str]:
+        return [r[0] for rules in self.chains.values() for r in rules if r[1:] == [chain]]
+
+    def reached(self) -> list[list[str]]:
+        """What packets meet in each chain a built-in chain jumps to, as text."""
+        return [
+            [" -j ".join(r) for r in self.chains[r[1]]]
+            for builtin in ("PREROUTING", "OUTPUT")
+            for r in self.chains[builtin]
+            if r[1] in self.chains
+        ]
+
+
+def installed(ruleset: RuleSet) -> Kernel:
+    """A kernel with ``ruleset``'s nat chains, and somebody else's jump among uproxy's."""
+    kernel = Kernel()
+    kernel.apply(restore_payload(ruleset, NAT, missing_jumps=ruleset.jumps_in(NAT)))
+    kernel.chains["PREROUTING"].insert(1, ["-p tcp", "OTHER"])
+    kernel.chains["OTHER"] = [["-p tcp", "ACCEPT"]]
+    return kernel
+
+
+def test_live_chains_are_rewritten_in_chains_of_their_own_then_swapped_in() -> None:
+    # Every jump in place: the chains serve traffic. The new rules fill chains of their own,
+    # a commit at a time; after every commit each jump leads to all the old rules or all the
+    # new ones, and at the end the chains hold exactly what a rewrite gives, under their own
+    # names, every jump where it stood.
+    old = build_rules(PORTALS[:3], host_ip=HOST_IP)
+    new = build_rules(PORTALS[1:], host_ip=HOST_IP)
+    kernel, final = installed(old), installed(new)
+    before, after = kernel.reached(), final.reached()
+    assert before != after
+    commits = rewrite_commits(new, NAT, chunk=3)
+    rules = len(new.rules_in(NAT))
+    assert len(commits) == -(-rules // 3) + 3  # fill, turn the jumps, rename, clean up
+    for commit in commits:
+        kernel.apply(commit)
+        assert kernel.reached() in (before, after), commit
+    assert kernel.chains == final.chains
+    # A live rewrite that stopped before its clean-up commit is no obstacle to the next.
+    kernel.apply("".join(commits[:-1]))
+    leftover = Kernel()
+    leftover.chains = {c: [list(r) for r in rules] for c, rules in kernel.chains.items()}
+    for commit in rewrite_commits(old, NAT, chunk=3):
+        leftover.apply(commit)
+    assert leftover.chains == installed(old).chains
 
 
 def test_installed_jumps_are_not_repeated() -> None:

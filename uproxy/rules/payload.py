@@ -10,10 +10,12 @@ what is expected as text.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from uproxy.rules.portals import (
     CHAINS,
+    STAGED_NEW,
+    STAGED_OLD,
     TABLES,
     JumpRule,
     PortalRule,
@@ -29,6 +31,7 @@ def restore_payload(
     missing_jumps: Collection[JumpRule] = (),
     stale_jumps: Collection[str] = (),
     lines: Mapping[PortalRule, str] | None = None,
+    purge: bool = False,
 ) -> str:
     """The ``iptables-restore --noflush`` input replacing uproxy's chains in ``table``.
 
@@ -36,10 +39,13 @@ def restore_payload(
     of uproxy is replaced in one atomic commit; other chains are left alone. Jumps that are
     missing from built-in chains are added in the same commit, and ``stale_jumps`` (``-A``
     lines of jumps into uproxy's chains that this configuration no longer has, such as an old
-    ``--nodeport-addresses``) are deleted.
+    ``--nodeport-addresses``) are deleted. ``purge`` deletes what a live rewrite that
+    stopped halfway left (``rewrite_commits``).
     """
     out = _declare(ruleset, table)
     out.extend(f"-D {line[3:]}" for line in stale_jumps if _table_of_jump(line) == table)
+    if purge:
+        out.extend(_purge(ruleset, table))
     out.extend(_jump_lines(ruleset, table, missing_jumps))
     out.extend(_rule_lines(ruleset, table, lines))
     return _commit(out)
@@ -54,31 +60,88 @@ def rewrite_commits(
     lines: Mapping[PortalRule, str] | None = None,
     chunk: int | None = None,
 ) -> list[str]:
-    """``restore_payload`` as commits: that one, or, when nothing can reach uproxy's chains in
-    ``table`` before the rewrite is done, several of at most ``chunk`` rules each.
+    """``restore_payload`` as commits: that one, or (with a ``chunk``) several of at most
+    ``chunk`` rules each, when nothing can reach uproxy's chains in ``table`` before the
+    rewrite is done or when every jump into them is in place.
 
     The kernel takes an nft commit in one piece, and 20,000 rules in one commit held a CPU
     for 0.3 s (``iptables-nft-restore``: a process sleeping 0.5 ms at a time on that CPU
     overslept by 295-320 ms; commits of 2,000 rules, 35-37 ms, and the restore took no
     longer). While every jump into the table's chains is missing (a new node, a flushed
     table, a firewall reload) no packet enters them: the chains are filled commit by
-    commit and the jumps come in the last one. While any jump is in place (``stale_jumps``
-    too), the chains serve traffic and the rewrite stays one commit.
+    commit and the jumps come in the last one. While every jump is in place the chains
+    serve traffic: the new rules go to chains of their own, which then take the place of
+    the old ones (``_staged``). With some jumps in place and others not (or ``stale_jumps``),
+    which chains exist is not known, and the rewrite stays one commit.
     """
     missing = set(missing_jumps)
-    unreachable = all(jump in missing for jump in ruleset.jumps_in(table)) and not any(
-        _table_of_jump(line) == table for line in stale_jumps
-    )
-    if chunk is None or not unreachable:
+    jumps = ruleset.jumps_in(table)
+    stale = [line for line in stale_jumps if _table_of_jump(line) == table]
+    unreachable = all(jump in missing for jump in jumps) and not stale
+    live = bool(jumps) and not any(jump in missing for jump in jumps) and not stale
+    if chunk is None or not (unreachable or live):
         payload = restore_payload(
-            ruleset, table, missing_jumps=missing_jumps, stale_jumps=stale_jumps, lines=lines
+            ruleset,
+            table,
+            missing_jumps=missing_jumps,
+            stale_jumps=stale_jumps,
+            lines=lines,
+            purge=True,
         )
         return [payload]
     rules = _rule_lines(ruleset, table, lines)
+    if live:
+        return _staged(ruleset, table, rules, chunk)
     pieces = [rules[i : i + chunk] for i in range(0, len(rules), chunk)] or [[]]
     pieces[-1] = [*pieces[-1], *_jump_lines(ruleset, table, missing_jumps)]
-    heads = [_declare(ruleset, table)] + [[f"*{table}"]] * (len(pieces) - 1)
+    heads = [[*_declare(ruleset, table), *_purge(ruleset, table)]]
+    heads += [[f"*{table}"]] * (len(pieces) - 1)
     return [_commit([*head, *piece]) for head, piece in zip(heads, pieces, strict=True)]
+
+
+def _staged(ruleset: RuleSet, table: str, rules: list[str], chunk: int) -> list[str]:
+    """A rewrite of chains that serve traffic, in commits none of which holds a CPU long.
+
+    The new rules fill ``CHAIN-NEW`` chains, which nothing reaches, ``chunk`` rules a
+    commit. One commit then turns the jumps to them (new jumps where the old ones stood,
+    the old ones deleted) and renames each live chain to ``CHAIN-OLD``; the next renames
+    ``CHAIN-NEW`` to ``CHAIN`` (the kernel refuses a name freed in the same commit; jumps
+    follow a chain through a rename, so traffic never notices); the last flushes and
+    deletes the ``-OLD`` chains. Every packet meets either all the old rules or all the new.
+    The first commit also deletes any ``-OLD`` chain a crash left behind, so that the
+    renames cannot fail on it.
+    """
+    chains = ruleset.chains[table]
+    staged = [f"-A {line[3:].replace(' ', STAGED_NEW + ' ', 1)}" for line in rules]
+    pieces = [staged[i : i + chunk] for i in range(0, len(staged), chunk)] or [[]]
+    first = [f"*{table}", *(f":{c}{STAGED_NEW} - [0:0]" for c in chains)]
+    first += _purge(ruleset, table, (STAGED_OLD,))
+    heads = [first] + [[f"*{table}"]] * (len(pieces) - 1)
+    jumps = ruleset.jumps_in(table)
+    turn = [f"*{table}"]
+    for jump, position in insert_positions(jumps, jumps):
+        where = f"-I {jump.chain} {position}" if jump.first else f"-A {jump.chain}"
+        turn.append(f"{where} {replace(jump, target=jump.target + STAGED_NEW).spec()}")
+    turn += [f"-D {jump.chain} {jump.spec()}" for jump in jumps]
+    turn += [f"-E {c} {c}{STAGED_OLD}" for c in chains]
+    return [
+        *(_commit([*head, *piece]) for head, piece in zip(heads, pieces, strict=True)),
+        _commit(turn),
+        _commit([f"*{table}", *(f"-E {c}{STAGED_NEW} {c}" for c in chains)]),
+        _commit(
+            [f"*{table}", *(f"-F {c}{STAGED_OLD}" for c in chains)]
+            + [f"-X {c}{STAGED_OLD}" for c in chains]
+        ),
+    ]
+
+
+def _purge(
+    ruleset: RuleSet, table: str, suffixes: tuple[str, ...] = (STAGED_NEW, STAGED_OLD)
+) -> list[str]:
+    """Lines deleting the chains of a live rewrite that stopped halfway, if any are left
+    (declared first, so that deleting one that is not there cannot fail)."""
+    names = [c + suffix for c in ruleset.chains[table] for suffix in suffixes]
+    return [*(f":{name} - [0:0]" for name in names), *(f"-X {name}" for name in names)]
 
 
 def _declare(ruleset: RuleSet, table: str) -> list[str]:
@@ -266,6 +329,7 @@ def _edit_lines(
 
 
 def _table_of_jump(line: str) -> str:
-    """The table of a jump line, by the uproxy chain it jumps to."""
+    """The table of a jump line, by the uproxy chain it jumps to (or its staged twin)."""
     target = line.rsplit(" -j ", 1)[-1].split()[0]
+    target = target.removesuffix(STAGED_NEW).removesuffix(STAGED_OLD)
     return next((t for t, chains in CHAINS.items() if target in chains), "")

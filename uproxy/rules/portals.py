@@ -86,6 +86,12 @@ CHAINS: dict[str, tuple[str, ...]] = {
 }
 TABLES: tuple[str, ...] = (NAT, FILTER)
 ALL_CHAINS: frozenset[str] = frozenset(c for chains in CHAINS.values() for c in chains)
+# A live rewrite in iptables-nft mode fills CHAIN-NEW, then renames CHAIN to CHAIN-OLD and
+# CHAIN-NEW to CHAIN, and deletes CHAIN-OLD (payload.rewrite_commits): names only seen meanwhile.
+STAGED_NEW, STAGED_OLD = "-NEW", "-OLD"
+STAGING_CHAINS: frozenset[str] = frozenset(
+    c + suffix for c in ALL_CHAINS for suffix in (STAGED_NEW, STAGED_OLD)
+)
 
 _PORTALS_COMMENT = "handle ClusterIPs; NOTE: this must be before the NodePort rules"
 _NODEPORTS_COMMENT = "handle service NodePorts; NOTE: this must be the last rule in the chain"

@@ -1,4 +1,4 @@
-"""The ``iptables-restore`` backend: uproxy's chains replaced atomically, one commit per table.
+"""The ``iptables-restore`` backend: uproxy's chains replaced atomically, table by table.
 
 Why restore and not one ``iptables`` call per rule: a sync of 10,000 portal rules takes about
 0.1 s (legacy) / 0.3 s (nft) this way, against minutes rule by rule. The input names only
@@ -6,7 +6,9 @@ uproxy's chains (``--noflush``), and declaring a chain flushes it, so each table
 replaced in a single commit and nobody else's rules are touched. Jumps from the built-in chains
 are read (``-S`` on the four built-in chains) and added in the same commit when missing, so a
 sync also repairs a flushed table; jumps into uproxy's chains that the configuration no longer
-has (an earlier ``--nodeport-addresses``) are deleted in that commit.
+has (an earlier ``--nodeport-addresses``) are deleted in that commit. In nft mode a big
+rewrite is several commits, none of which holds a CPU for long, and still atomic for every
+packet (``payload.rewrite_commits``).
 
 A small change is an edit, not a rewrite: when nobody else committed since uproxy's last
 commit (the watch below says so), its chains hold exactly what that commit left, so the sync
@@ -90,7 +92,8 @@ _PROGRAMS = {IPFamily.V4: "iptables", IPFamily.V6: "ip6tables"}
 # 2,000 take 0.26 s, as long as rewriting the chain; legacy: 0.03-0.05 s against 0.06 s.
 EDIT_SHARE = 8
 MIN_EDITS = 64
-# Rules per commit in an nft-mode rewrite that no traffic can see yet (``rewrite_commits``).
+# Rules per commit in an nft-mode rewrite of chains no traffic can see yet, or of the staged
+# twins of live chains (``rewrite_commits``).
 # 20,000 portal rules: one commit held a CPU for 0.30 s; commits of 2,000 rules for 35-37 ms
 # each in the same 0.37-0.40 s in all, of 1,000 for 23-28 ms in 0.45-0.50 s. Legacy mode
 # stays one commit: its kernel replaces the whole table per commit (20,000 rules: 32-34 ms

@@ -9,7 +9,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from uproxy.rules.portals import ALL_CHAINS, CHAINS, TABLES, JumpRule, PortalRule, RuleSet
+from uproxy.rules.portals import (
+    ALL_CHAINS,
+    CHAINS,
+    STAGING_CHAINS,
+    TABLES,
+    JumpRule,
+    PortalRule,
+    RuleSet,
+)
+
+# uproxy's chains and those a live rewrite uses for a moment (a crash may leave them).
+_OURS = ALL_CHAINS | STAGING_CHAINS
 
 BUILTIN_CHAINS = frozenset({"PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING"})
 
@@ -79,16 +90,17 @@ def stale_jumps(tables: dict[str, SavedTable], ruleset: RuleSet) -> list[str]:
     """Jumps into uproxy's chains that ``ruleset`` does not have (``-A`` lines).
 
     They are left by another configuration: node-port jumps of an earlier
-    ``--nodeport-addresses`` would keep node ports open on addresses no longer meant to.
+    ``--nodeport-addresses`` would keep node ports open on addresses no longer meant to; or
+    by a live rewrite that stopped halfway (jumps into ``CHAIN-NEW``).
     """
     wanted = {j.save_line() for j in ruleset.jumps}
     return [
         line
         for table in tables.values()
         for chain, lines in table.chains.items()
-        if chain not in ALL_CHAINS
+        if chain not in _OURS
         for line in lines
-        if jump_target(line) in ALL_CHAINS and line not in wanted
+        if jump_target(line) in _OURS and line not in wanted
     ]
 
 
@@ -153,12 +165,13 @@ def cleanup_payload(
         if table is None:
             continue
         ours = [c for c in CHAINS[name] if c in table.chains]
+        ours += [c for c in table.chains if c in STAGING_CHAINS]
         deletes = [
             "-D " + line[3:]
             for chain, lines in table.chains.items()
-            if chain not in ALL_CHAINS
+            if chain not in _OURS
             for line in lines
-            if jump_target(line) in ALL_CHAINS
+            if jump_target(line) in _OURS
         ]
         if not ours and not deletes:
             continue
@@ -179,6 +192,6 @@ def _emptied(table: SavedTable) -> list[str]:
         for chain, lines in table.chains.items()
         if chain in BUILTIN_CHAINS
         and lines
-        and all(jump_target(line) in ALL_CHAINS for line in lines)
+        and all(jump_target(line) in _OURS for line in lines)
         and table.policies.get(chain) == "ACCEPT"
     ]
