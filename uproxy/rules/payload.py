@@ -189,6 +189,7 @@ def edit_payload(
     delete_by_spec: bool,
     max_edits: int,
     commit_cost: int | None = None,
+    tables: Collection[str] = TABLES,
 ) -> Edits | None:
     """The edits from ``old`` (what uproxy's chains hold, in their order) to ``new``; None
     when a rewrite is the way: the jumps or chains differ, more than ``max_edits`` rules
@@ -216,13 +217,15 @@ def edit_payload(
     one alone weighs more). The edits of one service port (its comment) stay in one commit,
     so between commits every service has either its old rules or its new ones, never
     neither; positions are those of the chains as the commits before left them.
+
+    Only ``tables`` are edited (the others are rewritten by the caller).
     """
     if old.jumps != new.jumps or old.chains != new.chains:
         return None
     before, after = old.by_chain(), new.by_chain()
     payload: list[str] = []
     commits = count = 0
-    for table in TABLES:
+    for table in (t for t in TABLES if t in tables):
         merged: dict[str, list[tuple[PortalRule, int]]] = {}
         weights: dict[str, int] = {}  # per service port (comment), in chain order
         for chain in new.chains[table]:

@@ -313,14 +313,14 @@ class RestoreBackend:
                 # Nobody committed since our last commit: the chains hold what it left.
                 before = self._committed
                 jumps = {f: ([], []) for f in changed}
-                editable: set[IPFamily] = set(changed)
+                editable = {f: frozenset(TABLES) for f in changed}
             else:
                 before = watch.read()
                 jumps, editable = await self._look(mode, rulesets, before)
                 if before is None or watch.read() != before:
-                    editable = set()  # somebody may have committed while we read: rewrite
-                for family in [f for f in editable if f not in changed]:
-                    if jumps[family] == ([], []):
+                    editable = {}  # somebody may have committed while we read: rewrite
+                for family, tables in editable.items():
+                    if family not in changed and tables == frozenset(TABLES):
                         del jumps[family]  # exactly in place already: nothing to write
             rewrote = await self._restore(
                 mode, {f: rulesets[f] for f in jumps}, jumps, before, editable=editable
@@ -332,10 +332,11 @@ class RestoreBackend:
 
     async def _look(
         self, mode: str, rulesets: dict[IPFamily, RuleSet], token: Token | None
-    ) -> tuple[dict[IPFamily, tuple[list[JumpRule], list[str]]], set[IPFamily]]:
+    ) -> tuple[dict[IPFamily, tuple[list[JumpRule], list[str]]], dict[IPFamily, frozenset[str]]]:
         """After somebody else's commit (or for the hourly full sync): each family's missing
-        and stale jumps, and the families whose chains still hold exactly what uproxy last
-        installed, so that a change can be edited in and no change needs no commit.
+        and stale jumps, and the tables whose chains (and jumps) still hold exactly what
+        uproxy last installed, so that a change there can be edited in and no change needs
+        no commit; the other tables are rewritten.
 
         A family with rules installed is read whole (one ``*-save``: 0.2 s at 20,000 rules,
         none of it holding a CPU) rather than rewritten (0.4 s, and a commit that held a CPU
@@ -344,7 +345,7 @@ class RestoreBackend:
         """
         early = self._take_early_jumps(token)
         jumps: dict[IPFamily, tuple[list[JumpRule], list[str]]] = {}
-        editable: set[IPFamily] = set()
+        editable: dict[IPFamily, frozenset[str]] = {}
         for family, ruleset in rulesets.items():
             installed = self._families[family].installed
             builtin = early.get(family)
@@ -352,15 +353,18 @@ class RestoreBackend:
                 self.reads += 1
                 text = await save(mode, family)
                 lines = self._families[family].builder.lines
-                tables, ours = await asyncio.to_thread(_read_back, text, installed, lines)
-                builtin = tables
-                if ours:
-                    editable.add(family)
+                saved, ours = await asyncio.to_thread(_read_back, text, installed, lines)
+                builtin = saved
+                # Edits never touch the jumps: a table missing one is rewritten.
+                editable[family] = frozenset(
+                    table
+                    for table in ours
+                    if not any(j.table == table for j in missing_jumps(saved, ruleset))
+                    and not stale_jumps({table: saved.get(table, SavedTable(table))}, ruleset)
+                )
             elif builtin is None:
                 builtin = await self._read_jumps(mode, family)
             jumps[family] = (missing_jumps(builtin, ruleset), stale_jumps(builtin, ruleset))
-            if jumps[family] != ([], []):
-                editable.discard(family)  # edits never touch the jumps: a rewrite puts them back
         return jumps, editable
 
     def _payload(
@@ -369,11 +373,16 @@ class RestoreBackend:
         mode: str,
         ruleset: RuleSet,
         jumps: tuple[list[JumpRule], list[str]],
-        editable: bool,
+        editable: frozenset[str],
     ) -> tuple[str, int, int | None]:
         """The restore input for one family, its number of commits, and the number of rules
-        it edits one by one (None: it rewrites uproxy's chains). Run on a thread."""
+        it edits one by one (None: it rewrites all of uproxy's chains). ``editable``: the
+        tables whose chains hold exactly what uproxy installed. Run on a thread."""
         fam = self._families[family]
+        parts: list[str] = []
+        commits = 0
+        edited: int | None = None
+        rewrite = [t for t in TABLES if t not in editable]
         if editable and fam.installed is not None:
             edits = edit_payload(
                 fam.installed,
@@ -382,13 +391,15 @@ class RestoreBackend:
                 delete_by_spec=mode == "legacy",
                 max_edits=max(MIN_EDITS, len(ruleset.rules) // EDIT_SHARE[mode]),
                 commit_cost=EDIT_COMMIT_COST if mode == "nft" else None,
+                tables=editable,
             )
-            if edits is not None:
-                return edits.payload, edits.commits, edits.count
+            if edits is None:
+                rewrite = list(TABLES)
+            else:
+                parts.append(edits.payload)
+                commits, edited = edits.commits, edits.count
         missing, stale = jumps
-        commits = [
-            commit
-            for table in TABLES
+        for table in rewrite:
             for commit in rewrite_commits(
                 ruleset,
                 table,
@@ -396,9 +407,10 @@ class RestoreBackend:
                 stale_jumps=stale,
                 lines=fam.builder.lines,
                 chunk=REWRITE_CHUNK if mode == "nft" else None,
-            )
-        ]
-        return "".join(commits), len(commits), None
+            ):
+                parts.append(commit)
+                commits += 1
+        return "".join(parts), commits, edited
 
     def _untouched(self, watch: Watch) -> bool:
         return self._committed is not None and watch.read() == self._committed
@@ -410,7 +422,7 @@ class RestoreBackend:
         jumps: dict[IPFamily, tuple[list[JumpRule], list[str]]],
         before: Token | None,
         *,
-        editable: Collection[IPFamily],
+        editable: Mapping[IPFamily, frozenset[str]],
     ) -> bool:
         """Restore each family's rules; whether every family's chains were rewritten."""
         watch = self.watch(mode)
@@ -419,11 +431,17 @@ class RestoreBackend:
         rewrote = True
         for family, ruleset in rulesets.items():
             payload, count, edited = await asyncio.to_thread(
-                self._payload, family, mode, ruleset, jumps[family], family in editable
+                self._payload,
+                family,
+                mode,
+                ruleset,
+                jumps[family],
+                editable.get(family, frozenset()),
             )
             try:
-                self.restores += 1
-                await restore(mode, payload, family)
+                if payload:
+                    self.restores += 1
+                    await restore(mode, payload, family)
             except RulesError:
                 watch.forget()  # the next sync reads the jumps and rewrites
                 raise
@@ -497,11 +515,11 @@ class RestoreBackend:
 
 def _read_back(
     text: str, installed: RuleSet, lines: Mapping[PortalRule, str]
-) -> tuple[dict[str, SavedTable], bool]:
-    """``iptables-save`` output parsed, and whether uproxy's chains in it hold exactly
+) -> tuple[dict[str, SavedTable], list[str]]:
+    """``iptables-save`` output parsed, and the tables in which uproxy's chains hold exactly
     ``installed`` (20,000 rules: tens of milliseconds, so on a thread)."""
     tables = parse_save(text)
-    return tables, holds(tables, installed, lines)
+    return tables, [t for t in TABLES if holds(tables, installed, lines, t)]
 
 
 def _log_jumps(mode: str, family: IPFamily, missing: list[JumpRule], stale: list[str]) -> None:

@@ -104,20 +104,27 @@ def stale_jumps(tables: dict[str, SavedTable], ruleset: RuleSet) -> list[str]:
     ]
 
 
-def holds(tables: dict[str, SavedTable], ruleset: RuleSet, lines: Mapping[PortalRule, str]) -> bool:
-    """Whether uproxy's chains hold exactly ``ruleset``'s rules, as text and in its order
-    (the jumps into them aside); ``lines`` has the text of some rules (the builder's)."""
-    have = _our_chains(tables, ruleset)
+def holds(
+    tables: dict[str, SavedTable],
+    ruleset: RuleSet,
+    lines: Mapping[PortalRule, str],
+    table: str | None = None,
+) -> bool:
+    """Whether uproxy's chains (in ``table``, or all) hold exactly ``ruleset``'s rules, as
+    text and in its order (the jumps into them aside); ``lines`` has the text of some rules
+    (the builder's)."""
+    have = _our_chains(tables, ruleset, table)
     if have is None:
         return False
-    for chain, rules in ruleset.by_chain().items():
-        saved = have.pop(chain)
+    wanted = ruleset.by_chain()
+    for chain, saved in have.items():
+        rules = wanted.get(chain, [])
         if len(saved) != len(rules):
             return False
         for line, rule in zip(saved, rules, strict=True):
             if line != (lines.get(rule) or rule.save_line()):
                 return False
-    return not any(have.values())
+    return True
 
 
 def matches(tables: dict[str, SavedTable], ruleset: RuleSet) -> bool:
@@ -133,10 +140,15 @@ def matches(tables: dict[str, SavedTable], ruleset: RuleSet) -> bool:
     return have is not None and all(len(lines) == counts[c] for c, lines in have.items())
 
 
-def _our_chains(tables: dict[str, SavedTable], ruleset: RuleSet) -> dict[str, list[str]] | None:
-    """The installed lines of each of ``ruleset``'s chains; None when one is missing."""
+def _our_chains(
+    tables: dict[str, SavedTable], ruleset: RuleSet, only: str | None = None
+) -> dict[str, list[str]] | None:
+    """The installed lines of each of ``ruleset``'s chains (in table ``only``, or all);
+    None when one is missing."""
     out: dict[str, list[str]] = {}
     for table_name, chains in ruleset.chains.items():
+        if only is not None and table_name != only:
+            continue
         table = tables.get(table_name)
         if table is None:
             return None
