@@ -87,19 +87,26 @@ def test_unreachable_chains_are_filled_commit_by_commit_jumps_last() -> None:
     assert len(rule_lines) == 11 and len(commits) == 3
     blocks = [c.splitlines() for c in commits]
     assert all(b[0] == "*nat" and b[-1] == "COMMIT" for b in blocks)
-    # uproxy's chains declared (flushed); leftovers of a live rewrite declared and deleted
-    declared = [line for line in blocks[0] if line.startswith(":")]
-    assert declared[:4] == [f":{chain} - [0:0]" for chain in CHAINS[NAT]]
-    assert all("-NEW " in x or "-OLD " in x for x in declared[4:]) and len(declared) == 12
+    assert [line for line in blocks[0] if line.startswith(":")] == [
+        f":{chain} - [0:0]" for chain in CHAINS[NAT]
+    ]
     assert [len([x for x in b if x.startswith("-A KUBE-")]) for b in blocks] == [4, 4, 3]
     assert [x for b in blocks for x in b if x.startswith("-A KUBE-")] == rule_lines
     assert [x for x in blocks[-1] if " -j KUBE-" in x] == jump_lines
     assert not any(" -j KUBE-" in x for b in blocks[:-1] for x in b)
     # The commits together install what the one-commit rewrite does.
-    kept = [x for b in blocks for x in b if "-NEW" not in x and "-OLD" not in x]
-    assert sorted(x for x in kept if x not in ("*nat", "COMMIT")) == sorted(
+    assert sorted(x for b in blocks for x in b if x not in ("*nat", "COMMIT")) == sorted(
         EXPECTED_NAT.splitlines()[1:-1]
     )
+    # Staged chains a stopped live rewrite left (known from a read) go in the first commit.
+    leftovers = ["KUBE-PORTALS-HOST-NEW", "KUBE-NODEPORT-NON-LOCAL-OLD"]
+    first = rewrite_commits(
+        ruleset, NAT, missing_jumps=ruleset.jumps, chunk=4, leftovers=leftovers
+    )[0].splitlines()
+    assert [x for x in first if "-NEW" in x or "-OLD" in x] == [
+        ":KUBE-PORTALS-HOST-NEW - [0:0]",
+        "-X KUBE-PORTALS-HOST-NEW",
+    ]  # the filter table's leftover goes with filter
 
 
 @pytest.mark.parametrize("reachable", ["one jump in place", "a stale jump"])
@@ -115,9 +122,7 @@ def test_partly_reachable_chains_are_rewritten_in_one_commit(reachable: str) -> 
         stale = [missing[0].save_line().replace("PREROUTING", "OUTPUT")]
     commits = rewrite_commits(ruleset, NAT, missing_jumps=missing, stale_jumps=stale, chunk=4)
     assert len(commits) == 1
-    assert commits[0] == restore_payload(
-        ruleset, NAT, missing_jumps=missing, stale_jumps=stale, purge=True
-    )
+    assert commits[0] == restore_payload(ruleset, NAT, missing_jumps=missing, stale_jumps=stale)
 
 
 class Kernel:

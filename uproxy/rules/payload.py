@@ -16,6 +16,7 @@ from uproxy.rules.portals import (
     CHAINS,
     STAGED_NEW,
     STAGED_OLD,
+    STAGING_CHAINS,
     TABLES,
     JumpRule,
     PortalRule,
@@ -31,7 +32,7 @@ def restore_payload(
     missing_jumps: Collection[JumpRule] = (),
     stale_jumps: Collection[str] = (),
     lines: Mapping[PortalRule, str] | None = None,
-    purge: bool = False,
+    leftovers: Collection[str] = (),
 ) -> str:
     """The ``iptables-restore --noflush`` input replacing uproxy's chains in ``table``.
 
@@ -39,13 +40,12 @@ def restore_payload(
     of uproxy is replaced in one atomic commit; other chains are left alone. Jumps that are
     missing from built-in chains are added in the same commit, and ``stale_jumps`` (``-A``
     lines of jumps into uproxy's chains that this configuration no longer has, such as an old
-    ``--nodeport-addresses``) are deleted. ``purge`` deletes what a live rewrite that
-    stopped halfway left (``rewrite_commits``).
+    ``--nodeport-addresses``) are deleted, and so are the chains ``leftovers`` names that a
+    live rewrite which stopped halfway left in this table (``rewrite_commits``).
     """
     out = _declare(ruleset, table)
     out.extend(f"-D {line[3:]}" for line in stale_jumps if _table_of_jump(line) == table)
-    if purge:
-        out.extend(_purge(ruleset, table))
+    out.extend(_purge(table, leftovers))
     out.extend(_jump_lines(ruleset, table, missing_jumps))
     out.extend(_rule_lines(ruleset, table, lines))
     return _commit(out)
@@ -59,6 +59,7 @@ def rewrite_commits(
     stale_jumps: Collection[str] = (),
     lines: Mapping[PortalRule, str] | None = None,
     chunk: int | None = None,
+    leftovers: Collection[str] = (),
 ) -> list[str]:
     """``restore_payload`` as commits: that one, or (with a ``chunk``) several of at most
     ``chunk`` rules each, when nothing can reach uproxy's chains in ``table`` before the
@@ -72,11 +73,15 @@ def rewrite_commits(
     commit and the jumps come in the last one. While every jump is in place the chains
     serve traffic: the new rules go to chains of their own, which then take the place of
     the old ones (``_staged``). With some jumps in place and others not (or ``stale_jumps``),
-    which chains exist is not known, and the rewrite stays one commit.
+    which chains exist is not known, and the rewrite stays one commit. ``leftovers``:
+    staged chains known to be left over (a jump into one is in ``stale_jumps``, which names
+    it too); a rewrite deletes them. Declaring and deleting all of them just in case cost
+    25 ms a rewrite.
     """
     missing = set(missing_jumps)
     jumps = ruleset.jumps_in(table)
     stale = [line for line in stale_jumps if _table_of_jump(line) == table]
+    leftovers = {*leftovers, *(_target(line) for line in stale if _target(line) in STAGING_CHAINS)}
     unreachable = all(jump in missing for jump in jumps) and not stale
     live = bool(jumps) and not any(jump in missing for jump in jumps) and not stale
     if chunk is None or not (unreachable or live):
@@ -86,7 +91,7 @@ def rewrite_commits(
             missing_jumps=missing_jumps,
             stale_jumps=stale_jumps,
             lines=lines,
-            purge=True,
+            leftovers=leftovers,
         )
         return [payload]
     rules = _rule_lines(ruleset, table, lines)
@@ -94,7 +99,7 @@ def rewrite_commits(
         return _staged(ruleset, table, rules, chunk)
     pieces = [rules[i : i + chunk] for i in range(0, len(rules), chunk)] or [[]]
     pieces[-1] = [*pieces[-1], *_jump_lines(ruleset, table, missing_jumps)]
-    heads = [[*_declare(ruleset, table), *_purge(ruleset, table)]]
+    heads = [[*_declare(ruleset, table), *_purge(table, leftovers)]]
     heads += [[f"*{table}"]] * (len(pieces) - 1)
     return [_commit([*head, *piece]) for head, piece in zip(heads, pieces, strict=True)]
 
@@ -115,7 +120,7 @@ def _staged(ruleset: RuleSet, table: str, rules: list[str], chunk: int) -> list[
     staged = [f"-A {line[3:].replace(' ', STAGED_NEW + ' ', 1)}" for line in rules]
     pieces = [staged[i : i + chunk] for i in range(0, len(staged), chunk)] or [[]]
     first = [f"*{table}", *(f":{c}{STAGED_NEW} - [0:0]" for c in chains)]
-    first += _purge(ruleset, table, (STAGED_OLD,))
+    first += _purge(table, [c + STAGED_OLD for c in chains])
     heads = [first] + [[f"*{table}"]] * (len(pieces) - 1)
     jumps = ruleset.jumps_in(table)
     turn = [f"*{table}"]
@@ -135,13 +140,12 @@ def _staged(ruleset: RuleSet, table: str, rules: list[str], chunk: int) -> list[
     ]
 
 
-def _purge(
-    ruleset: RuleSet, table: str, suffixes: tuple[str, ...] = (STAGED_NEW, STAGED_OLD)
-) -> list[str]:
-    """Lines deleting the chains of a live rewrite that stopped halfway, if any are left
-    (declared first, so that deleting one that is not there cannot fail)."""
-    names = [c + suffix for c in ruleset.chains[table] for suffix in suffixes]
-    return [*(f":{name} - [0:0]" for name in names), *(f"-X {name}" for name in names)]
+def _purge(table: str, names: Collection[str]) -> list[str]:
+    """Lines deleting the chains of ``names`` that belong to ``table`` (staged chains a live
+    rewrite left), declared first: that flushes one, or creates one that is not there, so
+    that deleting it cannot fail."""
+    ours = [n for n in names if _table_of_chain(n) == table]
+    return [*(f":{name} - [0:0]" for name in ours), *(f"-X {name}" for name in ours)]
 
 
 def _declare(ruleset: RuleSet, table: str) -> list[str]:
@@ -333,6 +337,14 @@ def _edit_lines(
 
 def _table_of_jump(line: str) -> str:
     """The table of a jump line, by the uproxy chain it jumps to (or its staged twin)."""
-    target = line.rsplit(" -j ", 1)[-1].split()[0]
-    target = target.removesuffix(STAGED_NEW).removesuffix(STAGED_OLD)
-    return next((t for t, chains in CHAINS.items() if target in chains), "")
+    return _table_of_chain(_target(line))
+
+
+def _target(line: str) -> str:
+    return line.rsplit(" -j ", 1)[-1].split()[0]
+
+
+def _table_of_chain(name: str) -> str:
+    """The table of one of uproxy's chains or of its staged twin ("" for others)."""
+    name = name.removesuffix(STAGED_NEW).removesuffix(STAGED_OLD)
+    return next((t for t, chains in CHAINS.items() if name in chains), "")

@@ -60,6 +60,7 @@ from uproxy.rules.payload import edit_payload, rewrite_commits
 from uproxy.rules.portals import (
     ANY_IPV4,
     JUMP_CHAINS,
+    STAGING_CHAINS,
     TABLES,
     JumpRule,
     PortalRule,
@@ -189,6 +190,8 @@ class _Family:
         self.stack = stack
         self.builder = builder
         self.installed: RuleSet | None = None
+        # Staged chains a live rewrite that stopped halfway left, as the last read saw them.
+        self.leftovers: list[str] = []
 
 
 class RestoreBackend:
@@ -355,6 +358,9 @@ class RestoreBackend:
                 lines = self._families[family].builder.lines
                 saved, ours = await asyncio.to_thread(_read_back, text, installed, lines)
                 builtin = saved
+                self._families[family].leftovers = [
+                    chain for t in saved.values() for chain in t.chains if chain in STAGING_CHAINS
+                ]
                 # Edits never touch the jumps: a table missing one is rewritten.
                 editable[family] = frozenset(
                     table
@@ -407,6 +413,7 @@ class RestoreBackend:
                 stale_jumps=stale,
                 lines=fam.builder.lines,
                 chunk=REWRITE_CHUNK if mode == "nft" else None,
+                leftovers=fam.leftovers,
             ):
                 parts.append(commit)
                 commits += 1
@@ -446,6 +453,8 @@ class RestoreBackend:
                 watch.forget()  # the next sync reads the jumps and rewrites
                 raise
             self._families[family].installed = ruleset
+            if edited is None:
+                self._families[family].leftovers = []  # the rewrite deleted them
             self.commits += count
             commits += count  # each COMMIT line is a transaction: one generation step
             if edited is not None:
