@@ -46,7 +46,7 @@ def restore_payload(
     out = _declare(ruleset, table)
     out.extend(f"-D {line[3:]}" for line in stale_jumps if _table_of_jump(line) == table)
     out.extend(_purge(table, leftovers))
-    out.extend(_jump_lines(ruleset, table, missing_jumps))
+    out.extend(_jump_lines(ruleset.jumps_in(table), missing_jumps))
     out.extend(_rule_lines(ruleset, table, lines))
     return _commit(out)
 
@@ -97,11 +97,9 @@ def rewrite_commits(
     rules = _rule_lines(ruleset, table, lines)
     if live:
         return _staged(ruleset, table, rules, chunk)
-    pieces = [rules[i : i + chunk] for i in range(0, len(rules), chunk)] or [[]]
-    pieces[-1] = [*pieces[-1], *_jump_lines(ruleset, table, missing_jumps)]
-    heads = [[*_declare(ruleset, table), *_purge(table, leftovers)]]
-    heads += [[f"*{table}"]] * (len(pieces) - 1)
-    return [_commit([*head, *piece]) for head, piece in zip(heads, pieces, strict=True)]
+    pieces = _chunks(rules, chunk)
+    pieces[-1] = [*pieces[-1], *_jump_lines(jumps, missing_jumps)]
+    return _filled(table, [*_declare(ruleset, table), *_purge(table, leftovers)], pieces)
 
 
 def _staged(ruleset: RuleSet, table: str, rules: list[str], chunk: int) -> list[str]:
@@ -118,19 +116,15 @@ def _staged(ruleset: RuleSet, table: str, rules: list[str], chunk: int) -> list[
     """
     chains = ruleset.chains[table]
     staged = [f"-A {line[3:].replace(' ', STAGED_NEW + ' ', 1)}" for line in rules]
-    pieces = [staged[i : i + chunk] for i in range(0, len(staged), chunk)] or [[]]
     first = [f"*{table}", *(f":{c}{STAGED_NEW} - [0:0]" for c in chains)]
     first += _purge(table, [c + STAGED_OLD for c in chains])
-    heads = [first] + [[f"*{table}"]] * (len(pieces) - 1)
     jumps = ruleset.jumps_in(table)
-    turn = [f"*{table}"]
-    for jump, position in insert_positions(jumps, jumps):
-        where = f"-I {jump.chain} {position}" if jump.first else f"-A {jump.chain}"
-        turn.append(f"{where} {replace(jump, target=jump.target + STAGED_NEW).spec()}")
+    to_staged = [replace(jump, target=jump.target + STAGED_NEW) for jump in jumps]
+    turn = [f"*{table}", *_jump_lines(to_staged, to_staged)]
     turn += [f"-D {jump.chain} {jump.spec()}" for jump in jumps]
     turn += [f"-E {c} {c}{STAGED_OLD}" for c in chains]
     return [
-        *(_commit([*head, *piece]) for head, piece in zip(heads, pieces, strict=True)),
+        *_filled(table, first, _chunks(staged, chunk)),
         _commit(turn),
         _commit([f"*{table}", *(f"-E {c}{STAGED_NEW} {c}" for c in chains)]),
         _commit(
@@ -148,13 +142,24 @@ def _purge(table: str, names: Collection[str]) -> list[str]:
     return [*(f":{name} - [0:0]" for name in ours), *(f"-X {name}" for name in ours)]
 
 
+def _chunks(lines: list[str], chunk: int) -> list[list[str]]:
+    return [lines[i : i + chunk] for i in range(0, len(lines), chunk)] or [[]]
+
+
+def _filled(table: str, head: list[str], pieces: list[list[str]]) -> list[str]:
+    """Commits of ``pieces``, the first one after ``head`` (which names the table)."""
+    heads = [head] + [[f"*{table}"]] * (len(pieces) - 1)
+    return [_commit([*h, *piece]) for h, piece in zip(heads, pieces, strict=True)]
+
+
 def _declare(ruleset: RuleSet, table: str) -> list[str]:
     return [f"*{table}", *(f":{chain} - [0:0]" for chain in ruleset.chains[table])]
 
 
-def _jump_lines(ruleset: RuleSet, table: str, missing: Collection[JumpRule]) -> list[str]:
+def _jump_lines(jumps: list[JumpRule], missing: Collection[JumpRule]) -> list[str]:
+    """Lines adding the ``missing`` of ``jumps`` (one table's), each where it belongs."""
     out = []
-    for jump, position in insert_positions(ruleset.jumps_in(table), missing):
+    for jump, position in insert_positions(jumps, missing):
         where = f"-I {jump.chain} {position}" if jump.first else f"-A {jump.chain}"
         out.append(f"{where} {jump.spec()}")
     return out

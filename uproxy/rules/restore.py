@@ -309,10 +309,11 @@ class RestoreBackend:
             watch = self.watch(mode)
             full = self._clock() - self._last_full >= FULL_SYNC_PERIOD_S
             changed = [f for f, r in rulesets.items() if r != self._families[f].installed]
-            if not full and not changed and self._untouched(watch):
+            untouched = self._untouched(watch)
+            if not full and not changed and untouched:
                 return  # exactly what our last restore left, and nobody committed since
             jumps: dict[IPFamily, tuple[list[JumpRule], list[str]]] = {}
-            if not (full or self._repair) and self._untouched(watch):
+            if not (full or self._repair) and untouched:
                 # Nobody committed since our last commit: the chains hold what it left.
                 before = self._committed
                 jumps = {f: ([], []) for f in changed}
@@ -352,6 +353,7 @@ class RestoreBackend:
         for family, ruleset in rulesets.items():
             installed = self._families[family].installed
             builtin = early.get(family)
+            ours: list[str] = []  # tables whose chains read back exactly as installed
             if builtin is None and installed is not None:
                 self.reads += 1
                 text = await save(mode, family)
@@ -361,16 +363,17 @@ class RestoreBackend:
                 self._families[family].leftovers = [
                     chain for t in saved.values() for chain in t.chains if chain in STAGING_CHAINS
                 ]
-                # Edits never touch the jumps: a table missing one is rewritten.
-                editable[family] = frozenset(
-                    table
-                    for table in ours
-                    if not any(j.table == table for j in missing_jumps(saved, ruleset))
-                    and not stale_jumps({table: saved.get(table, SavedTable(table))}, ruleset)
-                )
             elif builtin is None:
                 builtin = await self._read_jumps(mode, family)
-            jumps[family] = (missing_jumps(builtin, ruleset), stale_jumps(builtin, ruleset))
+            missing = missing_jumps(builtin, ruleset)
+            jumps[family] = (missing, stale_jumps(builtin, ruleset))
+            # Edits never touch the jumps: a table missing one, or with a stale one, is rewritten.
+            editable[family] = frozenset(
+                table
+                for table in ours
+                if not any(j.table == table for j in missing)
+                and not stale_jumps({table: builtin.get(table, SavedTable(table))}, ruleset)
+            )
         return jumps, editable
 
     def _payload(
