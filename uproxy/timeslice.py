@@ -11,6 +11,10 @@ every ready callback runs) once ``budget_s`` has passed since the last yield.
 The default budget, 10 ms, keeps a health check's or a worker's wait behind control work
 well below the ~50 ms anyone would notice, while adding one loop pass per 10 ms of work (a
 few us).
+
+Every clock read (every ``check_every`` items) also offers the CPU to a waiting worker
+(``priority.give_way``): the loop's slice is for the loop's other work, the offer is for the
+other processes on this CPU.
 """
 
 from __future__ import annotations
@@ -18,13 +22,15 @@ from __future__ import annotations
 import asyncio
 import time
 
+from uproxy import priority
+
 DEFAULT_BUDGET_S = 0.01
 
 
 class TimeSlice:
     __slots__ = ("_budget", "_check_every", "_count", "_since", "yields")
 
-    def __init__(self, budget_s: float = DEFAULT_BUDGET_S, *, check_every: int = 16) -> None:
+    def __init__(self, budget_s: float = DEFAULT_BUDGET_S, *, check_every: int = 4) -> None:
         self._budget = budget_s
         self._check_every = check_every
         self._count = 0
@@ -44,6 +50,7 @@ class TimeSlice:
         if self._count < self._check_every:
             return False
         self._count = 0
+        priority.give_way()
         if time.perf_counter() - self._since < self._budget:
             return False
         self.yields += 1

@@ -6,7 +6,9 @@ fixture puts them back after each test.
 
 from __future__ import annotations
 
+import itertools
 import os
+from types import SimpleNamespace
 
 import pytest
 
@@ -56,3 +58,48 @@ def test_step_0_changes_nothing() -> None:
     before = _values()
     assert priority.lower_control(0) is None
     assert _values() == before
+
+
+def test_only_a_lowered_process_gives_way_and_at_most_once_per_interval(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    yields: list[float] = []
+    now = [1000.0]
+    # The module's view of both (give_way uses nothing else from them).
+    monkeypatch.setattr(priority, "os", SimpleNamespace(sched_yield=lambda: yields.append(now[0])))
+    monkeypatch.setattr(priority, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(priority, "_gave_way", 0.0)
+    monkeypatch.setattr(priority, "_giving_way", False)
+    priority.give_way()
+    assert yields == []  # not lowered: never
+
+    monkeypatch.setattr(priority, "_giving_way", True)
+    step = priority.GIVE_WAY_S / 4
+    for _ in range(41):  # 10 intervals of bulk work, offered every quarter interval
+        priority.give_way()
+        now[0] += step
+    assert len(yields) == 11
+    assert all(b - a >= priority.GIVE_WAY_S - 1e-12 for a, b in itertools.pairwise(yields))
+
+
+@pytest.mark.root  # raising the priority back needs CAP_SYS_NICE
+def test_lowering_turns_giving_way_on_and_taking_back_turns_it_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(priority, "_giving_way", False)
+    base = priority.current()
+    assert priority.lower_control(5) is not None
+    assert priority._giving_way
+    priority.take_back(base)
+    assert not priority._giving_way
+
+
+def test_time_sliced_work_offers_the_cpu_as_it_goes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from uproxy import timeslice
+
+    offers: list[None] = []
+    monkeypatch.setattr(priority, "give_way", lambda: offers.append(None))
+    ts = timeslice.TimeSlice(budget_s=60.0, check_every=4)
+    for _ in range(40):
+        assert not ts.due()
+    assert len(offers) == 10

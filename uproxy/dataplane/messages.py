@@ -48,6 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from uproxy import priority
 from uproxy.dataplane.settings import DataplaneSettings
 from uproxy.model import (
     Endpoint,
@@ -241,6 +242,7 @@ class Channel:
     def _flush(self) -> None:
         self._flush_soon = False
         while self._pending and not self.closed:
+            priority.give_way()  # the sender is the control process: pickling 10,000s
             batch = [self._pending[i] for i in range(min(MESSAGES_PER_PACKET, len(self._pending)))]
             data = pickle.dumps([m for m, _ in batch], protocol=pickle.HIGHEST_PROTOCOL)
             fds = [fd.fileno() for _, fd in batch if fd is not None]

@@ -60,6 +60,7 @@ from yaml.constructor import SafeConstructor
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 from yaml.resolver import BaseResolver, Resolver
 
+from uproxy import priority
 from uproxy.log import kv
 from uproxy.model import ServicePort, ServicePortName
 from uproxy.objects import (
@@ -135,6 +136,7 @@ class _PlainFirst(SafeConstructor, Resolver):
         return BaseResolver.DEFAULT_SEQUENCE_TAG
 
     def construct_document(self, node: Node) -> Any:
+        priority.give_way()  # the parse runs on a thread of the lowered control process
         try:
             return self._plain(node, set())
         except _NotPlain:
