@@ -57,10 +57,9 @@ _SCHED_SETATTR, _SCHED_GETATTR = {"x86_64": (314, 315), "aarch64": (274, 275)}.g
 _FAIR_POLICIES = (os.SCHED_OTHER, os.SCHED_BATCH)
 _libc: ctypes.CDLL | None = None
 # The most CPU time the lowered control process's bulk work takes between two offers of the
-# CPU (``give_way``). Every 0.2 ms the swap's p99 read the same, but each offer is taken by a
-# worker that is receiving listeners (a pair of context switches): a cold start of 10,000
-# services on one CPU took 1.99-2.02 s against 1.91-1.94 (tried with packets of 8 messages
-# to the workers as well); every 0.5 ms it took 1.90-2.00 s against 1.89.
+# CPU (``give_way``). Offers every 0.2 ms did no better in the swap and cost a cold start of
+# 10,000 services on one CPU up to 0.1 s: each offer is taken by the worker receiving the
+# listeners, a pair of context switches.
 GIVE_WAY_S = 0.0005
 _giving_way = False  # set once this process lowered itself
 _gave_way = 0.0
