@@ -210,6 +210,15 @@ def test_live_chains_are_rewritten_in_chains_of_their_own_then_swapped_in() -> N
     assert leftover.chains == installed(old).chains
 
 
+def test_live_and_unreachable_chains_fill_in_their_own_commit_sizes() -> None:
+    new = build_rules(PORTALS[1:], host_ip=HOST_IP)
+    rules = len(new.rules_in(NAT))
+    live = rewrite_commits(new, NAT, chunk=2, staged_chunk=4)  # every jump in place
+    assert len(live) == -(-rules // 4) + 3
+    fresh = rewrite_commits(new, NAT, missing_jumps=new.jumps_in(NAT), chunk=2, staged_chunk=4)
+    assert len(fresh) == -(-rules // 2)  # the jumps come in the last of them
+
+
 def test_installed_jumps_are_not_repeated() -> None:
     ruleset = build_rules(PORTALS, host_ip=HOST_IP)
     payload = restore_payload(ruleset, NAT)

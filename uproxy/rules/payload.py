@@ -60,10 +60,12 @@ def rewrite_commits(
     lines: Mapping[PortalRule, str] | None = None,
     chunk: int | None = None,
     leftovers: Collection[str] = (),
+    staged_chunk: int | None = None,
 ) -> list[str]:
     """``restore_payload`` as commits: that one, or (with a ``chunk``) several of at most
     ``chunk`` rules each, when nothing can reach uproxy's chains in ``table`` before the
-    rewrite is done or when every jump into them is in place.
+    rewrite is done, or of ``staged_chunk`` (default: ``chunk``) when every jump into them
+    is in place.
 
     The kernel takes an nft commit in one piece, and 20,000 rules in one commit held a CPU
     for 0.3 s (``iptables-nft-restore``: a process sleeping 0.5 ms at a time on that CPU
@@ -96,7 +98,7 @@ def rewrite_commits(
         return [payload]
     rules = _rule_lines(ruleset, table, lines)
     if live:
-        return _staged(ruleset, table, rules, chunk)
+        return _staged(ruleset, table, rules, staged_chunk or chunk)
     pieces = _chunks(rules, chunk)
     pieces[-1] = [*pieces[-1], *_jump_lines(jumps, missing_jumps)]
     return _filled(table, [*_declare(ruleset, table), *_purge(table, leftovers)], pieces)

@@ -96,13 +96,19 @@ _PROGRAMS = {IPFamily.V4: "iptables", IPFamily.V6: "ip6tables"}
 # against 1.10 s, 1,600 took 1.75 s against 1.08 s.
 EDIT_SHARE = {"legacy": 8, "nft": 24}
 MIN_EDITS = 64
-# Rules per commit in an nft-mode rewrite of chains no traffic can see yet, or of the staged
-# twins of live chains (``rewrite_commits``).
-# 20,000 portal rules: one commit held a CPU for 0.30 s; commits of 2,000 rules for 35-37 ms
-# each in the same 0.37-0.40 s in all, of 1,000 for 23-28 ms in 0.45-0.50 s. Legacy mode
-# stays one commit: its kernel replaces the whole table per commit (20,000 rules: 32-34 ms
-# held in one commit, 50-53 ms and four times the work in commits of 2,000).
-REWRITE_CHUNK = 2000
+# Rules per commit in an nft-mode rewrite of chains no traffic can see yet (a first start, a
+# flushed table; ``rewrite_commits``). 20,000 portal rules into empty chains, a process
+# sleeping 0.5 ms at a time on the same CPU: one commit held it for 0.30 s; commits of 2,000
+# rules for 36-37 ms each, of 1,000 for 17-20, of 500 for 11-12, of 250 for 8-9 ms, all in
+# 0.39-0.45 s (most of a commit is the kernel taking each rule's expressions by type name).
+# Legacy mode stays one commit: its kernel replaces the whole table per commit (20,000
+# rules: 32-34 ms held in one commit, 50-53 ms and four times the work in commits of 2,000).
+REWRITE_CHUNK = 500
+# The same for the staged twins of live chains. There the commits that delete the old chains
+# hold a CPU 22-24 ms (the second waits for the kernel to free the first one's rules), so
+# smaller fills gain nothing: 2,000 services moved at 10,000, commits of 1,000 held 21-22 ms
+# in 0.90-0.98 s, of 500 22-26 ms in 1.00-1.33 s, of 2,000 33-35 ms in 0.90-0.94 s.
+STAGED_CHUNK = 1000
 # The weight of an nft-mode edit commit (``edit_payload``'s ``commit_cost``): an edit weighs
 # the length of its chain, which the kernel walks to find the rule it names. 625 services
 # changed at 10,000 (2,500 edits in two chains of 10,000 rules): in one commit a process
@@ -416,6 +422,7 @@ class RestoreBackend:
                 stale_jumps=stale,
                 lines=fam.builder.lines,
                 chunk=REWRITE_CHUNK if mode == "nft" else None,
+                staged_chunk=STAGED_CHUNK,
                 leftovers=fam.leftovers,
             ):
                 parts.append(commit)
