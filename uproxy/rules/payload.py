@@ -76,10 +76,9 @@ def rewrite_commits(
     jump is in place the chains serve traffic: the new rules go to chains of their own,
     which then take the place of the old ones (``_staged``). With some jumps in place and
     others not (or ``stale_jumps``), which chains exist is not known, and the rewrite stays
-    one commit. ``leftovers``:
-    staged chains known to be left over (a jump into one is in ``stale_jumps``, which names
-    it too); a rewrite deletes them. Declaring and deleting all of them just in case cost
-    25 ms a rewrite.
+    one commit. ``leftovers``: staged chains known to be left over (a jump into one is in
+    ``stale_jumps``, which names it too); a rewrite deletes them. Declaring and deleting all
+    of them just in case cost 25 ms a rewrite.
     """
     missing = set(missing_jumps)
     jumps = ruleset.jumps_in(table)

@@ -104,10 +104,11 @@ MIN_EDITS = 64
 # Legacy mode stays one commit: its kernel replaces the whole table per commit (20,000
 # rules: 32-34 ms held in one commit, 50-53 ms and four times the work in commits of 2,000).
 REWRITE_CHUNK = 500
-# The same for the staged twins of live chains. There the commits that delete the old chains
-# hold a CPU 22-24 ms (the second waits for the kernel to free the first one's rules), so
-# smaller fills gain nothing: 2,000 services moved at 10,000, commits of 1,000 held 21-22 ms
-# in 0.90-0.98 s, of 500 22-26 ms in 1.00-1.33 s, of 2,000 33-35 ms in 0.90-0.94 s.
+# The same for the staged twins of live chains. There the commit that deletes the old chains
+# (20,000 rules) holds a CPU 22-24 ms, and as long in two commits (the second waits for the
+# kernel to free the first one's rules), so smaller fills gain nothing: 2,000 services moved
+# at 10,000, commits of 1,000 held 21-22 ms in 0.90-0.98 s, of 500 22-26 ms in 1.00-1.33 s,
+# of 2,000 33-35 ms in 0.90-0.94 s.
 STAGED_CHUNK = 1000
 # The weight of an nft-mode edit commit (``edit_payload``'s ``commit_cost``): an edit weighs
 # the length of its chain, which the kernel walks to find the rule it names. 625 services
