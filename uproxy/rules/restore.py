@@ -119,7 +119,7 @@ STAGED_CHUNK = 1000
 # the length of its chain, which the kernel walks to find the rule it names. 625 services
 # changed at 10,000 (2,500 edits in two chains of 10,000 rules): in one commit a process
 # sleeping 0.5 ms at a time on the same CPU overslept by 174-195 ms, in 13 commits of this
-# weight by 35-37 ms (as a REWRITE_CHUNK commit), in 9 by 43-44 ms. Each commit costs
+# weight by 35-37 ms (as a FIRST_CHUNK commit), in 9 by 43-44 ms. Each commit costs
 # iptables-nft-restore a new read of the table, preemptible but not cheap: the sync took
 # 2.6-2.7 s against 0.5 s in one commit (1.8-1.9 s in 9).
 EDIT_COMMIT_COST = 2_000_000
