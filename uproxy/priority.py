@@ -65,13 +65,15 @@ _giving_way = False  # set once this process lowered itself
 _gave_way = 0.0
 
 
-def give_way() -> None:
+def give_way(now: float | None = None) -> None:
     """In the lowered control process, during bulk work: let a runnable worker (or anyone
-    else waiting for this CPU) have it, at most once per ``GIVE_WAY_S``; otherwise nothing."""
+    else waiting for this CPU) have it, at most once per ``GIVE_WAY_S``; otherwise nothing.
+    ``now``: ``time.perf_counter()`` when the caller has just read it."""
     global _gave_way
     if not _giving_way:
         return
-    now = time.perf_counter()
+    if now is None:
+        now = time.perf_counter()
     if now - _gave_way >= GIVE_WAY_S:
         _gave_way = now
         os.sched_yield()

@@ -50,8 +50,9 @@ class TimeSlice:
         if self._count < self._check_every:
             return False
         self._count = 0
-        priority.give_way()
-        if time.perf_counter() - self._since < self._budget:
+        now = time.perf_counter()
+        priority.give_way(now)
+        if now - self._since < self._budget:
             return False
         self.yields += 1
         self._since = time.perf_counter()

@@ -98,7 +98,7 @@ def test_time_sliced_work_offers_the_cpu_as_it_goes(monkeypatch: pytest.MonkeyPa
     from uproxy import timeslice
 
     offers: list[None] = []
-    monkeypatch.setattr(priority, "give_way", lambda: offers.append(None))
+    monkeypatch.setattr(priority, "give_way", lambda now=None: offers.append(None))
     ts = timeslice.TimeSlice(budget_s=60.0, check_every=4)
     for _ in range(40):
         assert not ts.due()

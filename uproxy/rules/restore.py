@@ -420,9 +420,10 @@ class RestoreBackend:
                 parts.append(edits.payload)
                 commits, edited = edits.commits, edits.count
         missing, stale = jumps
-        chunk = None  # legacy: one commit
+        chunk = staged = None  # legacy: one commit
         if mode == "nft":
             chunk = FIRST_CHUNK if fam.installed is None else REWRITE_CHUNK
+            staged = STAGED_CHUNK
         for table in rewrite:
             for commit in rewrite_commits(
                 ruleset,
@@ -431,7 +432,7 @@ class RestoreBackend:
                 stale_jumps=stale,
                 lines=fam.builder.lines,
                 chunk=chunk,
-                staged_chunk=STAGED_CHUNK,
+                staged_chunk=staged,
                 leftovers=fam.leftovers,
             ):
                 parts.append(commit)
