@@ -25,6 +25,7 @@ from uproxy.dataplane.messages import (
     Forget,
     OpenListener,
 )
+from uproxy.dataplane.poller import READ_EVENTS, io_waiting, poller_for
 from uproxy.model import IPFamily, Protocol, ServicePortName, Traffic
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -167,6 +168,71 @@ async def test_a_packet_of_slow_messages_is_applied_in_slices() -> None:
     assert seen_by_others and seen_by_others[0] <= slice_messages < MESSAGES_PER_PACKET
     # "Applied" once everything received is applied, not after every slice.
     assert reports == [MESSAGES_PER_PACKET]
+
+
+async def test_a_pass_ends_at_the_first_message_applied_while_a_relay_has_input() -> None:
+    """A slice of cheap messages is many of them (one 0.125 ms slice, ~40 listeners closed):
+    a relay whose input arrives meanwhile waited for the whole slice, twice per request
+    (request and response), in a 10,000-port swap. With ``busy`` the pass ends after the
+    message at hand."""
+    loop = asyncio.get_running_loop()
+    applied: list[int] = []
+    seen: list[int] = []
+    done = asyncio.Event()
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    relay, client = socket.socketpair()
+    poller = poller_for(loop)
+
+    class Relay:
+        def event(self, mask: int) -> None:
+            seen.append(len(applied))
+            relay.recv(100)
+
+    def on_message(message: object, sock: socket.socket | None) -> None:
+        applied.append(1)
+        if len(applied) == 3:
+            client.send(b"request")  # a relay's input, while the bulk is applied
+        if len(applied) == MESSAGES_PER_PACKET:
+            done.set()
+
+    poller.register(relay.fileno(), Relay(), READ_EVENTS)
+    sender = Channel(ours, on_message=lambda m, s: None, on_closed=lambda: None)
+    receiver = Channel(theirs, on_message=on_message, on_closed=done.set, busy=io_waiting(loop))
+    try:
+        for i in range(MESSAGES_PER_PACKET):  # one packet: a slice would apply it whole
+            sender.send(_forget(i))
+        await asyncio.wait_for(done.wait(), 10)
+    finally:
+        sender.close()
+        receiver.close()
+        poller.forget(relay.fileno())
+        relay.close()
+        client.close()
+    assert seen == [3]  # the relay ran right after the message during which its input came
+
+
+async def test_a_loop_that_stays_busy_still_gets_every_message_applied() -> None:
+    """Input that nobody takes (a flood, a stuck socket) must not stop the data plane from
+    following the control process: busy or not, the messages keep being applied."""
+    applied: list[int] = []
+    done = asyncio.Event()
+
+    def on_message(message: object, sock: socket.socket | None) -> None:
+        applied.append(1)
+        if len(applied) == 2 * MESSAGES_PER_PACKET:
+            done.set()
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sender = Channel(ours, on_message=lambda m, s: None, on_closed=lambda: None)
+    receiver = Channel(theirs, on_message=on_message, on_closed=done.set, busy=lambda: True)
+    try:
+        for i in range(2 * MESSAGES_PER_PACKET):
+            sender.send(_forget(i))
+        await asyncio.wait_for(done.wait(), 10)
+    finally:
+        sender.close()
+        receiver.close()
+    assert len(applied) == 2 * MESSAGES_PER_PACKET
 
 
 async def _apply(count: int, cost_s: float, monkeypatch: pytest.MonkeyPatch) -> list[int]:

@@ -8,7 +8,13 @@ import socket
 from collections.abc import Callable
 
 from tests.dataplane.conftest import wait_until
-from uproxy.dataplane.poller import READ_EVENTS, EdgePoller
+from uproxy.dataplane.poller import (
+    READ_EVENTS,
+    EdgePoller,
+    io_waiting,
+    poller_for,
+    read_poller_for,
+)
 
 
 class Recorder:
@@ -88,3 +94,48 @@ async def test_a_failing_handler_is_reported_and_the_rest_of_the_batch_still_run
         for pair in pairs:
             for s in pair:
                 s.close()
+
+
+async def test_io_waiting_sees_a_waiting_event_and_leaves_it_for_the_loop() -> None:
+    """Work done in slices (a worker applying a bulk) asks whether a relay has input; the
+    edge-triggered event must still reach the relay afterwards, or that relay would hang
+    until its next byte."""
+    loop = asyncio.get_running_loop()
+    poller = poller_for(loop)
+    ours, peer = socket.socketpair()
+    calls: list[str] = []
+    waiting = io_waiting(loop)
+    try:
+        poller.register(ours.fileno(), Recorder("relay", calls), READ_EVENTS)
+        assert not waiting()
+        peer.send(b"request")
+        assert waiting() and waiting()  # asked twice: nothing taken
+        await wait_until(lambda: calls == ["relay"], what="the relay's event")
+        assert not waiting()  # the loop collected it; no new input since
+    finally:
+        poller.forget(ours.fileno())
+        ours.close()
+        peer.close()
+
+
+async def test_io_waiting_sees_a_connection_waiting_on_a_listener() -> None:
+    loop = asyncio.get_running_loop()
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.setblocking(False)
+    accepted: list[socket.socket] = []
+
+    class Acceptor:
+        def readable(self) -> None:
+            accepted.append(listener.accept()[0])
+
+    waiting = io_waiting(loop)
+    read_poller_for(loop).watch(listener.fileno(), Acceptor())
+    client = socket.create_connection(listener.getsockname()[:2])
+    try:
+        assert waiting()
+        await wait_until(lambda: bool(accepted), what="the accept")
+        assert not waiting()
+    finally:
+        read_poller_for(loop).unwatch(listener.fileno())
+        for s in (listener, client, *accepted):
+            s.close()

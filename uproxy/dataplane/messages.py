@@ -68,7 +68,9 @@ MESSAGES_PER_PACKET = 50
 # five new or closed listeners. Keep-alive p99 through a 10,000-port swap, 3 alternating
 # runs (iptables-restore / nftables): 0.5 ms slices 2.03-2.13 / 1.69-2.24 ms, 0.25 ms
 # 1.37-1.84 / 1.23-1.44 ms, 0.125 ms 0.88-1.12 / 0.84-2.24 ms; the workers' CPU and the
-# swap's length did not change.
+# swap's length did not change. A worker also ends a pass as soon as a relay has input
+# (``busy``): a slice of cheap messages (closed listeners, forgotten balancers) held that
+# input for the whole slice, on the way in and again on the way out.
 APPLY_SLICE_S = 0.000125
 MAX_PACKET = 1 << 20  # bytes a receiver accepts; packets are far smaller (~100 B/message)
 
@@ -185,10 +187,12 @@ class Channel:
         on_message: Callable[[Message, socket.socket | None], None],
         on_closed: Callable[[], None],
         on_applied: Callable[[int], None] | None = None,
+        busy: Callable[[], bool] | None = None,
     ) -> None:
         """``on_applied(count)``: once every message received so far is handed over (after a
         pass that handed any), how many it has handed over in all (``on_message`` applies
-        each before it returns)."""
+        each before it returns). ``busy()``: whether the loop has other work waiting (in a
+        worker: a relay's input); a pass of ``_pump`` then ends after the message at hand."""
         sock.setblocking(False)
         self._sock = sock
         self._on_message = on_message
@@ -198,6 +202,8 @@ class Channel:
         # Received, not yet handed over (with the fd of its socket, or -1); see ``_pump``.
         self._inbox: deque[tuple[Message, int]] = deque()
         self._resume: asyncio.Handle | None = None
+        self._busy = busy
+        self._deferred = False  # the last pass applied nothing: ``busy`` when it began
         self._flush_soon = False
         self._writing = False
         self.closed = False
@@ -272,8 +278,9 @@ class Channel:
             self._pump()
 
     def _pump(self) -> None:
-        """Apply received messages, one at a time, for at most ``APPLY_SLICE_S``; what is
-        left waits in the inbox for the next pass of the loop.
+        """Apply received messages, one at a time, for at most ``APPLY_SLICE_S`` and not past
+        the message at hand once ``busy()``; what is left waits in the inbox for the next
+        pass of the loop. Every other pass applies at least one message, busy or not.
 
         The clock is read after each message, not each packet: a packet of 50 new listeners
         took a worker 2-10 ms, and with the budget checked per packet a 10,000-port sync
@@ -285,9 +292,17 @@ class Channel:
         waits on that CPU (2-4.5 ms, ``perf sched``); the yield lets them run first, and
         costs nothing when nobody waits.
         """
+        busy = self._busy
         if self._resume is not None:
             os.sched_yield()
+            if busy is not None and not self._deferred and busy():
+                # The loop runs this pass before it collects the waiting input: wait one
+                # more pass (once: a pass after that applies at least one message).
+                self._deferred = True
+                self._resume = self._loop.call_soon(self._pump)
+                return
         self._resume = None
+        self._deferred = False
         before = self.delivered
         deadline = time.perf_counter() + APPLY_SLICE_S
         inbox = self._inbox
@@ -296,7 +311,7 @@ class Channel:
                 if not inbox and not self._receive():
                     break
                 self._deliver(*inbox.popleft())
-                if time.perf_counter() >= deadline:
+                if time.perf_counter() >= deadline or (busy is not None and busy()):
                     break
         finally:
             if inbox and not self.closed:

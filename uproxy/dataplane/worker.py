@@ -47,6 +47,7 @@ from uproxy.dataplane.messages import (
     SetEndpoints,
     Steer,
 )
+from uproxy.dataplane.poller import io_waiting
 from uproxy.log import V2, kv
 from uproxy.model import IPFamily, ServicePortName, Traffic
 
@@ -143,6 +144,7 @@ class Worker:
             on_message=self._on_message,
             on_closed=self._stop.set,
             on_applied=lambda count: channel.send(Applied(count)),
+            busy=io_waiting(loop),  # a relay's input ends an apply slice early
         )
         channel.send(Ready(os.getpid()))
         await self._stop.wait()
