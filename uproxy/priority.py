@@ -21,10 +21,11 @@ settings of the scheduler fix that, each per thread:
   HZ=250): ``perf sched`` during a 10,000-service swap showed workers waiting 3.8-5.1 ms
   behind the control process that way, 34 ms in all over 3 s. So the control process's bulk
   work calls ``give_way`` as it goes (``TimeSlice``, the services file's parse, the channel
-  to the workers), which yields the CPU at most once per ``GIVE_WAY_S``: a no-op when nobody
-  waits; a waiting worker gets the CPU back within about that long, not at the next tick.
-  In the same swap the workers' waits behind the control process came to 4 ms in all, and
-  the keep-alive p99 went from 0.84-1.03 / 0.71-1.64 ms to 0.55-0.88 / 0.68-0.86 ms
+  to the workers), which yields the CPU at most once per ``GIVE_WAY_S`` (0.1 ms; 0.5 ms
+  until the first sync is done, when nothing relays yet): a no-op when nobody waits; a
+  waiting worker gets the CPU back within about that long, not at the next tick. In the
+  same swap the workers' waits behind the control process came to 4 ms in all, and the
+  keep-alive p99 went from 0.84-1.03 / 0.71-1.64 ms to 0.55-0.88 / 0.68-0.86 ms
   (iptables-restore / nftables; 6 runs as before against 7 giving way, 5 of them every
   0.2 ms and 2 every 0.5 ms, alternating). A process that did not lower itself never gives
   way.
@@ -57,26 +58,39 @@ _SCHED_SETATTR, _SCHED_GETATTR = {"x86_64": (314, 315), "aarch64": (274, 275)}.g
 _FAIR_POLICIES = (os.SCHED_OTHER, os.SCHED_BATCH)
 _libc: ctypes.CDLL | None = None
 # The most CPU time the lowered control process's bulk work takes between two offers of the
-# CPU (``give_way``). Offers every 0.2 ms did no better in the swap and cost a cold start of
-# 10,000 services on one CPU up to 0.1 s: each offer is taken by the worker receiving the
-# listeners, a pair of context switches.
-GIVE_WAY_S = 0.0005
+# CPU (``give_way``) once the data plane serves (``serving``): a worker that gave up its CPU
+# between slices of a 10,000-port swap waits about that long for it when the control process
+# has it. Keep-alive p99 through the swap, 3 alternating pairs of runs (nftables /
+# iptables-restore): 0.36-0.53 / 0.38-0.51 ms every 0.1 ms, 0.50-0.60 / 0.49-1.07 every 0.5.
+GIVE_WAY_S = 0.0001
+# ... until then: nothing relays yet, and each offer is taken by a worker receiving the
+# listeners (a pair of context switches): offers every 0.1 ms made a cold start of 10,000
+# services 0.05-0.15 s slower, every 0.2 ms up to 0.1 s.
+GIVE_WAY_STARTING_S = 0.0005
 _giving_way = False  # set once this process lowered itself
+_interval = GIVE_WAY_STARTING_S
 _gave_way = 0.0
 
 
 def give_way(now: float | None = None) -> None:
     """In the lowered control process, during bulk work: let a runnable worker (or anyone
-    else waiting for this CPU) have it, at most once per ``GIVE_WAY_S``; otherwise nothing.
+    else waiting for this CPU) have it, at most once per ``GIVE_WAY_S`` (while starting:
+    ``GIVE_WAY_STARTING_S``); otherwise nothing.
     ``now``: ``time.perf_counter()`` when the caller has just read it."""
     global _gave_way
     if not _giving_way:
         return
     if now is None:
         now = time.perf_counter()
-    if now - _gave_way >= GIVE_WAY_S:
+    if now - _gave_way >= _interval:
         _gave_way = now
         os.sched_yield()
+
+
+def serving() -> None:
+    """The data plane serves (the first sync is done): offer the CPU every ``GIVE_WAY_S``."""
+    global _interval
+    _interval = GIVE_WAY_S
 
 
 @dataclass(frozen=True, slots=True)

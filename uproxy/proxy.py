@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Collection, Coroutine, Mapping
 from typing import Any
 
-from uproxy import localnet, metrics
+from uproxy import localnet, metrics, priority
 from uproxy.dataplane.limits import raise_nofile_limit
 from uproxy.dataplane.settings import DataplaneSettings
 from uproxy.health import HealthzServer, ProxyHealth
@@ -366,6 +366,7 @@ class Proxy:
     def _synced(self) -> None:
         self.health.updated()
         self.synced.set()
+        priority.serving()  # relays to protect from now on: the control gives way sooner
 
     async def _sync_healthchecks(
         self, ports: Mapping[ServicePortName, ProxiedPort], changed: Collection[ServicePortName]
