@@ -29,7 +29,7 @@ from uproxy.dataplane.poller import READ_EVENTS, io_waiting, poller_for
 from uproxy.model import IPFamily, Protocol, ServicePortName, Traffic
 
 ROOT = Path(__file__).resolve().parents[2]
-SOCKETS = 20
+SOCKETS = MESSAGES_PER_PACKET - 1  # and the closing Forget: one packet
 HEADROOM = 5  # fds the receiver can still open
 
 RECEIVER = """
