@@ -171,8 +171,8 @@ async def test_a_packet_of_slow_messages_is_applied_in_slices() -> None:
 
 
 async def test_a_pass_ends_at_the_first_message_applied_while_a_relay_has_input() -> None:
-    """A slice of cheap messages is many of them (one 0.125 ms slice, ~40 listeners closed):
-    a relay whose input arrives meanwhile waited for the whole slice, twice per request
+    """A slice of cheap messages (closed listeners, forgotten balancers) is many of them: a
+    relay whose input arrived meanwhile waited for the whole slice, twice per request
     (request and response), in a 10,000-port swap. With ``busy`` the pass ends after the
     message at hand."""
     loop = asyncio.get_running_loop()
@@ -199,7 +199,7 @@ async def test_a_pass_ends_at_the_first_message_applied_while_a_relay_has_input(
     sender = Channel(ours, on_message=lambda m, s: None, on_closed=lambda: None)
     receiver = Channel(theirs, on_message=on_message, on_closed=done.set, busy=io_waiting(loop))
     try:
-        for i in range(MESSAGES_PER_PACKET):  # one packet: a slice would apply it whole
+        for i in range(MESSAGES_PER_PACKET):  # one packet: a slice would apply most of it
             sender.send(_forget(i))
         await asyncio.wait_for(done.wait(), 10)
     finally:
