@@ -367,6 +367,8 @@ class Proxy:
         self.health.updated()
         self.synced.set()
         priority.serving()  # relays to protect from now on: the control gives way sooner
+        if self.workers is not None:
+            self.workers.serve()  # ... and the workers apply changes in shorter slices
 
     async def _sync_healthchecks(
         self, ports: Mapping[ServicePortName, ProxiedPort], changed: Collection[ServicePortName]

@@ -33,7 +33,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from uproxy import metrics, priority
 from uproxy.dataplane.balancer import Balancer
@@ -184,6 +184,22 @@ class WorkerPool:
         self.restarts = 0
         self._applied_waiters: list[tuple[list[tuple[_Worker, int]], Callable[[], None]]] = []
         metrics.DATAPLANE_PENDING.set_function(self.pending)
+
+    @property
+    def serving(self) -> bool:
+        """Whether the workers were told that the proxy serves (see ``serve``)."""
+        return self._configure.serving
+
+    def serve(self) -> None:
+        """The proxy serves (its first sync is done): every worker, and every replacement
+        from now on, applies changes in short slices (``messages.APPLY_SLICE_S``) so that its
+        relays and whoever else waits for its CPU run in between. Once; later calls do
+        nothing."""
+        if self._configure.serving:
+            return
+        self._configure = replace(self._configure, serving=True)
+        for w in self._workers.values():
+            w.channel.send(self._configure)
 
     def pending(self) -> int:
         """Changes sent to the workers that they have not applied yet (0: every worker has

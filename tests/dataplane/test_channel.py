@@ -20,12 +20,16 @@ import pytest
 
 from uproxy.dataplane.messages import (
     APPLY_SLICE_S,
+    APPLY_SLICE_STARTING_S,
     MESSAGES_PER_PACKET,
     Channel,
+    Configure,
     Forget,
     OpenListener,
 )
 from uproxy.dataplane.poller import READ_EVENTS, io_waiting, poller_for
+from uproxy.dataplane.settings import DataplaneSettings
+from uproxy.dataplane.worker import Worker
 from uproxy.model import IPFamily, Protocol, ServicePortName, Traffic
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -274,6 +278,29 @@ async def test_a_worker_busy_with_a_bulk_yields_the_cpu_between_slices(
     assert len(yields) >= 2 * MESSAGES_PER_PACKET // slice_messages - 2, yields
     assert yields == sorted(set(yields)) and yields[0] > 0  # between slices, never twice
     assert await _apply(5, 0, monkeypatch) == []
+
+
+async def test_a_worker_applies_long_passes_until_the_proxy_serves() -> None:
+    """While the proxy starts nothing relays, and short passes only handed the CPU to the
+    control process and back: a worker applies its first state in passes of
+    ``APPLY_SLICE_STARTING_S``, and in short ones from the ``Configure`` that says the proxy
+    serves (or from the start, for a worker that replaces one)."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    worker = Worker(channel_fd=-1, index=0)
+    worker.channel = channel = Channel(
+        theirs, on_message=worker._on_message, on_closed=lambda: None
+    )
+    settings = DataplaneSettings(node_name="node")
+    try:
+        assert APPLY_SLICE_STARTING_S > APPLY_SLICE_S
+        worker._on_message(Configure(settings), None)
+        assert channel.slice_s == APPLY_SLICE_STARTING_S
+        worker._on_message(Configure(settings, serving=True), None)
+        assert channel.slice_s == APPLY_SLICE_S
+        assert worker.config == Configure(settings, serving=True)
+    finally:
+        channel.close()
+        ours.close()
 
 
 async def test_sockets_not_yet_applied_are_closed_with_the_channel() -> None:

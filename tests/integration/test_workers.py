@@ -876,6 +876,38 @@ class _Recorder:
             sock.close()
 
 
+async def test_the_workers_are_told_once_that_the_proxy_serves(
+    tmp_path: Path,
+    backends: list[NamedBackend],
+    proxies: list[Proxy],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # From then on they apply changes in short slices, between their relays (see
+    # ``messages.APPLY_SLICE_STARTING_S``); so does every replacement, from its start.
+    from types import SimpleNamespace
+
+    from uproxy.dataplane.messages import Configure
+    from uproxy.dataplane.settings import DataplaneSettings
+    from uproxy.workers import WorkerPool
+
+    proxy = await serving_web(tmp_path / "services.yaml", backends, proxies)
+    assert proxy.workers is not None and proxy.workers.serving  # the first sync did it
+
+    settings = DataplaneSettings()
+    pool = WorkerPool(2, settings=settings, argv=[])
+    channels = [_Recorder(), _Recorder()]
+    monkeypatch.setattr(
+        pool, "_workers", {i: SimpleNamespace(channel=c) for i, c in enumerate(channels)}
+    )
+    assert not pool.serving
+    pool.serve()
+    pool.serve()  # every sync says so: the workers hear it once
+    assert [c.sent for c in channels] == [[Configure(settings, serving=True)]] * 2
+    replacement = _Recorder()
+    pool._replay(SimpleNamespace(channel=replacement))  # type: ignore[arg-type]
+    assert replacement.sent[0] == Configure(settings, serving=True)
+
+
 async def test_a_listener_that_cannot_be_copied_for_every_worker_goes_to_none(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -4,7 +4,8 @@ The control process owns everything that is not relaying (sources, tracker, sync
 health, metrics); a worker only accepts, dials and relays. Between them is one narrow
 channel per worker, carrying the data-plane state as changes, in order:
 
-    control -> worker   Configure       once, first: settings and how to choose endpoints
+    control -> worker   Configure       first: settings and how to choose endpoints; again
+                                        once the proxy serves (its first sync is done)
                         SetEndpoints    a service port's spec and one family's endpoints (the
                                         balancer of that port and family)
                         OpenListener    + its listening socket (SCM_RIGHTS): start serving it
@@ -80,12 +81,20 @@ MESSAGES_PER_PACKET = 20
 # start of 10,000 services from a file 0.05 s slower on one CPU (2.77-2.84 s against
 # 2.74-2.76), none seen from the API double (2.09-2.15 against 2.17-2.19).
 APPLY_SLICE_S = 0.00005
+# ... until the proxy serves (the control process's first sync is done): nothing relays yet,
+# and whoever waits for this CPU is mostly the control process, busy with the same start, to
+# which every short pass handed the CPU and back (``sched_yield``). A cold start of 10,000
+# services from the API double, nftables, one CPU, 4 alternating pairs of 3 starts: medians
+# 1.96-2.10 s against 2.05-2.18 with 0.05 ms slices throughout; from a services file the
+# same (2.74-2.85 against 2.78-2.84).
+APPLY_SLICE_STARTING_S = 0.0005
 MAX_PACKET = 1 << 20  # bytes a receiver accepts; packets are far smaller (~100 B/message)
 
 
 @dataclass(frozen=True, slots=True)
 class Configure:
     settings: DataplaneSettings
+    serving: bool = False  # the proxy serves: changes are applied in short slices
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,6 +228,8 @@ class Channel:
         self.sent = 0  # messages queued for the other end, ever
         self.delivered = 0  # messages received and handed to on_message, ever
         self._on_applied = on_applied
+        # How long one pass of ``_pump`` may apply messages (a worker sets it, ``Configure``).
+        self.slice_s = APPLY_SLICE_S
         self._loop.add_reader(sock.fileno(), self._readable)
 
     def send(self, message: Message, fd: socket.socket | None = None) -> None:
@@ -286,7 +297,7 @@ class Channel:
             self._pump()
 
     def _pump(self) -> None:
-        """Apply received messages, one at a time, for at most ``APPLY_SLICE_S`` and not past
+        """Apply received messages, one at a time, for at most ``slice_s`` and not past
         the message at hand once ``busy()``; what is left waits in the inbox for the next
         pass of the loop. Every other pass applies at least one message, busy or not.
 
@@ -312,7 +323,7 @@ class Channel:
         self._resume = None
         self._deferred = False
         before = self.delivered
-        deadline = time.perf_counter() + APPLY_SLICE_S
+        deadline = time.perf_counter() + self.slice_s
         inbox = self._inbox
         try:
             while not self.closed:

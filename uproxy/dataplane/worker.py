@@ -36,6 +36,8 @@ from uproxy.dataplane.balancer import Balancer
 from uproxy.dataplane.counters import CounterFiles, SlotWriter
 from uproxy.dataplane.fdreserve import FD_RESERVE
 from uproxy.dataplane.messages import (
+    APPLY_SLICE_S,
+    APPLY_SLICE_STARTING_S,
     Applied,
     Channel,
     CloseListener,
@@ -132,6 +134,7 @@ class Worker:
         self._bulk = False
         self._quiet_check: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.channel: Channel | None = None
 
     async def run(self) -> int:
         self._loop = loop = asyncio.get_running_loop()
@@ -139,7 +142,7 @@ class Worker:
         # The fd limit this process started with (the control process raised it before):
         # read once for every listener, not once per port.
         FD_RESERVE.refresh_limit()
-        channel = Channel(
+        self.channel = channel = Channel(
             socket.socket(fileno=self._channel_fd),
             on_message=self._on_message,
             on_closed=self._stop.set,
@@ -218,6 +221,8 @@ class Worker:
             self._steer(message)
         elif type(message) is Configure:
             self.config = message
+            if self.channel is not None:
+                self.channel.slice_s = APPLY_SLICE_S if message.serving else APPLY_SLICE_STARTING_S
 
     def _close(self, message: CloseListener) -> None:
         listener = self.listeners.pop((message.name, message.traffic, message.family), None)
