@@ -70,6 +70,18 @@ READY_TIMEOUT_S = 30.0  # a worker that does not answer by then is killed and re
 RESTART_BACKOFF_S = (0.0, 0.1, 0.5, 1.0, 5.0)  # after 0, 1, 2... deaths in a row
 CRASH_LOOP_WINDOW_S = 60.0  # a worker that lived longer than this starts the count afresh
 
+# Connections a worker accepts per readiness callback on a socket that every worker accepts
+# on (``_bind``), instead of ``accept_batch`` (64). Every worker is woken for a new
+# connection there; with 64, the first one up took whatever was queued and the rest found
+# nothing: one worker relayed a burst while the other idled. ``--workers 2`` on 2 CPUs shared
+# with the load (``wrk -c16 -H "Connection: close"``, nginx behind), alternating 5 s runs:
+# 9,580-10,240 connections/s and 1.08-1.10 context switches per connection at 64, 10,300-
+# 10,360 at 8, 10,760-11,380 and 0.84-0.91 at 4, 10,040-11,400 at 1 and 2. One worker keeps
+# 64: on its own socket it accepts everything anyway, and taking one connection per pass
+# of its loop cost it 20-25 % (8,000-9,030 against 10,740-11,400). (With more than one
+# worker a ClientIP port's sockets, one per worker, take 4 too.)
+SHARED_ACCEPT_BATCH = 4
+
 ListenerKey = tuple[ServicePortName, Traffic, IPFamily]
 BalancerKey = tuple[ServicePortName, IPFamily]
 
@@ -172,7 +184,11 @@ class WorkerPool:
         self.count = count
         self._control_nice = control_nice
         self.lowered: priority.Lowered | None = None
-        self._configure = Configure(settings)
+        self._configure = Configure(
+            replace(settings, accept_batch=min(settings.accept_batch, SHARED_ACCEPT_BATCH))
+            if count > 1
+            else settings
+        )
         self._settings = settings
         self._argv_extra = argv
         self._workers: dict[int, _Worker] = {}

@@ -886,7 +886,6 @@ async def test_the_workers_are_told_once_that_the_proxy_serves(
     # ``messages.APPLY_SLICE_STARTING_S``); so does every replacement, from its start.
     from types import SimpleNamespace
 
-    from uproxy.dataplane.messages import Configure
     from uproxy.dataplane.settings import DataplaneSettings
     from uproxy.workers import WorkerPool
 
@@ -902,10 +901,27 @@ async def test_the_workers_are_told_once_that_the_proxy_serves(
     assert not pool.serving
     pool.serve()
     pool.serve()  # every sync says so: the workers hear it once
-    assert [c.sent for c in channels] == [[Configure(settings, serving=True)]] * 2
+    assert pool._configure.serving
+    assert [c.sent for c in channels] == [[pool._configure]] * 2
     replacement = _Recorder()
     pool._replay(SimpleNamespace(channel=replacement))  # type: ignore[arg-type]
-    assert replacement.sent[0] == Configure(settings, serving=True)
+    assert replacement.sent[0] == pool._configure
+
+
+def test_workers_sharing_sockets_accept_a_few_connections_at_a_time() -> None:
+    # Every worker is woken for a connection on a socket they all accept on: one that took
+    # up to 64 at once left the others nothing (see ``workers.SHARED_ACCEPT_BATCH``). Alone,
+    # a worker keeps the whole batch.
+    from uproxy.dataplane.settings import DataplaneSettings
+    from uproxy.workers import SHARED_ACCEPT_BATCH, WorkerPool
+
+    settings = DataplaneSettings(accept_batch=64)
+    two = WorkerPool(2, settings=settings, argv=[])
+    assert two._configure.settings.accept_batch == SHARED_ACCEPT_BATCH < 64
+    assert two._configure.settings.node_name == settings.node_name  # the rest as given
+    assert WorkerPool(1, settings=settings, argv=[])._configure.settings.accept_batch == 64
+    one_by_one = DataplaneSettings(accept_batch=1)
+    assert WorkerPool(2, settings=one_by_one, argv=[])._configure.settings.accept_batch == 1
 
 
 async def test_a_listener_that_cannot_be_copied_for_every_worker_goes_to_none(

@@ -65,7 +65,8 @@ class DataplaneSettings:
     # Large, because a burst of new connections must not see SYN drops while Python runs.
     listen_backlog: int = 4096
     # Connections accepted per readiness callback: amortises the callback over a burst,
-    # small enough that one busy port cannot starve the others on the loop.
+    # small enough that one busy port cannot starve the others on the loop. Workers that
+    # share a socket take fewer (``uproxy.workers.SHARED_ACCEPT_BATCH``).
     accept_batch: int = 64
     # Seconds accepting stays paused after EMFILE/ENFILE/ENOBUFS/ENOMEM. Short: fds come back
     # as soon as connections close; long enough that a full fd table does not spin the loop.
