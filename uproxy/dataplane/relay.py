@@ -60,9 +60,10 @@ import errno
 import os
 import socket
 import struct
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from uproxy.dataplane import series, splice
+from uproxy.dataplane.balancer import Balancer
 from uproxy.dataplane.fdreserve import FD_RESERVE, RESOURCE_ERRNOS
 from uproxy.dataplane.poller import (
     ALL_EVENTS,
@@ -75,12 +76,11 @@ from uproxy.dataplane.poller import (
     EdgePoller,
     poller_for,
 )
+from uproxy.dataplane.settings import DataplaneSettings
 from uproxy.dataplane.splice import SPLICE_FLAGS, Pipe
-from uproxy.dataplane.timers import Deadline
-from uproxy.model import Endpoint
-
-if TYPE_CHECKING:
-    from uproxy.dataplane.tcp import TcpListener
+from uproxy.dataplane.stats import Stats
+from uproxy.dataplane.timers import Deadline, FixedDelayTimers
+from uproxy.model import Endpoint, Traffic
 
 _LINGER_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends a RST
 _NOWAIT = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL  # the accepted socket stays blocking
@@ -91,6 +91,24 @@ _INPUT = IN | RDHUP | HUP
 _DIAL_OK = series.DIAL_ATTEMPTS.labels("ok")
 _DIAL_FAILED = series.DIAL_ATTEMPTS.labels("failed")
 _DIAL_DURATION = series.DIAL_DURATION
+
+
+class Origin(Protocol):
+    """What a connection needs of the listener that accepted it (``tcp.TcpListener``)."""
+
+    loop: asyncio.AbstractEventLoop
+    settings: DataplaneSettings
+    stats: Stats
+    balancer: Balancer
+    traffic: Traffic
+    dial_timers: dict[float, FixedDelayTimers]  # by dial timeout (``settings.dial_timeouts_s``)
+    linger_timers: FixedDelayTimers
+
+    def pause(self, reason: str) -> None:
+        """Stop accepting for a while (no fd left for a dial)."""
+
+    def released(self, conn: Connection) -> None:
+        """``conn`` is closed: it is no longer the listener's."""
 
 
 def reset_socket(sock: _socket.socket) -> None:
@@ -432,7 +450,7 @@ class Connection(_Side):
         "undialed",
     )
 
-    def __init__(self, listener: TcpListener, client_ip: str, endpoint: Endpoint) -> None:
+    def __init__(self, listener: Origin, client_ip: str, endpoint: Endpoint) -> None:
         settings = listener.settings
         super().__init__(
             poller_for(listener.loop), listener.stats.bytes_to_endpoint, settings.high_water
