@@ -3,7 +3,7 @@
 ``--proxy-port-range`` is ``begin-end`` or ``begin+offset`` (inclusive, as kube-proxy's
 ``net.PortRange``); empty or ``0-0`` means "no range of its own".
 
-uproxy picks every proxy port itself, walking a random permutation of its range, instead of
+uproxy picks every proxy port itself, walking its range in a random order, instead of
 binding port 0: the kernel's search for a free port scans the range from a random point on
 each bind, and with thousands of listeners it slows down quadratically (measured: the first
 5,000 of 10,000 listeners in 2.5 s, the last 2,000 in 16 s). Here a bind is an O(1) lookup
@@ -16,6 +16,7 @@ outgoing connections off those ports, as it does for any bound port.
 from __future__ import annotations
 
 import array
+import math
 import random
 from collections.abc import Iterator
 
@@ -46,8 +47,9 @@ def parse_port_range(text: str) -> range | None:
 
 def ephemeral_ports(
     range_file: str = EPHEMERAL_RANGE_FILE, reserved_file: str = RESERVED_PORTS_FILE
-) -> list[int]:
-    """The kernel's ephemeral ports, without the reserved ones (the defaults if unreadable)."""
+) -> range | list[int]:
+    """The kernel's ephemeral ports, without the reserved ones (the defaults if unreadable):
+    the range itself when none of it is reserved."""
     try:
         with open(range_file) as f:
             low, high = (int(x) for x in f.read().split())
@@ -55,6 +57,8 @@ def ephemeral_ports(
     except (OSError, ValueError):
         ports = _DEFAULT_EPHEMERAL
     reserved = _reserved(reserved_file)
+    if not any(p in ports for p in reserved):
+        return ports
     return [p for p in ports if p not in reserved]
 
 
@@ -78,32 +82,46 @@ def _reserved(path: str) -> set[int]:
 class PortAllocator:
     """Proposes proxy ports in a random order; the caller binds and reports what it got.
 
-    ``candidates`` walks a random permutation of the ports from where the last walk
-    stopped, skipping ports in use, so choosing a port costs O(1) on average however many
-    are taken. A restarted process starts at another random point, away from the previous
-    process's lingering sockets.
+    ``candidates`` walks the ports in a random order from where the last walk stopped,
+    skipping ports in use, so choosing a port costs O(1) on average however many are taken.
+    A restarted process starts at another random point, away from the previous process's
+    lingering sockets.
+
+    The order is an affine walk over the ports' indices, ``start + k * stride (mod n)`` with
+    ``stride`` prime to ``n`` (every index once per lap), both drawn at random: nothing to
+    build or hold. A shuffled copy of the kernel's 28,232 ephemeral ports took 8.5 ms (two
+    bytes a port, 56 KiB) for each allocator, at every start.
     """
 
     def __init__(
         self, ports: range | list[int] | None, *, rng: random.Random | None = None
     ) -> None:
-        order = list(ports if ports is not None else ephemeral_ports())
-        (rng or random.Random()).shuffle(order)
-        # Two bytes a port: as a list of ints the kernel's 28,232 ephemeral ports held 0.9 MiB
-        # per allocator (one per protocol and family).
-        self._order = array.array("H", order)
-        self._next = 0
+        chosen = ports if ports is not None else ephemeral_ports()
+        # A range indexes itself; a list (reserved ports taken out) as two bytes a port.
+        self._ports: range | array.array[int] = (
+            chosen if isinstance(chosen, range) else array.array("H", chosen)
+        )
+        n = len(self._ports)
+        rng = rng or random.Random()
+        stride = 1
+        if n > 2:
+            stride = rng.randrange(1, n)
+            while math.gcd(stride, n) != 1:
+                stride = rng.randrange(1, n)
+        self._stride = stride
+        self._next = rng.randrange(n) if n else 0
         self.in_use: set[int] = set()
 
     def candidates(self, limit: int) -> Iterator[int]:
         """Up to ``limit`` free ports to try, in order."""
-        n = len(self._order)
+        ports = self._ports
+        n = len(ports)
         given = 0
         for _ in range(n):
             if given >= limit:
                 return
-            port = self._order[self._next]
-            self._next = (self._next + 1) % n
+            port = ports[self._next]
+            self._next = (self._next + self._stride) % n
             if port not in self.in_use:
                 given += 1
                 yield port

@@ -242,11 +242,8 @@ class Syncer:
         # Where each family's proxy ports listen, the primary family first.
         self.hosts: dict[IPFamily, str] = {ip_family(h): h for h in options.listen_hosts}
         # Proxy ports per protocol and family: 0.0.0.0:P and [::]:P are different sockets.
-        self._allocators = {
-            (proto, family): PortAllocator(options.settings.port_range)
-            for proto in Protocol
-            for family in self.hosts
-        }
+        # Each made when its first port is wanted (``_allocator``).
+        self._allocators: dict[tuple[Protocol, IPFamily], PortAllocator] = {}
         # Each port's portals as a tuple (one to a few; a frozenset is 216 bytes however
         # small, 2.1 MiB at 10,000 ports); their union, the rules' input, is _all_portals.
         self._portals: dict[ServicePortName, tuple[Portal, ...]] = {}
@@ -512,16 +509,23 @@ class Syncer:
             log.log(V2, "Removed service port", extra=kv(service=str(spn)))
         return closed
 
+    def _allocator(self, protocol: Protocol, family: IPFamily) -> PortAllocator:
+        alloc = self._allocators.get((protocol, family))
+        if alloc is None:
+            alloc = PortAllocator(self.options.settings.port_range)
+            self._allocators[(protocol, family)] = alloc
+        return alloc
+
     def _close_listener(self, spn: ServicePortName, fp: FamilyPort, lst: Listener) -> None:
         if log.isEnabledFor(V2):
             log.log(V2, "Closing proxy port", extra=kv(service=str(spn), port=lst.port))
         lst.close()
-        self._allocators[(spn.protocol, fp.family)].release(lst.port)
+        self._allocator(spn.protocol, fp.family).release(lst.port)
 
     async def _open_listener(
         self, spn: ServicePortName, pp: ProxiedPort, fp: FamilyPort, traffic: Traffic
     ) -> Listener | None:
-        alloc = self._allocators[(spn.protocol, fp.family)]
+        alloc = self._allocator(spn.protocol, fp.family)
         if self.laptop and traffic is Traffic.CLUSTER:
             # The service's own port, unless another of our listeners has it: with workers
             # every listener is a SO_REUSEPORT group, and a second group bound to the same

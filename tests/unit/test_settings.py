@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
 from dataclasses import fields
@@ -61,6 +62,19 @@ def test_port_allocator_walks_a_permutation_in_linear_time() -> None:
         given.append(port)
     assert len(set(given)) == 10_000 and all(30000 <= p < 58000 for p in given)
     assert given != sorted(given)  # random order: a restart does not reuse the same ports
+
+
+def test_port_allocator_offers_every_port_once_per_lap_in_a_random_order() -> None:
+    # A list (reserved ports taken out) of a size with many divisors: whatever stride and
+    # start are drawn, one lap offers each port exactly once; seeds differ in their order.
+    ports = [p for p in range(1000, 1361) if p % 7]  # 309 ports
+    orders = set()
+    for seed in range(20):
+        alloc = PortAllocator(ports, rng=random.Random(seed))
+        lap = list(alloc.candidates(len(ports)))
+        assert sorted(lap) == ports
+        orders.add(tuple(lap))
+    assert len(orders) == 20
 
 
 def test_without_a_range_the_ephemeral_ports_minus_reserved_ones(tmp_path: Path) -> None:
