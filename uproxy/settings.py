@@ -423,7 +423,10 @@ def convert(f: Any, value: Any) -> Any:
         elif kind == "int":
             if isinstance(value, bool) or not isinstance(value, (int, str)):
                 raise ValueError(f"expected an integer, got {value!r}")
-            out = int(value)
+            try:
+                out = int(value)
+            except ValueError:
+                raise ValueError(f"expected an integer, got {value!r}") from None
         elif kind == "bool":
             if isinstance(value, str) and value.lower() in ("true", "false"):
                 value = value.lower() == "true"

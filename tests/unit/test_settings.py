@@ -169,6 +169,8 @@ def test_settings_as_flags_parse_back_and_start_a_worker() -> None:
         (["--services", "/does/not/exist.yaml"], "--services"),
         (["--control-nice", "20"], "--control-nice: must be 0 to 19"),
         (["--control-nice", "-1"], "--control-nice: must be 0 to 19"),
+        (["--udp-max-flows", "x"], "--udp-max-flows: expected an integer, got 'x'$"),
+        (["--workers", "1.5"], "--workers: expected an integer, got '1.5'$"),
     ],
 )
 def test_bad_flags(argv: list[str], needle: str) -> None:
