@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 from collections.abc import Callable, Collection, Coroutine, Mapping
 from typing import Any
@@ -139,7 +140,13 @@ class Proxy:
         if self.workers is not None:
             try:
                 await self.workers.start()
-            except (OSError, RuntimeError) as e:
+            except OSError as e:
+                # Mostly the exec of a worker, whose error names no file (uvloop's spawn).
+                raise StartupError(
+                    f"cannot start the data-plane workers ({sys.executable} -m "
+                    f"uproxy.dataplane.worker): {e.strerror or e}"
+                ) from None
+            except RuntimeError as e:
                 raise StartupError(f"cannot start the data-plane workers: {e}") from None
         # While the sources list (the first sync takes the backend's lock after it).
         self._prepare = asyncio.create_task(self.rules.prepare(), name="rules-prepare")

@@ -446,6 +446,28 @@ def test_a_worker_that_dies_while_uproxy_starts_stops_it_with_one_error_line(
     ], err
 
 
+def test_a_worker_that_cannot_be_run_stops_uproxy_with_a_line_naming_the_command(
+    tmp_path: Path,
+) -> None:
+    """The worker's interpreter cannot be run (missing here; not executable for this user
+    elsewhere): the one error line says what was run, which the exec error alone does not."""
+    path = tmp_path / "services.yaml"
+    path.write_text(yaml.safe_dump_all([service(ports=[{"name": "http", "port": 1}])]))
+    missing = tmp_path / "no-such-python"
+    code = f"import sys; sys.executable = {str(missing)!r}; from uproxy.cli import main; sys.exit(main())"
+    argv = [
+        sys.executable, "-c", code, "--services", str(path), "--rules", "none",
+        "--healthz-bind-address", "", "--metrics-bind-address", "",
+    ]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 1
+    errors = [line for line in done.stderr.splitlines() if line.startswith("uproxy: error:")]
+    assert errors == [
+        f"uproxy: error: cannot start the data-plane workers ({missing} -m "
+        "uproxy.dataplane.worker): No such file or directory"
+    ], done.stderr
+
+
 def _all_ready(proxy: Proxy) -> bool:
     return proxy.workers is not None and all(
         w.ready.is_set() for w in proxy.workers._workers.values()
