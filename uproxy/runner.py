@@ -3,9 +3,16 @@
 Requests coalesce: any number of ``request()`` calls while a run is pending or in progress
 lead to one more run. Runs are spaced by a token bucket (``burst`` runs back to back, then
 one per ``min_interval``) and happen at least every ``max_interval`` even without requests,
-which is what repairs state someone else changed. A run that raises is logged and retried
-after ``min_interval``; the loop itself never dies of it. The shape follows kube-proxy's
+which is what repairs state someone else changed. The shape follows kube-proxy's
 BoundedFrequencyRunner.
+
+A run that raises is retried, and the loop itself never dies of it. Retries back off: after
+``min_interval`` (1 s when 0), then twice as long after each failure in a row, up to
+``max_interval`` (kube-proxy retries a failed restore after its sync period); a request
+retries at once (changes still get their run), and a success starts over. A failure is
+logged as an error when its message is new or when it comes after the whole backoff; a
+request's early retry that fails the same way is logged at -v 2 only. Without permission
+to program rules that was one error line a second, for ever.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from uproxy.log import kv
+from uproxy.log import V2, kv
 
 log = logging.getLogger("uproxy.runner")
 
@@ -44,6 +51,10 @@ class BoundedFrequencyRunner:
         self._wakeup = asyncio.Event()
         self.runs = 0
         self.failures = 0
+        self._first = min_interval or 1.0  # the first retry's wait
+        self._retry_s = 0.0  # the wait after the last failure; 0 after a success
+        self._early = False  # this run is a request's, before the backoff was out
+        self._last_error = ""
 
     def request(self) -> None:
         """Ask for a run as soon as the rate limit allows; cheap and idempotent."""
@@ -61,14 +72,36 @@ class BoundedFrequencyRunner:
             try:
                 await self._fn()
                 self.runs += 1
+                self._retry_s = 0.0
+                self._early = False
+                self._last_error = ""
             except asyncio.CancelledError:
                 raise
             except Exception as e:
-                self.failures += 1
-                log.error("Sync failed, will retry", extra=kv(runner=self.name, err=e))
-                log.debug("Sync failure detail", exc_info=True)
-                await asyncio.sleep(self._min or 1.0)
+                await self._failed(e)
                 self._wakeup.set()
+
+    async def _failed(self, e: Exception) -> None:
+        """Log the failure (see the module docstring) and wait out its backoff, or until
+        a request comes."""
+        self.failures += 1
+        message = str(e)
+        early, self._early = self._early, False
+        if not early:
+            self._retry_s = min(self._max, self._retry_s * 2) if self._retry_s else self._first
+        loud = not early or message != self._last_error
+        self._last_error = message
+        log.log(
+            logging.ERROR if loud else V2,
+            "Sync failed, will retry",
+            extra=kv(runner=self.name, err=message, retry_in_s=round(self._retry_s, 3)),
+        )
+        log.debug("Sync failure detail", exc_info=True)
+        try:
+            await asyncio.wait_for(self._wakeup.wait(), timeout=self._retry_s)
+        except TimeoutError:
+            return
+        self._early = True  # a request: retry now, at the same backoff
 
     async def _take_token(self) -> None:
         if self._min == 0:

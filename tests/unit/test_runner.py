@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import logging
+
+import pytest
 
 from tests.conftest import wait_for
+from uproxy.log import V2
 from uproxy.runner import BoundedFrequencyRunner
 
 
@@ -70,3 +75,63 @@ async def test_failure_is_retried_and_loop_survives() -> None:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+async def test_failures_back_off_to_max_interval_and_a_success_starts_over() -> None:
+    attempts: list[float] = []
+    failing = True
+
+    async def fn() -> None:
+        attempts.append(asyncio.get_running_loop().time())
+        if failing:
+            raise RuntimeError("permission denied")
+
+    r = BoundedFrequencyRunner("t", fn, min_interval=0.05, max_interval=0.1, burst=5)
+    task = asyncio.create_task(r.loop())
+    try:
+        r.request()
+        await wait_for(lambda: len(attempts) >= 5, timeout=5, message="five attempts")
+        gaps = [b - a for a, b in itertools.pairwise(attempts)]
+        # 0.05, then doubled and capped at max_interval (a shorter wait never happens).
+        assert gaps[0] >= 0.049 and all(g >= 0.099 for g in gaps[1:4]), gaps
+        assert gaps[3] < 0.2, gaps  # not doubled past max_interval
+        failing = False
+        await wait_for(lambda: r.runs == 1, timeout=5, message="a success")
+        failing = True
+        before = len(attempts)
+        r.request()
+        await wait_for(lambda: len(attempts) >= before + 2, timeout=5, message="fails again")
+        assert attempts[before + 1] - attempts[before] < 0.099  # the backoff started over
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def test_a_request_retries_at_once_and_its_repeated_error_is_not_logged_as_one(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    attempts: list[float] = []
+
+    async def fn() -> None:
+        attempts.append(asyncio.get_running_loop().time())
+        raise RuntimeError("permission denied")
+
+    r = BoundedFrequencyRunner("t", fn, min_interval=0.01, max_interval=60, burst=5)
+    task = asyncio.create_task(r.loop())
+    caplog.set_level(logging.DEBUG, logger="uproxy.runner")
+    try:
+        r.request()
+        # 0.01, 0.02, 0.04, 0.08 s: four scheduled retries, each an error line.
+        await wait_for(lambda: len(attempts) == 5, timeout=5, message="five attempts")
+        await asyncio.sleep(0)
+        r.request()  # in the middle of a 0.16 s backoff: retried at once
+        await wait_for(lambda: len(attempts) == 6, timeout=5, message="the request's retry")
+        assert attempts[5] - attempts[4] < 0.16
+        await wait_for(lambda: r.failures == 6, timeout=5, message="its failure")
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    failed = [rec for rec in caplog.records if rec.getMessage() == "Sync failed, will retry"]
+    assert [rec.levelno for rec in failed] == [logging.ERROR] * 5 + [V2]
