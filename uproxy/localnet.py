@@ -69,6 +69,12 @@ def stacks_at_start(
         families = [f for f in IPFamily if f is IPFamily.V4 or has_loopback6()]
         return tuple(Stack(f, "", LOOPBACK[f]) for f in families)
     if bind and not is_unspecified(bind):
+        if ipaddress.ip_address(bind).is_loopback:
+            raise ValueError(
+                f"--bind-address {bind} is a loopback address: the host portal rules send the "
+                "node's own service traffic to the proxy ports on this address, which must be "
+                "one the node routes; set it to the node's address, or use --rules none"
+            )
         return (Stack(ip_family(bind), bind, bind),)
     wanted = [ip_family(bind)] if bind else list(IPFamily)
     out: list[Stack] = []

@@ -292,6 +292,10 @@ def test_families_served(monkeypatch: pytest.MonkeyPatch) -> None:
     )
     only = Settings(rules="nftables", bind_address="10.200.3.1")
     assert stacks_at_start(only) == (Stack(V4, "10.200.3.1", "10.200.3.1"),)
+    # A loopback --bind-address cannot take the node's own traffic (its DNAT target).
+    for loopback in ("127.0.0.1", "::1"):
+        with pytest.raises(ValueError, match=f"--bind-address {loopback} is a loopback"):
+            stacks_at_start(Settings(rules="nftables", bind_address=loopback))
     # An IPv6-only node.
     del addresses[V4]
     assert [s.family for s in stacks_at_start(node)] == [V6]
