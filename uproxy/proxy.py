@@ -54,6 +54,18 @@ class StartupError(Exception):
     """A problem the user can fix; the message is one line naming the cause and the fix."""
 
 
+def announce_rules(s: Settings) -> None:
+    """Say so when uproxy programs rules because it runs as root and ``--rules`` was not
+    given: somebody trying it out as root gets kernel rules that outlive the process."""
+    if s.rules or s.cleanup_on_exit:
+        return
+    log.info(
+        "Programming kernel rules: running as root without --rules; they stay after exit "
+        "until 'uproxy --cleanup' (--rules none: laptop mode, no rules)",
+        extra=kv(rules=s.rules_backend),
+    )
+
+
 class Proxy:
     def __init__(
         self,
@@ -206,6 +218,7 @@ class Proxy:
         s = self.settings
         if s.laptop:
             return make_backend("none", host_ip=())
+        announce_rules(s)
         try:
             return make_backend(
                 s.rules_backend,

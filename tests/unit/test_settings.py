@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 import subprocess
 import sys
@@ -269,3 +270,18 @@ def test_version_and_help() -> None:
     assert "--services" in helptext.stdout and "win over --config" in " ".join(
         helptext.stdout.split()
     )
+
+
+def test_rules_programmed_by_default_as_root_are_announced(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Only when --rules was not given (root's default) and they would outlive the process.
+    from uproxy.proxy import announce_rules
+
+    caplog.set_level(logging.INFO, logger="uproxy.proxy")
+    for quiet in (Settings(rules="auto"), Settings(rules="", cleanup_on_exit=True)):
+        announce_rules(quiet)
+    assert not caplog.records
+    announce_rules(Settings(rules=""))
+    [record] = caplog.records
+    assert "until 'uproxy --cleanup'" in record.getMessage()
