@@ -51,7 +51,6 @@ class BoundedFrequencyRunner:
         self._wakeup = asyncio.Event()
         self.runs = 0
         self.failures = 0
-        self._first = min_interval or 1.0  # the first retry's wait
         self._retry_s = 0.0  # the wait after the last failure; 0 after a success
         self._early = False  # this run is a request's, before the backoff was out
         self._last_error = ""
@@ -88,7 +87,9 @@ class BoundedFrequencyRunner:
         message = str(e)
         early, self._early = self._early, False
         if not early:
-            self._retry_s = min(self._max, self._retry_s * 2) if self._retry_s else self._first
+            self._retry_s = (
+                min(self._max, self._retry_s * 2) if self._retry_s else (self._min or 1.0)
+            )
         loud = not early or message != self._last_error
         self._last_error = message
         log.log(

@@ -421,11 +421,11 @@ def convert(f: Any, value: Any) -> Any:
                 raise ValueError("expected a duration like 250ms, 30s or 15m")
             out = float(value) if isinstance(value, (int, float)) else parse_duration(str(value))
         elif kind == "int":
-            if isinstance(value, bool) or not isinstance(value, (int, str)):
-                raise ValueError(f"expected an integer, got {value!r}")
             try:
+                if isinstance(value, bool) or not isinstance(value, (int, str)):
+                    raise TypeError
                 out = int(value)
-            except ValueError:
+            except (TypeError, ValueError):
                 raise ValueError(f"expected an integer, got {value!r}") from None
         elif kind == "bool":
             if isinstance(value, str) and value.lower() in ("true", "false"):

@@ -520,7 +520,7 @@ class Syncer:
         if log.isEnabledFor(V2):
             log.log(V2, "Closing proxy port", extra=kv(service=str(spn), port=lst.port))
         lst.close()
-        self._allocator(spn.protocol, fp.family).release(lst.port)
+        self._allocators[(spn.protocol, fp.family)].release(lst.port)  # it gave the port
 
     async def _open_listener(
         self, spn: ServicePortName, pp: ProxiedPort, fp: FamilyPort, traffic: Traffic
