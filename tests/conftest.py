@@ -48,12 +48,16 @@ def _fail_root_required() -> None:
 def _same_priority_after() -> Iterator[None]:
     """A test that runs uproxy's control process in this one lowers this process's priority
     (``uproxy.priority``); the tests after it start from where the suite started (nice value
-    and the kernel's default time slice)."""
+    and the kernel's default time slice), and with the module's state as it was: a process
+    left "giving way" yields the CPU in every later channel flush, which a test counting
+    yields sees."""
     from uproxy import priority
 
     before = priority.current()
+    state = (priority._giving_way, priority._interval, priority._gave_way)
     yield
     priority.set_process(before)
+    priority._giving_way, priority._interval, priority._gave_way = state
 
 
 def pytest_asyncio_loop_factories(
