@@ -125,6 +125,11 @@ class Endpoint:
     ready: bool = True
     serving: bool = True
     terminating: bool = False
+    # Topology hints the EndpointSlice controller set (``hints.forZones``, ``hints.forNodes``:
+    # a service's trafficDistribution, or its topology-mode annotation): the zones and nodes
+    # whose cluster traffic this endpoint should take. Empty: no hint. See ``categorize``.
+    zone_hints: tuple[str, ...] = ()
+    node_hints: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         if ":" in self.ip:
@@ -175,7 +180,11 @@ DesiredState = dict[ServicePortName, ServiceState]
 
 
 def categorize(
-    endpoints: tuple[Endpoint, ...] | list[Endpoint], *, local_only: bool, node_name: str
+    endpoints: tuple[Endpoint, ...] | list[Endpoint],
+    *,
+    local_only: bool,
+    node_name: str,
+    zone: str | None = None,
 ) -> tuple[Endpoint, ...]:
     """Pick the endpoints traffic may go to, as kube-proxy's CategorizeEndpoints does.
 
@@ -183,9 +192,40 @@ def categorize(
     rolling update with no ready pod left still drains to pods that still serve). With a
     Local policy only endpoints on this node qualify, and the fallback is applied to those
     alone: an empty result means "refuse", never "send elsewhere".
+
+    Cluster traffic follows topology hints (``topology``): only the ready endpoints hinted
+    for this node, or else for this node's ``zone``, when the hints say so. A Local policy
+    ignores them, as does the terminating fallback (hints are only read from ready
+    endpoints, and a hinted subset is never empty).
     """
     pool = [e for e in endpoints if e.node_name == node_name] if local_only else list(endpoints)
-    ready = tuple(e for e in pool if e.ready)
+    ready = [e for e in pool if e.ready]
     if ready:
-        return ready
+        if not local_only:
+            return topology(ready, node_name, zone)
+        return tuple(ready)
     return tuple(e for e in pool if e.serving and e.terminating)
+
+
+def topology(ready: list[Endpoint], node_name: str, zone: str | None) -> tuple[Endpoint, ...]:
+    """The ready endpoints cluster traffic from this node goes to, by their hints.
+
+    As kube-proxy (``topologyModeFromHints``): when every ready endpoint has a node hint and
+    one of them names this node, the endpoints hinted for this node (trafficDistribution
+    PreferSameNode); otherwise, when every ready endpoint has a zone hint and one of them
+    names this node's zone, the endpoints hinted for that zone (PreferSameZone, PreferClose,
+    topology-mode Auto); otherwise all of them. So one endpoint without hints, a node with no
+    zone label, or a zone (node) no endpoint is hinted for turns hints off for the service,
+    and traffic is never refused because of them.
+    """
+    if not ready[0].zone_hints and not ready[0].node_hints:
+        return tuple(ready)  # the usual case: no hints at all (one endpoint tells)
+    if all(e.node_hints for e in ready):
+        mine = tuple(e for e in ready if node_name in e.node_hints)
+        if mine:
+            return mine
+    if zone and all(e.zone_hints for e in ready):
+        mine = tuple(e for e in ready if zone in e.zone_hints)
+        if mine:
+            return mine
+    return tuple(ready)

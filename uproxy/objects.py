@@ -72,7 +72,17 @@ class EndpointSliceInfo:
             if sp.name == port_name and sp.protocol is protocol:
                 port = sp.port
                 out += [
-                    Endpoint(e.ip, port, e.node_name, e.zone, e.ready, e.serving, e.terminating)
+                    Endpoint(
+                        e.ip,
+                        port,
+                        e.node_name,
+                        e.zone,
+                        e.ready,
+                        e.serving,
+                        e.terminating,
+                        e.zone_hints,
+                        e.node_hints,
+                    )
                     for e in self.endpoints
                 ]
         return out
@@ -410,6 +420,12 @@ def _slice_endpoint(c: _Checker, raw: Any, i: int, version: int) -> Iterable[End
     )
     node = c.string(ep.get("nodeName"), "endpoints[{}].nodeName", i) or None
     zone = c.string(ep.get("zone"), "endpoints[{}].zone", i) or None
+    zone_hints: tuple[str, ...] = ()
+    node_hints: tuple[str, ...] = ()
+    if ep.get("hints") is not None:
+        hints = c.mapping(ep.get("hints"), "endpoints[{}].hints", i)
+        zone_hints = _hint_names(c, hints.get("forZones"), "forZones", i)
+        node_hints = _hint_names(c, hints.get("forNodes"), "forNodes", i)
     out = []
     for j, value in enumerate(addresses):
         ip = c.ip(value, "endpoints[{}].addresses[{}]", i, j)
@@ -417,8 +433,20 @@ def _slice_endpoint(c: _Checker, raw: Any, i: int, version: int) -> Iterable[End
             raise c.fail(
                 "endpoints[{}].addresses[{}]", f"{ip} does not match addressType IPv{version}", i, j
             )
-        out.append(Endpoint(ip, 0, node, zone, ready, serving, terminating))
+        out.append(Endpoint(ip, 0, node, zone, ready, serving, terminating, zone_hints, node_hints))
     return out
+
+
+def _hint_names(c: _Checker, value: Any, key: str, i: int) -> tuple[str, ...]:
+    """The names of one endpoint's ``hints.forZones`` or ``hints.forNodes``."""
+    names: list[str] = []
+    for j, raw in enumerate(c.seq(value, f"endpoints[{{}}].hints.{key}", i)):
+        hint = c.mapping(raw, f"endpoints[{{}}].hints.{key}[{{}}]", i, j, required=True)
+        name = c.string(hint.get("name"), f"endpoints[{{}}].hints.{key}[{{}}].name", i, j)
+        if not name:
+            raise c.fail(f"endpoints[{{}}].hints.{key}[{{}}].name", "must not be empty", i, j)
+        names.append(name)
+    return tuple(names)
 
 
 def node_info(obj: Obj) -> NodeInfo:

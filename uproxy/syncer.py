@@ -87,6 +87,7 @@ class DataplaneLink(TypingProtocol):
         family: IPFamily,
         port: ServicePort,
         endpoints: tuple[Endpoint, ...],
+        zone: str | None = None,
     ) -> None: ...
 
     def forget(self, name: ServicePortName, family: IPFamily) -> None: ...
@@ -260,6 +261,9 @@ class Syncer:
         self.last_changed = 0  # service ports the last sync looked at
         self._no_local_internal: set[ServicePortName] = set()
         self._no_local_external: set[ServicePortName] = set()
+        # This node's zone label as the balancers were last given it (topology hints); a
+        # change reaches them with the next sync (``_rezoned``).
+        self._zone: str | None = None
 
     def force_rules_sync(self) -> None:
         """The next sync rewrites the rules even if the portal set did not change."""
@@ -271,7 +275,7 @@ class Syncer:
             return
         started = time.perf_counter()
         changes = self.tracker.take_changes()
-        todo = changes.ports | self._retry
+        todo = changes.ports | self._retry | self._rezoned()
         self._retry = set()
         opened = closed = 0
         ts = TimeSlice()
@@ -332,6 +336,21 @@ class Syncer:
         self._emit_table(touched)
         self._observe_programming(changes.trigger_times)
         return frozenset(touched)
+
+    def _rezoned(self) -> set[ServicePortName]:
+        """When this node's zone label changed (or arrived with the Node), the service ports
+        whose endpoints carry zone hints, to choose their endpoints again."""
+        node = self.tracker.node
+        zone = node.zone if node is not None else None
+        if zone == self._zone:
+            return set()
+        self._zone = zone
+        hinted = set()
+        for spn in self.ports:
+            state = self.tracker.state(spn)
+            if state is not None and any(e.zone_hints for e in state.endpoints):
+                hinted.add(spn)
+        return hinted
 
     def _observe_programming(self, trigger_times: tuple[float, ...]) -> None:
         """kube-proxy's network programming latency: from each change's trigger time (set by
@@ -455,9 +474,9 @@ class Syncer:
 
     def _update_balancer(self, spn: ServicePortName, fp: FamilyPort, state: ServiceState) -> None:
         endpoints = _of_family(state.endpoints, fp.family)
-        fp.balancer.update(state.port, endpoints)
+        fp.balancer.update(state.port, endpoints, self._zone)
         if self.options.link is not None:
-            self.options.link.set_endpoints(spn, fp.family, state.port, endpoints)
+            self.options.link.set_endpoints(spn, fp.family, state.port, endpoints, self._zone)
 
     def _note_no_local(
         self, spn: ServicePortName, pp: ProxiedPort | None, state: ServiceState | None

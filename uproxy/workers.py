@@ -334,8 +334,9 @@ class WorkerPool:
         family: IPFamily,
         port: ServicePort,
         endpoints: tuple[Endpoint, ...],
+        zone: str | None = None,
     ) -> None:
-        message = SetEndpoints(name, family, port, endpoints)
+        message = SetEndpoints(name, family, port, endpoints, zone)
         key = (name, family)
         previous = self._endpoints.get(key)
         if previous == message:

@@ -6,6 +6,8 @@ import dataclasses
 import random
 from collections import Counter
 
+import pytest
+
 from uproxy.dataplane.balancer import Balancer
 from uproxy.dataplane.settings import DataplaneSettings
 from uproxy.model import Endpoint, LbAlgorithm, Protocol, ServicePort, ServicePortName, Traffic
@@ -93,6 +95,69 @@ def test_terminating_fallback_and_no_endpoints() -> None:
     assert b.pick("c", Traffic.CLUSTER) == term
     b.update(ServicePort(name=NAME, port=80), [])
     assert b.pick("c", Traffic.CLUSTER) is None
+
+
+def hinted(
+    ip: str, zones: tuple[str, ...] = (), nodes: tuple[str, ...] = (), **kw: object
+) -> Endpoint:
+    return Endpoint(ip, 80, zone_hints=zones, node_hints=nodes, **kw)  # type: ignore[arg-type]
+
+
+A1, A2 = hinted("10.3.0.1", ("za",), ("a",)), hinted("10.3.0.2", ("za",), ("x",))
+B1 = hinted("10.3.0.3", ("zb",), ("y",))
+A4, A5 = hinted("10.3.0.4", ("za", "zb")), hinted("10.3.0.5", ("za",))
+TOPOLOGY = [
+    # (case, endpoints, zone, expected cluster pool)
+    ("same node first", [A1, A2, B1], "za", {A1}),
+    ("same zone when no node hint names this node", [A2, B1], "zb", {B1}),
+    ("an endpoint hinted for two zones", [A4, A2, B1], "zb", {A4, B1}),
+    ("node hints on some only: zones decide", [A1, A5, B1], "za", {A1, A5}),
+    ("no endpoint for this zone: all", [A2, B1], "zc", {A2, B1}),
+    ("node without a zone label: all", [A2, B1], None, {A2, B1}),
+    ("one endpoint without hints: all", [A2, B1, Endpoint("10.3.0.6", 80)], "za", None),
+    (
+        "hints of endpoints that are not ready do not count",
+        [A2, B1, Endpoint("10.3.0.7", 80, ready=False)],
+        "za",
+        {A2},
+    ),
+    (
+        "no ready endpoint: terminating ones, hints ignored",
+        [hinted("10.3.0.8", ("zb",), ready=False, serving=True, terminating=True)],
+        "za",
+        None,
+    ),
+]
+
+
+@pytest.mark.parametrize(("case", "eps", "zone", "want"), TOPOLOGY, ids=[c[0] for c in TOPOLOGY])
+def test_topology_hints_choose_cluster_endpoints(
+    case: str, eps: list[Endpoint], zone: str | None, want: set[Endpoint] | None
+) -> None:
+    b = balancer()
+    b.update(ServicePort(name=NAME, port=80, node_port=30000), eps, zone)
+    expected = want if want is not None else set(eps)  # None: every endpoint given
+    assert set(b.endpoints(Traffic.CLUSTER)) == expected, case
+    assert set(b.endpoints(Traffic.EXTERNAL)) == expected, case  # Cluster policy: the same
+    picks = {b.pick(f"10.9.0.{i}", Traffic.CLUSTER) for i in range(12)}
+    assert picks == expected, case
+
+
+def test_topology_follows_the_zone_and_local_policies_ignore_it() -> None:
+    b = balancer()
+    port = ServicePort(name=NAME, port=80)
+    eps = [A2, B1]
+    b.update(port, eps, "za")
+    assert set(b.endpoints(Traffic.CLUSTER)) == {A2}
+    b.update(port, eps, "zb")  # the node was relabelled: same endpoints, other zone
+    assert set(b.endpoints(Traffic.CLUSTER)) == {B1}
+    # externalTrafficPolicy Local: this node's endpoints (A1, on node "a"), whatever the
+    # hints say; cluster traffic still follows them.
+    local = ServicePort(name=NAME, port=80, node_port=30000, external_policy_local=True)
+    on_a = dataclasses.replace(A2, node_name="a")
+    b.update(local, [on_a, B1], "zb")
+    assert set(b.endpoints(Traffic.EXTERNAL)) == {on_a}
+    assert set(b.endpoints(Traffic.CLUSTER)) == {B1}
 
 
 def test_random_override_per_port() -> None:

@@ -23,7 +23,7 @@ from tests.apiserver import ApiServerDouble
 from tests.conftest import wait_for
 from uproxy.model import Protocol, ServicePortName, Traffic
 
-from .conftest import ProxyFactory
+from .conftest import NODE, ProxyFactory
 from .helpers import (
     Backends,
     Client,
@@ -31,6 +31,7 @@ from .helpers import (
     endpoint_slice,
     free_port,
     headless_labels,
+    node,
     proxy_name_labels,
     service,
 )
@@ -141,6 +142,44 @@ async def test_changes_reach_listeners_and_balancers_within_1s(
     await wait_for(lambda: spn("web") not in ports(proxy))
     with pytest.raises(OSError):
         await Client.connect(new_port, timeout=1)
+
+
+async def test_topology_hints_follow_the_nodes_zone(
+    apiserver: ApiServerDouble, start_proxy: ProxyFactory, backends: Backends
+) -> None:
+    """trafficDistribution: PreferSameZone as the EndpointSlice controller writes it: each
+    endpoint hinted for its zone. Cluster traffic stays in this node's zone, moves when the
+    Node is relabelled, and spreads again when one endpoint comes without a hint."""
+    svc_port = free_port()
+    apiserver.create("Node", node(NODE, zone="zone-a"))
+    apiserver.create(SVC, service("web", port=svc_port))
+    zones = {IPS[0]: "zone-a", IPS[1]: "zone-b", IPS[2]: "zone-b"}
+    eps = endpoint_slice("web-1", service_name="web", ips=list(zones), port=backends.port)
+    for ep in eps["endpoints"]:
+        ep["zone"] = zones[ep["addresses"][0]]
+        ep["hints"] = {"forZones": [{"name": ep["zone"]}]}
+    apiserver.create(EPS, eps)
+    proxy = await start_proxy()
+    assert proxy.workers is not None  # a worker process chooses, not only the syncer
+    await wait_for(lambda: endpoints(proxy, "web") == [(IPS[0], backends.port)], timeout=5)
+    port = listener(proxy, "web").port
+    assert await served_by(port, 6) == {IPS[0]}
+
+    apiserver.update("Node", node(NODE, zone="zone-b"))
+
+    async def zone_b_serves() -> bool:
+        return await served_by(port, 6) == {IPS[1], IPS[2]}
+
+    await wait_for(zone_b_serves, timeout=5, message="zone-b's endpoints serving")
+
+    # An endpoint without hints turns them off for the service: all four serve.
+    eps["endpoints"].append({"addresses": [IPS[3]], "conditions": {"ready": True}})
+    apiserver.update(EPS, eps)
+
+    async def all_serve() -> bool:
+        return await served_by(port, 12) == set(IPS)
+
+    await wait_for(all_serve, timeout=5, message="every endpoint serving")
 
 
 async def test_endpoint_changes_do_not_wait_for_the_rules_rate_limit(

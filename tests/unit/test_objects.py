@@ -152,6 +152,29 @@ def test_slice_conditions_node_and_zone_are_kept() -> None:
     assert info.endpoints_for("other", Protocol.TCP) == []
 
 
+def test_slice_topology_hints_are_kept() -> None:
+    hints = {"forZones": [{"name": "z1"}, {"name": "z2"}], "forNodes": [{"name": "n1"}]}
+    info = convert_slice(
+        endpoint_slice(
+            "web-abc",
+            endpoints=[
+                {"addresses": ["10.0.0.1", "10.0.0.2"], "zone": "z1", "hints": hints},
+                endpoint("10.0.0.3", hints={"forZones": [{"name": "z3"}]}),
+                endpoint("10.0.0.4", hints={}),
+            ],
+        )
+    )
+    assert info is not None
+    eps = info.endpoints_for("http", Protocol.TCP)
+    assert [(e.ip, e.zone_hints, e.node_hints) for e in eps] == [
+        ("10.0.0.1", ("z1", "z2"), ("n1",)),
+        ("10.0.0.2", ("z1", "z2"), ("n1",)),
+        ("10.0.0.3", ("z3",), ()),
+        ("10.0.0.4", (), ()),
+    ]
+    assert eps[0].port == 8080
+
+
 def test_fqdn_slices_are_ignored() -> None:
     obj = endpoint_slice("x", endpoints=[{"addresses": ["a.example"]}], address_type="FQDN")
     assert convert_slice(obj) is None
@@ -184,6 +207,34 @@ BAD_SLICES: list[tuple[str, dict[str, Any], str]] = [
         "ports[1].name",
     ),
     ("ready-string", endpoint_slice("x", endpoints=[endpoint("10.0.0.1", ready="yes")]), "ready"),
+    (
+        "hints-not-object",
+        endpoint_slice("x", endpoints=[endpoint("10.0.0.1", hints=["z1"])]),
+        "endpoints[0].hints",
+    ),
+    (
+        "zone-hints-not-list",
+        endpoint_slice("x", endpoints=[endpoint("10.0.0.1", hints={"forZones": "z1"})]),
+        "endpoints[0].hints.forZones",
+    ),
+    (
+        "zone-hint-not-object",
+        endpoint_slice("x", endpoints=[endpoint("10.0.0.1", hints={"forZones": ["z1"]})]),
+        "endpoints[0].hints.forZones[0]",
+    ),
+    (
+        "node-hint-no-name",
+        endpoint_slice(
+            "x",
+            endpoints=[endpoint("10.0.0.1"), endpoint("10.0.0.2", hints={"forNodes": [{}]})],
+        ),
+        "endpoints[1].hints.forNodes[0].name",
+    ),
+    (
+        "zone-hint-name-number",
+        endpoint_slice("x", endpoints=[endpoint("10.0.0.1", hints={"forZones": [{"name": 1}]})]),
+        "endpoints[0].hints.forZones[0].name",
+    ),
 ]
 
 

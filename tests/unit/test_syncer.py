@@ -20,6 +20,7 @@ from uproxy.dataplane.settings import DataplaneSettings
 from uproxy.model import (
     Endpoint,
     IPFamily,
+    NodeInfo,
     Protocol,
     ServicePort,
     ServicePortName,
@@ -237,12 +238,19 @@ class RecordingLink:
 
     def __init__(self) -> None:
         self.endpoints: dict[tuple[ServicePortName, IPFamily], tuple[Endpoint, ...]] = {}
+        self.zones: dict[tuple[ServicePortName, IPFamily], str | None] = {}
         self.forgotten: list[tuple[ServicePortName, IPFamily]] = []
 
     def set_endpoints(
-        self, name: ServicePortName, family: IPFamily, port: ServicePort, endpoints: Any
+        self,
+        name: ServicePortName,
+        family: IPFamily,
+        port: ServicePort,
+        endpoints: Any,
+        zone: str | None = None,
     ) -> None:
         self.endpoints[(name, family)] = tuple(endpoints)
+        self.zones[(name, family)] = zone
 
     def forget(self, name: ServicePortName, family: IPFamily) -> None:
         self.forgotten.append((name, family))
@@ -392,3 +400,35 @@ async def test_laptop_listens_on_both_loopbacks() -> None:
     assert rows[-1].listen == "127.0.0.1:80, [::1]:80"  # the service's own port in each
     assert rows[-1].endpoints == "10.1.0.1:8080, 10.1.0.2:8080, [fd00:1::1]:8080, [fd00:1::2]:8080"
     assert rules.syncs[-1] == frozenset()
+
+
+async def test_a_new_zone_label_reaches_the_balancers_of_hinted_ports_only() -> None:
+    tracker, syncer, _, link, _ = make_dual(("0.0.0.0",))
+    zoned = [
+        endpoint(f"10.1.0.{i}", hints={"forZones": [{"name": zone}]})
+        for i, zone in ((1, "za"), (2, "zb"))
+    ]
+    tracker.upsert(Kind.SERVICE, service("hinted", cluster_ip="10.96.0.11"))
+    tracker.upsert(Kind.ENDPOINT_SLICE, endpoint_slice("hinted-1", "hinted", endpoints=zoned))
+    tracker.upsert(Kind.SERVICE, service("plain", cluster_ip="10.96.0.12"))
+    plain = [endpoint("10.1.0.3"), endpoint("10.1.0.4")]
+    tracker.upsert(Kind.ENDPOINT_SLICE, endpoint_slice("plain-1", "plain", endpoints=plain))
+    tracker.set_node(NodeInfo("node-a", zone="za"))
+    await syncer.sync()
+    assert eps(syncer, "hinted") == ["10.1.0.1"]
+    assert link.zones[(spn("hinted"), V4)] == "za"  # the workers choose alike
+    assert sorted(eps(syncer, "plain")) == ["10.1.0.3", "10.1.0.4"]
+
+    # The node is relabelled: the next sync re-chooses the hinted port, and only it.
+    tracker.set_node(NodeInfo("node-a", zone="zb"))
+    link.zones.clear()
+    await syncer.sync()
+    assert eps(syncer, "hinted") == ["10.1.0.2"]
+    assert link.zones == {(spn("hinted"), V4): "zb"}
+    assert syncer.last_changed == 1
+
+    # The label goes: hints are ignored, every endpoint takes traffic again.
+    tracker.set_node(NodeInfo("node-a"))
+    await syncer.sync()
+    assert sorted(eps(syncer, "hinted")) == ["10.1.0.1", "10.1.0.2"]
+    assert link.zones[(spn("hinted"), V4)] is None

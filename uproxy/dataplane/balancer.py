@@ -87,6 +87,7 @@ class Balancer:
         "_local_ips",
         "_rng",
         "_settings",
+        "_zone",
         "name",
     )
 
@@ -108,6 +109,7 @@ class Balancer:
         self._affinity_s: float | None = None
         self._internal_local = False
         self._external_local = False
+        self._zone: str | None = None
         self._endpoints: tuple[Endpoint, ...] = ()
         self._cluster = self._external = _EMPTY
         self._local_ips = _NO_IPS
@@ -115,29 +117,33 @@ class Balancer:
         # affinity is off: an empty OrderedDict is 128 bytes.
         self._affinity: OrderedDict[str, tuple[Endpoint, float]] | None = None
 
-    def update(self, port: ServicePort, endpoints: Sequence[Endpoint]) -> None:
-        """Apply a service port and its endpoints; a no-op when nothing changed."""
+    def update(
+        self, port: ServicePort, endpoints: Sequence[Endpoint], zone: str | None = None
+    ) -> None:
+        """Apply a service port and its endpoints; a no-op when nothing changed. ``zone``:
+        this node's (its ``topology.kubernetes.io/zone`` label), for topology hints."""
         eps = tuple(endpoints)
         algorithm = port.lb_algorithm or self._settings.default_algorithm
         affinity = port.affinity_timeout_s
         affinity_s = float(affinity) if affinity is not None else None
         internal_local = port.internal_policy_local
         external_local = port.external_policy_local
-        if self._unchanged(algorithm, affinity_s, internal_local, external_local, eps):
+        if self._unchanged(algorithm, affinity_s, internal_local, external_local, eps, zone):
             return
         self._algorithm = algorithm
         self._affinity_s = affinity_s
         self._internal_local = internal_local
         self._external_local = external_local
         self._endpoints = eps
+        self._zone = zone
         node = self._settings.node_name
-        cluster = categorize(eps, local_only=internal_local, node_name=node)
+        cluster = categorize(eps, local_only=internal_local, node_name=node, zone=zone)
         if not self._cluster.holds_exactly(cluster):
             self._cluster = self._new_pool(cluster)
         if external_local == internal_local:
             self._external = self._cluster
         else:
-            external = categorize(eps, local_only=external_local, node_name=node)
+            external = categorize(eps, local_only=external_local, node_name=node, zone=zone)
             if self._external is self._cluster or not self._external.holds_exactly(external):
                 self._external = self._new_pool(external)
         # kube-proxy's health check counts the ready endpoints on this node by address
@@ -165,6 +171,7 @@ class Balancer:
         internal_local: bool,
         external_local: bool,
         eps: tuple[Endpoint, ...],
+        zone: str | None,
     ) -> bool:
         # Compared field by field rather than keeping the last ServicePort: the rest of the
         # port (addresses, node port...) does not change the choice, and a kept ServicePort
@@ -175,6 +182,7 @@ class Balancer:
             and internal_local == self._internal_local
             and external_local == self._external_local
             and eps == self._endpoints
+            and zone == self._zone
         )
 
     def _new_pool(self, selected: Collection[Endpoint]) -> _Pool:

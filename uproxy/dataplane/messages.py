@@ -7,7 +7,8 @@ channel per worker, carrying the data-plane state as changes, in order:
     control -> worker   Configure       first: settings and how to choose endpoints; again
                                         once the proxy serves (its first sync is done)
                         SetEndpoints    a service port's spec and one family's endpoints (the
-                                        balancer of that port and family)
+                                        balancer of that port and family), and this
+                                        node's zone for the endpoints' topology hints
                         OpenListener    + its listening socket (SCM_RIGHTS): start serving it
                         CloseListener   stop accepting; established connections carry on
                         Steer           ClientIP affinity switched on or off for a listener
@@ -103,6 +104,7 @@ class SetEndpoints:
     family: IPFamily  # the balancer's: ``endpoints`` are all of this family
     port: ServicePort
     endpoints: tuple[Endpoint, ...]
+    zone: str | None = None  # this node's, for topology hints (``model.topology``)
 
 
 @dataclass(frozen=True, slots=True)

@@ -243,7 +243,7 @@ class Worker:
         balancer = self.balancers.get(key)
         if balancer is None:
             balancer = self.balancers[key] = Balancer(message.name, settings=settings)
-        balancer.update(message.port, message.endpoints)
+        balancer.update(message.port, message.endpoints, message.zone)
 
     def _open(self, message: OpenListener, sock: socket.socket) -> None:
         config = self._configured()
