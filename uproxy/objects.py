@@ -253,7 +253,12 @@ def service_ports(obj: Obj) -> dict[ServicePortName, ServicePort]:
     lb_ips: list[str] = []
     for i, ing in enumerate(c.seq(lb.get("ingress"), "status.loadBalancer.ingress")):
         ing = c.mapping(ing, "status.loadBalancer.ingress[{}]", i, required=True)
-        if ing.get("ip") is not None:
+        # ipMode Proxy: the load balancer proxies to the node ports itself, and traffic to
+        # its IP must reach it, not be taken on the node (kube-proxy's IsVIPMode).
+        mode = c.string(
+            ing.get("ipMode"), "status.loadBalancer.ingress[{}].ipMode", i, default="VIP"
+        )
+        if ing.get("ip") is not None and mode == "VIP":
             lb_ips.append(c.ip(ing.get("ip"), "status.loadBalancer.ingress[{}].ip", i))
     source_ranges = tuple(
         _cidr(c, v, f"spec.loadBalancerSourceRanges[{i}]")

@@ -29,14 +29,20 @@ def test_service_ports_carry_every_field() -> None:
         loadBalancerSourceRanges=["198.51.100.0/24"],
         annotations={"uproxy.io/lb-algorithm": "random"},
     )
-    obj["status"] = {"loadBalancer": {"ingress": [{"ip": "203.0.113.9"}, {"hostname": "lb"}]}}
+    ingress = [
+        {"ip": "203.0.113.9"},
+        {"hostname": "lb"},
+        {"ip": "203.0.113.10", "ipMode": "VIP"},
+        {"ip": "203.0.113.11", "ipMode": "Proxy"},  # the load balancer's, not the node's
+    ]
+    obj["status"] = {"loadBalancer": {"ingress": ingress}}
     ports = service_ports(obj)
     http = ports[ServicePortName("shop", "web", "http", Protocol.TCP)]
     assert str(http.name) == "shop/web:http"
     assert http.port == 80 and http.node_port == 30080
     assert http.cluster_ips == ("10.96.0.10",)
     assert http.external_ips == ("192.0.2.7",)
-    assert http.lb_ingress_ips == ("203.0.113.9",)
+    assert http.lb_ingress_ips == ("203.0.113.9", "203.0.113.10")
     assert http.affinity_timeout_s == 60
     assert http.external_policy_local and not http.internal_policy_local
     assert http.health_check_node_port == 32000
