@@ -11,7 +11,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -399,7 +399,7 @@ def endpoint_slice(obj: Obj) -> EndpointSliceInfo | None:
 
     endpoints: list[Endpoint] = []
     for i, raw in enumerate(c.seq(obj.get("endpoints"), "endpoints")):
-        endpoints.extend(_slice_endpoint(c, raw, i, version))
+        endpoints.append(_slice_endpoint(c, raw, i, version))
     trigger = annotations.get(TRIGGER_TIME_ANNOTATION)
     return EndpointSliceInfo(
         namespace=namespace,
@@ -411,11 +411,20 @@ def endpoint_slice(obj: Obj) -> EndpointSliceInfo | None:
     )
 
 
-def _slice_endpoint(c: _Checker, raw: Any, i: int, version: int) -> Iterable[Endpoint]:
+def _slice_endpoint(c: _Checker, raw: Any, i: int, version: int) -> Endpoint:
     ep = c.mapping(raw, "endpoints[{}]", i, required=True)
     addresses = c.seq(ep.get("addresses"), "endpoints[{}].addresses", i)
     if not addresses:
         raise c.fail("endpoints[{}].addresses", "no addresses", i)
+    # An endpoint's addresses are one pod's, and interchangeable: as kube-proxy, only the
+    # first is used, so that a pod is one endpoint to round-robin and to the health checks.
+    # Every one is checked, as the API server does.
+    ips = [c.ip(value, "endpoints[{}].addresses[{}]", i, j) for j, value in enumerate(addresses)]
+    for j, ip in enumerate(ips):
+        if (6 if ":" in ip else 4) != version:  # c.ip gave a valid, canonical address
+            raise c.fail(
+                "endpoints[{}].addresses[{}]", f"{ip} does not match addressType IPv{version}", i, j
+            )
     cond = c.mapping(ep.get("conditions"), "endpoints[{}].conditions", i)
     # API semantics: a nil ready means ready, a nil serving means "same as ready".
     ready = c.boolean(cond.get("ready"), "endpoints[{}].conditions.ready", True, i)
@@ -431,15 +440,7 @@ def _slice_endpoint(c: _Checker, raw: Any, i: int, version: int) -> Iterable[End
         hints = c.mapping(ep.get("hints"), "endpoints[{}].hints", i)
         zone_hints = _hint_names(c, hints.get("forZones"), "forZones", i)
         node_hints = _hint_names(c, hints.get("forNodes"), "forNodes", i)
-    out = []
-    for j, value in enumerate(addresses):
-        ip = c.ip(value, "endpoints[{}].addresses[{}]", i, j)
-        if (6 if ":" in ip else 4) != version:  # c.ip gave a valid, canonical address
-            raise c.fail(
-                "endpoints[{}].addresses[{}]", f"{ip} does not match addressType IPv{version}", i, j
-            )
-        out.append(Endpoint(ip, 0, node, zone, ready, serving, terminating, zone_hints, node_hints))
-    return out
+    return Endpoint(ips[0], 0, node, zone, ready, serving, terminating, zone_hints, node_hints)
 
 
 def _hint_names(c: _Checker, value: Any, key: str, i: int) -> tuple[str, ...]:

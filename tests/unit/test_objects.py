@@ -158,13 +158,29 @@ def test_slice_conditions_node_and_zone_are_kept() -> None:
     assert info.endpoints_for("other", Protocol.TCP) == []
 
 
+def test_an_endpoint_is_its_first_address() -> None:
+    """An endpoint's addresses are one pod's: as in kube-proxy the first is used alone, so a
+    pod with two addresses is not picked twice as often (nor counted twice as local)."""
+    info = convert_slice(
+        endpoint_slice(
+            "web-abc",
+            endpoints=[
+                {"addresses": ["10.0.0.1", "10.0.0.2"], "nodeName": "n1"},
+                {"addresses": ["10.0.0.3"]},
+            ],
+        )
+    )
+    assert info is not None
+    assert [e.ip for e in info.endpoints_for("http", Protocol.TCP)] == ["10.0.0.1", "10.0.0.3"]
+
+
 def test_slice_topology_hints_are_kept() -> None:
     hints = {"forZones": [{"name": "z1"}, {"name": "z2"}], "forNodes": [{"name": "n1"}]}
     info = convert_slice(
         endpoint_slice(
             "web-abc",
             endpoints=[
-                {"addresses": ["10.0.0.1", "10.0.0.2"], "zone": "z1", "hints": hints},
+                {"addresses": ["10.0.0.1"], "zone": "z1", "hints": hints},
                 endpoint("10.0.0.3", hints={"forZones": [{"name": "z3"}]}),
                 endpoint("10.0.0.4", hints={}),
             ],
@@ -174,7 +190,6 @@ def test_slice_topology_hints_are_kept() -> None:
     eps = info.endpoints_for("http", Protocol.TCP)
     assert [(e.ip, e.zone_hints, e.node_hints) for e in eps] == [
         ("10.0.0.1", ("z1", "z2"), ("n1",)),
-        ("10.0.0.2", ("z1", "z2"), ("n1",)),
         ("10.0.0.3", ("z3",), ()),
         ("10.0.0.4", (), ()),
     ]
@@ -200,6 +215,11 @@ BAD_SLICES: list[tuple[str, dict[str, Any], str]] = [
         "endpoints[0].addresses[0]",
     ),
     ("family-mismatch", endpoint_slice("x", endpoints=[endpoint("fd00::1")]), "addresses[0]"),
+    (
+        "second-address-bad",
+        endpoint_slice("x", endpoints=[{"addresses": ["10.0.0.1", "fd00::1"]}]),
+        "endpoints[0].addresses[1]",
+    ),
     (
         "port-zero",
         endpoint_slice("x", endpoints=[], ports=[{"name": "a", "port": 0}]),
