@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 
 def service(
@@ -61,3 +64,17 @@ def endpoint_slice(
         else [{"name": "http", "port": 8080, "protocol": "TCP"}],
         "endpoints": endpoints,
     }
+
+
+def one_service_file(path: Path, ip: str, port: int) -> Path:
+    """A services file of one TCP service ("default/web:http") with one endpoint."""
+    docs = [
+        service(ports=[{"name": "http", "port": 1, "protocol": "TCP"}]),
+        endpoint_slice(
+            "web-1",
+            endpoints=[endpoint(ip)],
+            ports=[{"name": "http", "port": port, "protocol": "TCP"}],
+        ),
+    ]
+    path.write_text(yaml.safe_dump_all(docs))
+    return path

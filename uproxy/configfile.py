@@ -5,11 +5,18 @@ and the command line mean the same thing. Fields of KubeProxyConfiguration that 
 to a userspace proxy are accepted and ignored (logged at -v 2); fields that exist nowhere
 are warned about (a typo should not pass silently); a value of the wrong type fails with one
 line naming the field.
+
+The file is read once, at start. As kube-proxy does, uproxy then watches it and stops when
+its content changes (``watch_config``), so that the kubelet starts it again with the new
+file: an edit of the DaemonSet's ConfigMap reaches every node without a rollout.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import logging
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -52,15 +59,62 @@ NOT_APPLICABLE = {
 def load_config(path: str, settings: Settings) -> Settings:
     """Apply the file's values to ``settings``; raises SettingsError with one clear line."""
     try:
-        with open(path, encoding="utf-8") as f:
-            doc = yaml.safe_load(f)
+        with open(path, "rb") as f:
+            data = f.read()
+        doc = yaml.safe_load(data.decode("utf-8"))
     except OSError as e:
         raise SettingsError(f"--config {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise SettingsError(f"--config {path}: not UTF-8 text") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
         raise SettingsError(f"--config {path}:{where}: not valid YAML") from None
-    return apply_config(doc, settings, source=path)
+    settings = apply_config(doc, settings, source=path)
+    settings.config_file = path
+    settings.config_digest = hashlib.sha256(data).digest()
+    return settings
+
+
+async def watch_config(path: str, digest: bytes, *, interval_s: float = 1.0) -> None:
+    """Return once the content of ``path`` no longer hashes to ``digest``.
+
+    Polled: one ``stat`` per interval (following links, so a ConfigMap volume's swap of its
+    ``..data`` link is a new file), and the file is read only when that changed. A file
+    rewritten with the same content is no change; one that cannot be read is reported once
+    and watched on (a missing file is not a new configuration).
+    """
+    last = _identity(path)
+    unreadable = False
+    while True:
+        await asyncio.sleep(interval_s)
+        now = _identity(path)
+        if now == last:
+            continue
+        last = now
+        try:
+            now_digest = _digest(path)  # a few KiB, and only when the file changed
+        except OSError as e:
+            if not unreadable:
+                log.warning("Cannot read the configuration file", extra=kv(file=path, err=e))
+            unreadable = True
+            continue
+        unreadable = False
+        if now_digest != digest:
+            return
+
+
+def _digest(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).digest()
+
+
+def _identity(path: str) -> tuple[int, ...] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def apply_config(doc: Any, settings: Settings, *, source: str = "--config") -> Settings:

@@ -166,6 +166,8 @@ class Proxy:
         self._spawn("sync-runner", self.runner.loop())
         if not self.settings.laptop:
             self._spawn("rules-check", self._check_rules())
+        if self.settings.config_file is not None:
+            self._spawn("config-watch", self._watch_config(self.settings.config_file))
         self._queue_sync()
 
     async def wait(self) -> None:
@@ -345,6 +347,18 @@ class Proxy:
         err = task.exception()
         self.failure = f"task {task.get_name()} ended unexpectedly: {err or 'returned'}"
         log.error("Supervised task ended, stopping", extra=kv(task=task.get_name(), err=err))
+        self._stopped.set()
+
+    async def _watch_config(self, path: str) -> None:
+        """The --config file changed: stop (draining), so that uproxy is started again with
+        it, as kube-proxy does; the exit status says why (``failure``)."""
+        from uproxy.configfile import watch_config
+
+        await watch_config(path, self.settings.config_digest)
+        log.warning(
+            "Configuration file changed: stopping, to start again with it", extra=kv(file=path)
+        )
+        self.failure = f"the content of --config {path} changed: start uproxy again to use it"
         self._stopped.set()
 
     # ----- callbacks -----

@@ -274,6 +274,10 @@ class Settings:
         choices=("text", "json"),
         help="Log format on stderr",
     )
+    # The --config file these settings were read from, and the SHA-256 of the text read:
+    # uproxy stops when that file's content changes (``configfile.watch_config``).
+    config_file: str | None = None
+    config_digest: bytes = b""
 
     # ----- derived values -----
 

@@ -18,11 +18,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import yaml
 
 from tests.conftest import wait_for
 from tests.deploy.manifests import DEPLOY, REPO, container, find, load
-from tests.factories import endpoint, endpoint_slice, service
+from tests.factories import one_service_file
 from tests.integration.procs import children
 from uproxy import priority
 
@@ -69,17 +68,7 @@ def _default_slice() -> int:
 
 @pytest.fixture
 def services(tmp_path: Path) -> Path:
-    path = tmp_path / "services.yaml"
-    docs = [
-        service(ports=[{"name": "http", "port": 1, "protocol": "TCP"}]),
-        endpoint_slice(
-            "web-1",
-            endpoints=[endpoint("127.0.0.41")],
-            ports=[{"name": "http", "port": 8080, "protocol": "TCP"}],
-        ),
-    ]
-    path.write_text(yaml.safe_dump_all(docs))
-    return path
+    return one_service_file(tmp_path / "services.yaml", "127.0.0.41", 8080)
 
 
 class Running:
