@@ -200,6 +200,11 @@ def configuration_md() -> str:
         f"uproxy: error: {_wrong_type_example()}",
         "```",
         "",
+        "The file is read at start and then watched, as kube-proxy watches its own: when its "
+        "content changes, uproxy stops (draining its connections) and exits with status 1 and "
+        "a line naming the file, to be started again with it (the kubelet does that for the "
+        "DaemonSet).",
+        "",
     ]
     return "\n".join(lines)
 
