@@ -195,9 +195,9 @@ class TcpListener:
         return len(self._conns)
 
     def readable(self) -> None:  # the ReadPoller's call: connections are waiting
-        self._accept()
+        self._accept(self.settings.accept_batch)
 
-    def _accept(self) -> None:
+    def _accept(self, batch: int) -> None:
         lsock = self._sock
         if lsock is None:
             return
@@ -206,7 +206,7 @@ class TcpListener:
         family = lsock.family
         fds = FD_RESERVE
         stats = self.stats
-        for _ in range(self.settings.accept_batch):
+        for _ in range(batch):
             try:
                 # _accept() skips socket.accept()'s enum conversions (measurable per conn).
                 fd, addr = lsock._accept()  # type: ignore[attr-defined]
@@ -266,13 +266,25 @@ class TcpListener:
         self._paused = None
         if self._sock is not None:
             self._acceptor.watch(self._sock.fileno(), self)
-            self._accept()
+            self._accept(self.settings.accept_batch)
 
     def released(self, conn: Connection) -> None:
         self._conns.pop(conn, None)
         drained = self._drained
         if not self._conns and drained is not None and not drained.done():
             drained.set_result(None)
+
+    def retire(self) -> None:
+        """Another socket of this port's group takes over (ClientIP affinity turned on or
+        off): serve the connections already queued on this one, then close it.
+
+        Closing a listening socket resets the connections in its accept queue: clients the
+        kernel had already accepted for this port. Only connections still in their
+        handshake when the last copy closes are lost (``net.ipv4.tcp_migrate_req`` moves
+        those to the group's other sockets too)."""
+        if self._sock is not None and self._paused is None:
+            self._accept(self.settings.listen_backlog)  # until the queue is empty
+        self.close()
 
     def close(self) -> None:
         """Stop accepting; established connections carry on."""

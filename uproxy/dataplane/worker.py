@@ -255,7 +255,7 @@ class Worker:
         key = (name, message.traffic, message.family)
         old = self.listeners.pop(key, None)
         if old is not None:
-            old.close()
+            old.retire()  # what its socket had queued is served, not reset
             self.closing.append(old)
         serve = self._tcp.serve if sock.type == socket.SOCK_STREAM else self._udp.serve
         self.listeners[key] = serve(
