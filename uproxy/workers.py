@@ -9,14 +9,21 @@ in-process data plane, and the pool turns that into messages (``dataplane.messag
   the next connection goes to whichever worker is free; with ClientIP affinity, and for UDP,
   one socket per worker, the group choosing by client address (``dataplane.sockets``), so a
   client always reaches the same worker. Turning affinity on or off regroups a TCP port's
-  sockets on the same port without ever closing it (``_restear``).
+  sockets on the same port without ever closing it, and without resetting a connection
+  (``_steer_apart``, ``_gather``).
+- This process holds every socket of every group as long as its port is served, as an
+  nginx master holds its listening sockets: the workers get copies. A worker that dies
+  leaves its sockets where they are in their groups, so no other client moves to another
+  socket, and the connections that reach them meanwhile queue there for its replacement,
+  which gets copies of the same sockets.
 - Endpoint changes go to every worker as they come; each worker's balancer follows them.
   Balancers are per service port and IP family, listeners per service port, traffic class
   and family (the family of the address a listener is bound to).
 - The pool remembers the state it sent, so a worker that dies is replaced and brought up to
   date: its death is logged and counted (``uproxy_worker_restarts_total``), the replacement
-  gets every balancer and a socket of its own in every group, typically within a few hundred
-  ms. The other workers never notice (for TCP, they take its share meanwhile).
+  gets every balancer and copies of the dead worker's sockets, typically within a few
+  hundred ms. The other workers never notice (a TCP socket they all accept on is theirs
+  meanwhile).
 - Counters come back through shared memory (``dataplane.counters``): ``add_up`` before every
   scrape; a dead worker's counts are kept.
 - Stopping drains all workers at once, under one deadline.
@@ -48,10 +55,9 @@ from uproxy.dataplane.messages import (
     OpenListener,
     Ready,
     SetEndpoints,
-    Steer,
 )
 from uproxy.dataplane.settings import DataplaneSettings
-from uproxy.dataplane.sockets import bind_group, unsteer
+from uproxy.dataplane.sockets import bind_group, steer, steer_to_first, unsteer
 from uproxy.log import kv
 from uproxy.model import (
     Endpoint,
@@ -125,6 +131,18 @@ class _Listener:
     host: str
     port: int
     steered: bool
+    # The sockets of the port's group in the group's order, held as long as the port is
+    # served (the workers get copies): one that every worker accepts on, or one per worker.
+    socks: list[socket.socket] = field(default_factory=list)
+
+    def socket_for(self, index: int) -> socket.socket:
+        """What worker ``index`` accepts on."""
+        return self.socks[index] if len(self.socks) > 1 else self.socks[0]
+
+    def close(self) -> None:
+        for sock in self.socks:
+            sock.close()
+        self.socks = []
 
 
 @dataclass(slots=True)
@@ -276,6 +294,7 @@ class WorkerPool:
     async def stop(self, *, drain: bool = True, timeout: float | None = None) -> None:
         """Drain every worker at once (SIGTERM) under one deadline; SIGKILL what is left."""
         self._stopping = True
+        self._close_held()
         if self._supervisor is not None:
             self._supervisor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -296,8 +315,15 @@ class WorkerPool:
     def kill_now(self) -> None:
         """A second stop signal: no draining, no waiting."""
         self._stopping = True
+        self._close_held()
         for w in self._workers.values():
             _signal(w.process, signal.SIGKILL)
+
+    def _close_held(self) -> None:
+        """Let go of every listening socket: once the workers close theirs (stopping), the
+        ports refuse new connections instead of queueing them for nobody."""
+        for listener in self._listeners.values():
+            listener.close()
 
     # ----- what the syncer calls -----
 
@@ -317,15 +343,22 @@ class WorkerPool:
         family = ip_family(host)
         key = (name, traffic, family)
         listener = _Listener(name.protocol, host, port, steered)
-        socks = self._bind(listener, port)
-        bound_host, listener.port = socks[0].getsockname()[:2]
+        listener.socks = self._bind(listener, port)
+        bound_host, listener.port = listener.socks[0].getsockname()[:2]
         bound_host = sys.intern(bound_host)  # one address for thousands of listeners
-        self._hand_out(key, socks)
+        try:
+            copies = self._copies(listener, list(self._workers))
+        except OSError:
+            listener.close()
+            raise
+        self._hand_out(key, copies)
         self._listeners[key] = listener
         return RemoteListener(self, key, bound_host, listener.port)
 
     def close_listener(self, key: ListenerKey) -> None:
-        if self._listeners.pop(key, None) is not None:
+        listener = self._listeners.pop(key, None)
+        if listener is not None:
+            listener.close()
             self._broadcast(CloseListener(*key))
 
     def set_endpoints(
@@ -399,24 +432,25 @@ class WorkerPool:
             steer_by_client=listener.steered,
         )
 
-    def _hand_out(self, key: ListenerKey, socks: list[socket.socket]) -> None:
-        """Send each worker its socket of a listener: its own, or a copy of the one shared.
-        Closes ``socks``; OSError (out of fds for the copies) before anything is sent."""
-        workers = list(self._workers.values())
-        if len(socks) < len(workers):
-            copies: list[socket.socket] = []
-            try:
-                for _ in workers:
-                    copies.append(socks[0].dup())
-            except OSError:
-                for sock in copies:
-                    sock.close()
-                raise
-            finally:
-                socks[0].close()  # the workers hold copies now
-            socks = copies
-        for w, sock in zip(workers, socks, strict=True):
-            w.channel.send(OpenListener(*key), sock)
+    def _copies(self, listener: _Listener, indexes: list[int]) -> dict[int, socket.socket]:
+        """A copy of its socket of ``listener`` for each of the workers ``indexes``; OSError
+        (out of fds) with none left open."""
+        copies: dict[int, socket.socket] = {}
+        try:
+            for index in indexes:
+                copies[index] = listener.socket_for(index).dup()
+        except OSError:
+            for sock in copies.values():
+                sock.close()
+            raise
+        return copies
+
+    def _hand_out(
+        self, key: ListenerKey, copies: dict[int, socket.socket], *, old_leaves: bool = False
+    ) -> None:
+        """Send each worker its copy (the channel closes it once sent)."""
+        for index, sock in copies.items():
+            self._workers[index].channel.send(OpenListener(*key, old_leaves), sock)
 
     def _restear(self, balancer: BalancerKey, affinity: bool) -> None:
         if self.count < 2:
@@ -425,26 +459,71 @@ class WorkerPool:
             name, _, family = key
             if (name, family) != balancer or listener.steered == affinity:
                 continue
-            listener.steered = affinity
-            if listener.protocol is Protocol.UDP:
-                # Any one socket of a group sets its program; the first worker does it.
-                first = next(iter(self._workers.values()))
-                first.channel.send(Steer(*key, self.count if affinity else 0))
-                continue
-            # TCP: a socket per worker, steered, instead of the shared one (or back). The new
-            # sockets join the listener's group on its port, so it never stops accepting; each
-            # worker serves its new socket and closes the old, which then leaves the group.
             try:
-                socks = self._bind(listener, listener.port)
-                if not affinity:
-                    _unsteer_or_close(socks)
-                self._hand_out(key, socks)
+                if listener.protocol is Protocol.UDP:
+                    # A socket per worker already: only the group's program changes.
+                    if affinity:
+                        steer(listener.socks[0], self.count)
+                    else:
+                        unsteer(listener.socks[0])
+                elif affinity:
+                    self._steer_apart(key, listener)
+                else:
+                    self._gather(key, listener)
             except OSError as exc:
                 log.error(
                     "Cannot change how workers share a proxy port",
                     extra=kv(service=str(key[0]), port=listener.port, affinity=affinity, err=exc),
                 )
-                listener.steered = not affinity
+                continue
+            listener.steered = affinity
+
+    def _steer_apart(self, key: ListenerKey, listener: _Listener) -> None:
+        """A TCP port every worker accepts on becomes a socket per worker, chosen by client
+        address. The shared socket stays, as worker 0's; the others join the group after it,
+        in the workers' order, and each worker but the first drops its copy of the shared
+        one. Nothing closes, so nothing is reset. (Until they have, a worker but the first
+        may still take a connection from the shared socket: affinity is only starting.)"""
+        first = listener.socks[0]
+        steer_to_first(first)  # the new sockets get nothing before they are handed out
+        more = bind_group(
+            listener.protocol,
+            listener.host,
+            listener.port,
+            self.count - 1,
+            backlog=self._settings.listen_backlog,
+            receive_buffer=self._settings.udp_receive_buffer,
+            steer_by_client=False,
+        )
+        listener.socks = [first, *more]
+        try:
+            copies = self._copies(listener, [i for i in self._workers if i != 0])
+            steer(first, self.count)
+        except OSError:
+            for sock in more:
+                sock.close()  # they got nothing: the group gives everything to the first
+            listener.socks = [first]
+            raise
+        self._hand_out(key, copies)
+
+    def _gather(self, key: ListenerKey, listener: _Listener) -> None:
+        """A socket per worker becomes one socket every worker accepts on: the first (worker
+        0's), to which the group now gives every new connection. The others leave the group
+        once their workers have served the handshakes that were under way there
+        (``messages.OpenListener``), so nothing is reset."""
+        first = listener.socks[0]
+        shared = _Listener(listener.protocol, listener.host, listener.port, False, [first])
+        copies = self._copies(shared, [i for i in self._workers if i != 0])
+        try:
+            steer_to_first(first)
+        except OSError:
+            for sock in copies.values():
+                sock.close()
+            raise
+        self._hand_out(key, copies, old_leaves=True)
+        for sock in listener.socks[1:]:
+            sock.close()  # the workers hold the last copies until they retire them
+        listener.socks = [first]
 
     async def _spawn(self, index: int) -> _Worker:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -497,26 +576,18 @@ class WorkerPool:
         for message in self._endpoints.values():
             w.channel.send(message)
         failed: list[tuple[ServicePortName, int, OSError]] = []
-        for (name, traffic, family), listener in list(self._listeners.items()):
+        for key, listener in list(self._listeners.items()):
             try:
-                (sock,) = bind_group(
-                    listener.protocol,
-                    listener.host,
-                    listener.port,
-                    1,
-                    backlog=self._settings.listen_backlog,
-                    receive_buffer=self._settings.udp_receive_buffer,
-                    steer_by_client=False,  # the group keeps its program
-                )
+                sock = listener.socket_for(w.index).dup()
             except OSError as exc:
-                failed.append((name, listener.port, exc))
+                failed.append((key[0], listener.port, exc))
                 continue
-            w.channel.send(OpenListener(name, traffic, family), sock)
+            w.channel.send(OpenListener(*key), sock)
         if failed:
             # One line however many: the same cause (say, the open-file limit) fails them all.
             first_name, first_port, first_err = failed[0]
             log.error(
-                "Worker cannot join proxy ports; the other workers serve them",
+                "Worker cannot serve proxy ports; the other workers serve them",
                 extra=kv(
                     worker=w.index,
                     ports=len(failed),
@@ -598,16 +669,6 @@ async def _ready_or_exit(w: _Worker) -> None:
 
 def _how(code: int | None) -> str:
     return f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-
-
-def _unsteer_or_close(socks: list[socket.socket]) -> None:
-    """Take the group's program away (the group hashes again); closes ``socks`` on OSError."""
-    try:
-        unsteer(socks[0])
-    except OSError:
-        for sock in socks:
-            sock.close()
-        raise
 
 
 def _signal(process: asyncio.subprocess.Process, sig: int) -> None:

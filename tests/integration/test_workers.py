@@ -208,7 +208,10 @@ async def test_turning_affinity_on_and_off_regroups_the_port_without_closing_it(
         steered = affinity == "ClientIP"
         await wait_for(functools.partial(_steered, pool, steered), timeout=10, message=affinity)
         await wait_for(lambda: pool.pending() == 0, timeout=10, message="the workers applied")
-        assert listening_sockets(port) == (2 if steered else 1), affinity
+        # A socket leaving the group is closed once it had nothing new for RETIRE_IDLE_S.
+        await wait_for(
+            functools.partial(_listening, port, 2 if steered else 1), timeout=10, message=affinity
+        )
         names = {await greet("127.0.0.1", port) for _ in range(60)}
         if steered:
             assert len(names) == 1, names  # one client address, one endpoint
@@ -220,6 +223,10 @@ async def test_turning_affinity_on_and_off_regroups_the_port_without_closing_it(
 
 def _steered(pool: Any, steered: bool) -> bool:
     return all(listener.steered == steered for listener in pool._listeners.values())
+
+
+def _listening(port: int, count: int) -> bool:
+    return listening_sockets(port) == count
 
 
 def listening_sockets(port: int) -> int:
@@ -379,6 +386,51 @@ async def test_a_killed_worker_is_replaced_and_the_others_connections_carry_on(
     outcomes = await asyncio.gather(*(s.finish(2 << 20) for s in streams))
     assert set(outcomes) <= {"intact", "reset"}, outcomes
     assert "intact" in outcomes
+
+
+async def test_a_dead_workers_clients_wait_for_its_replacement_and_no_other_client_moves(
+    tmp_path: Path, backends: list[NamedBackend], proxies: list[Proxy]
+) -> None:
+    """With ClientIP affinity each worker has its own socket in the port's group, chosen by
+    client address. The control process holds every socket, so one whose worker dies stays
+    in place: what reaches it queues for the replacement (closing it would reset that), and
+    no client of another worker is moved (the kernel fills a closed socket's place with the
+    group's last one, which would send every client of that one elsewhere)."""
+    proxy = await serving_web(
+        tmp_path / "services.yaml", backends, proxies, sessionAffinity="ClientIP"
+    )
+    pool = proxy.workers
+    assert pool is not None
+    port = proxy_port(proxy)
+
+    async def greet_from(client: str) -> str:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(client, 0))
+        try:
+            return (await asyncio.wait_for(reader.readline(), 3)).decode().strip()
+        finally:
+            writer.close()
+
+    # The group picks socket ``address % 2``: even last bytes reach worker 0, odd worker 1.
+    clients = [f"127.0.0.{i}" for i in range(2, 10)]
+    stuck: dict[str, str] = {}
+    for client in clients:
+        seen = {await greet_from(client) for _ in range(3)}
+        assert len(seen) == 1, (client, seen)
+        stuck[client] = seen.pop()
+    victim = pool._workers[0].process.pid
+    os.kill(victim, signal.SIGSTOP)  # it accepts nothing more: its clients queue
+    queued = []
+    for client in clients[::2]:
+        queued.append(await asyncio.open_connection("127.0.0.1", port, local_addr=(client, 0)))
+    os.kill(victim, signal.SIGKILL)
+    await wait_for(lambda: pool.restarts == 1 and _all_ready(proxy), timeout=5)
+    for reader, writer in queued:  # served by the replacement, not reset
+        assert (await asyncio.wait_for(reader.readline(), 5)).strip() in {b"b1", b"b2", b"b3"}
+        writer.close()
+    for client in clients[1::2]:  # worker 1's clients stayed with it, and with their endpoint
+        assert await greet_from(client) == stuck[client], client
+    for client in clients[::2]:  # the replacement's clients stick to an endpoint again
+        assert len({await greet_from(client) for _ in range(3)}) == 1, client
 
 
 async def test_a_replacement_that_dies_before_it_is_ready_is_replaced_at_once(
@@ -1008,4 +1060,6 @@ async def test_a_listener_that_cannot_be_copied_for_every_worker_goes_to_none(
     monkeypatch.setattr(socket.socket, "dup", real_dup)
     opened = await pool.open_listener(**args)  # the same pool works once fds are back
     assert [len(c.sent) for c in channels] == [1, 1]
-    assert listening_sockets(opened.port) == 0  # the recorder closed every copy
+    assert listening_sockets(opened.port) == 1  # the recorder closed its copies; the pool holds
+    opened.close()
+    assert listening_sockets(opened.port) == 0

@@ -9,9 +9,9 @@ channel per worker, carrying the data-plane state as changes, in order:
                         SetEndpoints    a service port's spec and one family's endpoints (the
                                         balancer of that port and family), and this
                                         node's zone for the endpoints' topology hints
-                        OpenListener    + its listening socket (SCM_RIGHTS): start serving it
+                        OpenListener    + its listening socket (SCM_RIGHTS): start serving it,
+                                        instead of the one it served (a regrouped port)
                         CloseListener   stop accepting; established connections carry on
-                        Steer           ClientIP affinity switched on or off for a listener
                         Forget          a service port (in one family) is gone: drop its balancer
     worker -> control   Ready           the worker runs
                         Applied         how many messages it has applied so far: whenever it
@@ -109,11 +109,26 @@ class SetEndpoints:
 
 @dataclass(frozen=True, slots=True)
 class OpenListener:
-    """Serve the socket that comes with this message (one per OpenListener, in order)."""
+    """Serve the socket that comes with this message (one per OpenListener, in order).
+
+    A worker that serves the listener already (ClientIP affinity turned on or off regroups a
+    TCP port, see ``workers``) serves the new socket instead of the old one. ``old_leaves``:
+    the old socket is leaving the port's group and gets no new connections, so the worker
+    goes on accepting the handshakes still under way there until none has come for
+    ``RETIRE_IDLE_S``, then closes it (closing a listening socket resets what it has
+    queued). Otherwise another worker goes on serving the old socket: this one drops its
+    copy at once."""
 
     name: ServicePortName
     traffic: Traffic
     family: IPFamily  # of the socket (its type follows from the protocol) and its balancer
+    old_leaves: bool = False
+
+
+# How long a socket that left its group's choice must have been idle before its worker
+# closes it: a handshake under way when the group stopped choosing it completes within a
+# round trip, or after a lost SYN-ACK is sent again (1 s, then 3 s).
+RETIRE_IDLE_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,17 +136,6 @@ class CloseListener:
     name: ServicePortName
     traffic: Traffic
     family: IPFamily
-
-
-@dataclass(frozen=True, slots=True)
-class Steer:
-    """Choose sockets in this (UDP) listener's group by client address (``workers`` > 1), or
-    not (0); see ``sockets.steer``. A TCP listener is regrouped instead (``workers``)."""
-
-    name: ServicePortName
-    traffic: Traffic
-    family: IPFamily
-    workers: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +154,7 @@ class Applied:
     count: int  # messages received and applied since the worker started
 
 
-Message = Configure | SetEndpoints | OpenListener | CloseListener | Steer | Forget | Ready | Applied
+Message = Configure | SetEndpoints | OpenListener | CloseListener | Forget | Ready | Applied
 
 
 def _fast_pickling(*classes: type) -> None:
@@ -180,7 +184,6 @@ _fast_pickling(
     SetEndpoints,
     OpenListener,
     CloseListener,
-    Steer,
     Forget,
     Ready,
     Applied,

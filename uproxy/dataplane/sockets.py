@@ -14,9 +14,14 @@ the same worker, whose balancer remembers the client. For such service ports the
 classic BPF program (SO_ATTACH_REUSEPORT_CBPF) that picks the socket by the client address
 alone: ``saddr % N``. Measured here: 8 client addresses x 5 connections each, every address
 always on the same one of 2 sockets. A group's program can be set and removed from any of its
-sockets (a worker switches it when a UDP port's affinity is turned on or off). When the group has
-fewer sockets than the program expects (a worker being replaced), the kernel falls back to
-its hash for the connections that land on a missing index.
+sockets. Another program sends every new connection to the group's first socket
+(``steer_to_first``): while other sockets leave the group, they get nothing new.
+
+A program returns an index into the group, in the order its sockets joined. When a socket
+leaves, the kernel moves the group's last socket into its place; when the index is past the
+end, it falls back to its hash. The control process therefore holds every socket of a group
+as long as the port is served (``workers``): a worker that dies leaves its socket in place,
+and its connections queue there for its replacement instead of moving the others.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ _SO_RCVBUFFORCE = 33
 _BPF_LD_W_ABS = 0x00 | 0x00 | 0x20
 _BPF_ALU_MOD_K = 0x04 | 0x90 | 0x00
 _BPF_RET_A = 0x06 | 0x10
+_BPF_RET_K = 0x06 | 0x00
 _SKF_NET_OFF = -0x100000
 # Where the client address (its last 32 bits for IPv6) sits in the network header.
 _SADDR_OFFSET = {socket.AF_INET: 12, socket.AF_INET6: 8 + 12}
@@ -133,11 +139,22 @@ def bind_group(
 def steer(sock: socket.socket, count: int) -> None:
     """Make ``sock``'s reuseport group choose its socket by client address: ``saddr % count``."""
     offset = (_SKF_NET_OFF + _SADDR_OFFSET[sock.family]) & 0xFFFFFFFF
-    program = [
-        (_BPF_LD_W_ABS, 0, 0, offset),  # A = the client address (32 bits)
-        (_BPF_ALU_MOD_K, 0, 0, count),  # A = A % count
-        (_BPF_RET_A, 0, 0, 0),  # the index of the socket in the group
-    ]
+    _attach(
+        sock,
+        [
+            (_BPF_LD_W_ABS, 0, 0, offset),  # A = the client address (32 bits)
+            (_BPF_ALU_MOD_K, 0, 0, count),  # A = A % count
+            (_BPF_RET_A, 0, 0, 0),  # the index of the socket in the group
+        ],
+    )
+
+
+def steer_to_first(sock: socket.socket) -> None:
+    """Make ``sock``'s reuseport group give every new connection to its first socket."""
+    _attach(sock, [(_BPF_RET_K, 0, 0, 0)])
+
+
+def _attach(sock: socket.socket, program: list[tuple[int, int, int, int]]) -> None:
     code = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *ins) for ins in program))
     fprog = struct.pack("HL", len(program), ctypes.addressof(code))  # struct sock_fprog
     sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_REUSEPORT_CBPF, fprog)

@@ -49,6 +49,35 @@ DialTimers = dict[float, FixedDelayTimers]
 _DIAL_TIMERS: dict[asyncio.AbstractEventLoop, dict[tuple[float, ...], DialTimers]] = {}
 
 
+class _Retiring:
+    """Watches a retiring listener's socket in its place: notes every wake-up, and closes
+    the listener once a whole ``idle_s`` passed without one."""
+
+    __slots__ = ("idle_s", "listener", "woken")
+
+    def __init__(self, listener: TcpListener, idle_s: float) -> None:
+        self.listener = listener
+        self.idle_s = idle_s
+        self.woken = False
+        listener.loop.call_later(idle_s, self._check)
+
+    def readable(self) -> None:
+        self.woken = True
+        self.listener.readable()
+
+    def _check(self) -> None:
+        listener = self.listener
+        if listener.socket is None:
+            return  # closed meanwhile (a stop)
+        if self.woken:
+            self.woken = False
+            listener.loop.call_later(self.idle_s, self._check)
+            return
+        if listener._paused is None:
+            listener._accept(listener.settings.listen_backlog)  # until the queue is empty
+        listener.close()
+
+
 def _dial_timers(loop: asyncio.AbstractEventLoop, timeouts: tuple[float, ...]) -> DialTimers:
     schedules = per_loop(_DIAL_TIMERS, loop, lambda _: {})
     timers = schedules.get(timeouts)
@@ -274,17 +303,19 @@ class TcpListener:
         if not self._conns and drained is not None and not drained.done():
             drained.set_result(None)
 
-    def retire(self) -> None:
-        """Another socket of this port's group takes over (ClientIP affinity turned on or
-        off): serve the connections already queued on this one, then close it.
-
-        Closing a listening socket resets the connections in its accept queue: clients the
-        kernel had already accepted for this port. Only connections still in their
-        handshake when the last copy closes are lost (``net.ipv4.tcp_migrate_req`` moves
-        those to the group's other sockets too)."""
-        if self._sock is not None and self._paused is None:
-            self._accept(self.settings.listen_backlog)  # until the queue is empty
-        self.close()
+    def retire(self, idle_s: float) -> None:
+        """This socket is leaving the port's group (ClientIP affinity turned on or off): the
+        group sends it nothing new, but handshakes under way when it stopped choosing it
+        still complete here. Go on accepting until none has come for ``idle_s``, then serve
+        what is queued and close. Closing a listening socket resets the connections in its
+        accept queue: clients the kernel had already accepted for this port."""
+        sock = self._sock
+        if sock is None:
+            return
+        watch = _Retiring(self, idle_s)
+        if self._paused is None:
+            self._acceptor.unwatch(sock.fileno())
+            self._acceptor.watch(sock.fileno(), watch)
 
     def close(self) -> None:
         """Stop accepting; established connections carry on."""

@@ -353,9 +353,9 @@ class UdpListener:
             self.poller.forget(fd)  # the flow's socket is its only copy: closing it unwatches
             flow.sock.close()
 
-    def retire(self) -> None:
-        """Replaced by another socket of this port: as ``close`` (a UDP port changes how
-        it steers in place, without new sockets, so this is only for symmetry)."""
+    def retire(self, idle_s: float) -> None:
+        """Replaced by another socket of this port: as ``close``. (A UDP port changes how
+        it steers in place, without new sockets, so this is only for symmetry.)"""
         self.close()
 
     def close(self) -> None:

@@ -7,8 +7,8 @@ endpoints (one ``Balancer`` per service port and IP family, the same class the i
 data plane uses) and the listening sockets it serves: a socket that every worker accepts on,
 or one socket of a SO_REUSEPORT group whose other sockets belong to the other workers (see
 ``uproxy.workers``). A socket sent for a listener it already serves replaces that one's
-socket (the old one drains). A listener uses the balancer of its own family: an IPv6 proxy
-port never dials an IPv4 endpoint.
+socket (see ``messages.OpenListener``). A listener uses the balancer of its own family: an
+IPv6 proxy port never dials an IPv4 endpoint.
 
 Signals: SIGTERM drains (listeners close at once, established connections get up to the
 drain timeout, all listeners in parallel), then the worker exits. SIGINT is ignored: Ctrl-C
@@ -38,6 +38,7 @@ from uproxy.dataplane.fdreserve import FD_RESERVE
 from uproxy.dataplane.messages import (
     APPLY_SLICE_S,
     APPLY_SLICE_STARTING_S,
+    RETIRE_IDLE_S,
     Applied,
     Channel,
     CloseListener,
@@ -47,7 +48,6 @@ from uproxy.dataplane.messages import (
     OpenListener,
     Ready,
     SetEndpoints,
-    Steer,
 )
 from uproxy.dataplane.poller import io_waiting
 from uproxy.log import V2, kv
@@ -217,8 +217,6 @@ class Worker:
             self._close(message)
         elif type(message) is Forget:
             self._forget(message)
-        elif type(message) is Steer:
-            self._steer(message)
         elif type(message) is Configure:
             self.config = message
             if self.channel is not None:
@@ -255,7 +253,10 @@ class Worker:
         key = (name, message.traffic, message.family)
         old = self.listeners.pop(key, None)
         if old is not None:
-            old.retire()  # what its socket had queued is served, not reset
+            if message.old_leaves:
+                old.retire(RETIRE_IDLE_S)  # what reaches it meanwhile is served, not reset
+            else:
+                old.close()  # this worker's copy: another worker serves the socket
             self.closing.append(old)
         serve = self._tcp.serve if sock.type == socket.SOCK_STREAM else self._udp.serve
         self.listeners[key] = serve(
@@ -266,18 +267,6 @@ class Worker:
             settings=config.settings,
             loop=self._loop,
         )
-
-    def _steer(self, message: Steer) -> None:
-        from uproxy.dataplane.sockets import steer, unsteer
-
-        listener = self.listeners.get((message.name, message.traffic, message.family))
-        sock = listener.socket if listener is not None else None
-        if sock is None:
-            return
-        if message.workers > 1:
-            steer(sock, message.workers)
-        else:
-            unsteer(sock)
 
     def _configured(self) -> Configure:
         if self.config is None:
