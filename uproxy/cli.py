@@ -50,6 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="Remove every rule and chain uproxy installs (any backend) and exit",
     )
+    parser.add_argument(
+        "--init-only",
+        action="store_true",
+        help="Raise the node's conntrack settings (the conntrack flags) and exit: for a "
+        "privileged init container, so that uproxy itself needs no write access to /proc/sys",
+    )
     for f in setting_fields():
         flag = f.metadata["flag"]
         if not flag:
@@ -115,6 +121,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(verbosity=settings.verbosity, fmt=settings.logging_format)
     if getattr(ns, "cleanup", False):
         return run_loop(_cleanup, settings.event_loop)
+    if getattr(ns, "init_only", False):
+        return _init_only(settings)
     # Importing the clients makes ~10^5 long-lived objects: the collector's passes over them
     # were 20-60 ms each at start. run_proxy() freezes them and turns it back on.
     gc.disable()
@@ -127,6 +135,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 0
+
+
+def _init_only(settings: Settings) -> int:
+    from uproxy.nodesetup import Wanted, tune
+
+    problems = tune(Wanted.from_settings(settings))
+    if problems:
+        print(f"uproxy: error: cannot tune conntrack: {'; '.join(problems)}", file=sys.stderr)
+        return EXIT_FAILURE
+    return 0
 
 
 async def _cleanup() -> int:

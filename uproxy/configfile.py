@@ -39,8 +39,6 @@ NOT_APPLICABLE = {
     "ipvs",
     "nftables",
     "winkernel",
-    "oomScoreAdj",
-    "conntrack",
     "linux",
     "windows",
     "iptables.masqueradeAll",

@@ -29,6 +29,10 @@ _COMMANDS = {
     "--config": "Read a `KubeProxyConfiguration` file (below); flags given explicitly win over it.",
     "--cleanup": "Remove every rule and chain uproxy installs (any backend, nft and legacy) "
     "and exit 0.",
+    "--init-only": "Raise the node's conntrack table and timeouts to the `conntrack` settings "
+    "(never lower them) and exit: 0 when done, 1 with one line naming what could not be "
+    "raised. For a privileged init container, so that uproxy itself needs no write access to "
+    "`/proc/sys` (see deploy/uproxy.yaml).",
     "--version": "Print the version and exit.",
     "-h": "Print the flags and exit.",
 }

@@ -241,6 +241,66 @@ class Settings:
         kind="bool",
         help="Remove the rules on a normal shutdown (by default they stay, as kube-proxy's do)",
     )
+    # --- the node (not in laptop mode) ---
+    conntrack_max_per_core: int = opt(
+        32768,
+        flag="--conntrack-max-per-core",
+        config="conntrack.maxPerCore",
+        kind="int",
+        help="Raise nf_conntrack_max to this many entries per CPU (at least "
+        "--conntrack-min), as kube-proxy does; 0 leaves the table alone",
+    )
+    conntrack_min: int = opt(
+        131072,
+        flag="--conntrack-min",
+        config="conntrack.min",
+        kind="int",
+        help="The smallest nf_conntrack_max --conntrack-max-per-core raises it to",
+    )
+    conntrack_tcp_timeout_established: float = opt(
+        86400.0,
+        flag="--conntrack-tcp-timeout-established",
+        config="conntrack.tcpEstablishedTimeout",
+        kind="duration",
+        help="Raise conntrack's timeout for idle established TCP connections to this; 0 leaves it",
+    )
+    conntrack_tcp_timeout_close_wait: float = opt(
+        3600.0,
+        flag="--conntrack-tcp-timeout-close-wait",
+        config="conntrack.tcpCloseWaitTimeout",
+        kind="duration",
+        help="Raise conntrack's timeout for TCP connections in CLOSE_WAIT to this; 0 leaves it",
+    )
+    conntrack_tcp_be_liberal: bool = opt(
+        False,
+        flag="--conntrack-tcp-be-liberal",
+        config="conntrack.tcpBeLiberal",
+        kind="bool",
+        help="Turn on nf_conntrack_tcp_be_liberal: out-of-window TCP packets stay tracked "
+        "instead of being marked invalid",
+    )
+    conntrack_udp_timeout: float = opt(
+        0.0,
+        flag="--conntrack-udp-timeout",
+        config="conntrack.udpTimeout",
+        kind="duration",
+        help="Raise conntrack's timeout for UDP flows that saw one direction only; 0 leaves it",
+    )
+    conntrack_udp_timeout_stream: float = opt(
+        0.0,
+        flag="--conntrack-udp-timeout-stream",
+        config="conntrack.udpStreamTimeout",
+        kind="duration",
+        help="Raise conntrack's timeout for UDP flows with replies; 0 leaves it",
+    )
+    oom_score_adj: int = opt(
+        -999,
+        flag="--oom-score-adj",
+        config="oomScoreAdj",
+        kind="int",
+        help="The OOM score adjustment of uproxy and its workers, -1000 to 1000 (lowering it "
+        "needs CAP_SYS_RESOURCE)",
+    )
     # --- health and metrics ---
     healthz_bind_address: str = opt(
         "0.0.0.0:10256",
@@ -481,6 +541,18 @@ def validate(s: Settings) -> None:
         raise SettingsError(
             "invalid --iptables-min-sync-period: longer than --iptables-sync-period"
         )
+    for flag, value in (
+        ("--conntrack-max-per-core", s.conntrack_max_per_core),
+        ("--conntrack-min", s.conntrack_min),
+        ("--conntrack-tcp-timeout-established", s.conntrack_tcp_timeout_established),
+        ("--conntrack-tcp-timeout-close-wait", s.conntrack_tcp_timeout_close_wait),
+        ("--conntrack-udp-timeout", s.conntrack_udp_timeout),
+        ("--conntrack-udp-timeout-stream", s.conntrack_udp_timeout_stream),
+    ):
+        if value < 0:
+            raise SettingsError(f"invalid {flag}: must be 0 or more")
+    if not -1000 <= s.oom_score_adj <= 1000:
+        raise SettingsError("invalid --oom-score-adj: must be -1000 to 1000")
     if s.services and not os.path.exists(s.services):
         raise SettingsError(f"--services: no such file: {s.services}")
     _validate_detect_local(s)

@@ -82,7 +82,7 @@ def _tools_missing() -> list[str]:
 def test_daemonset_capabilities_manage_both_iptables_variants() -> None:
     assert not _tools_missing(), f"missing tools: {_tools_missing()}"
     caps = _daemonset_capabilities()
-    assert caps == ["net_admin", "net_raw", "sys_nice"]
+    assert caps == ["net_admin", "net_raw", "sys_nice", "sys_resource"]
     done, result = _run_in_netns(caps)
     assert "before nft=6 legacy=6" in done.stdout, done.stdout
     assert result == "rc=0 nft=0 legacy=0", done.stdout + done.stderr

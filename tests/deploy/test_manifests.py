@@ -122,7 +122,23 @@ def test_daemonset_runs_as_a_node_proxy(file: str, name: str) -> None:
     assert sc.get("privileged", False) is False
     assert sc["readOnlyRootFilesystem"] is True
     assert sc["allowPrivilegeEscalation"] is False
-    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["NET_ADMIN", "NET_RAW", "SYS_NICE"]}
+    assert sc["capabilities"] == {
+        "drop": ["ALL"],
+        "add": ["NET_ADMIN", "NET_RAW", "SYS_NICE", "SYS_RESOURCE"],
+    }
+    # The node's conntrack settings: raised by a privileged init container where uproxy is
+    # the node's proxy (uproxy itself cannot write /proc/sys), left to kube-proxy beside it.
+    inits = pod.get("initContainers", [])
+    if config["conntrack"]["maxPerCore"]:
+        (init,) = inits
+        assert init["securityContext"] == {"privileged": True}
+        assert init["image"] == c["image"]
+        assert init["command"] == ["uproxy", "--config=/etc/uproxy/config.yaml", "--init-only"]
+        assert init["volumeMounts"] == [m for m in c["volumeMounts"] if m["name"] == "config"]
+    else:
+        assert inits == []
+        assert config["conntrack"]["tcpEstablishedTimeout"] == "0s"
+        assert config["conntrack"]["tcpCloseWaitTimeout"] == "0s"
 
     volumes = {v["name"]: v for v in pod["volumes"]}
     mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
