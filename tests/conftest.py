@@ -60,6 +60,53 @@ def _same_priority_after() -> Iterator[None]:
     priority._giving_way, priority._interval, priority._gave_way = state
 
 
+_HOST_SETTINGS = (
+    *(
+        f"/proc/sys/net/netfilter/nf_conntrack_{name}"
+        for name in (
+            "max",
+            "tcp_timeout_established",
+            "tcp_timeout_close_wait",
+            "tcp_be_liberal",
+            "udp_timeout",
+            "udp_timeout_stream",
+        )
+    ),
+    "/sys/module/nf_conntrack/parameters/hashsize",
+    "/proc/self/oom_score_adj",
+)
+
+
+def _host_settings() -> dict[str, str]:
+    out = {}
+    for path in _HOST_SETTINGS:
+        try:
+            with open(path) as f:
+                out[path] = f.read()
+        except OSError:
+            pass
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _host_settings_untouched() -> Iterator[None]:
+    """uproxy sets node settings (``uproxy.nodesetup``) only as the node's proxy process;
+    tests do that inside namespaces they make. A test that changed this host's (or this
+    process's) fails, and the values are put back."""
+    before = _host_settings()
+    yield
+    after = _host_settings()
+    if after != before:
+        for path, value in before.items():
+            if after.get(path) != value:
+                with open(path, "w") as f:
+                    f.write(value)
+        changed = {p: (before[p].strip(), after.get(p, "").strip()) for p in before}
+        pytest.fail(
+            f"the test changed host settings: { {p: v for p, v in changed.items() if v[0] != v[1]} }"
+        )
+
+
 def pytest_asyncio_loop_factories(
     config: pytest.Config, item: pytest.Item
 ) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:

@@ -39,7 +39,6 @@ NOT_APPLICABLE = {
     "ipvs",
     "nftables",
     "winkernel",
-    "linux",
     "windows",
     "iptables.masqueradeAll",
     "iptables.masqueradeBit",
@@ -52,6 +51,18 @@ NOT_APPLICABLE = {
     "logging.options",
     "logging.vmodule",
 }
+
+
+# Newer kube-proxy configurations group the Linux-only fields under ``linux:``; the same
+# fields at the top level are the older spelling. Both mean the same here.
+_LINUX = "linux."
+_LINUX_ALIASES = {"linux.masqueradeAll": "iptables.masqueradeAll"}
+
+
+def _canonical(path: str) -> str:
+    if path in _LINUX_ALIASES:
+        return _LINUX_ALIASES[path]
+    return path[len(_LINUX) :] if path.startswith(_LINUX) else path
 
 
 def load_config(path: str, settings: Settings) -> Settings:
@@ -130,7 +141,8 @@ def apply_config(doc: Any, settings: Settings, *, source: str = "--config") -> S
     for path, value in _flatten(doc):
         if path in ("apiVersion", "kind", "mode"):
             continue
-        f = by_path.get(path)
+        canonical = _canonical(path)
+        f = by_path.get(canonical)
         if f is not None:
             if value is None:
                 continue
@@ -140,7 +152,7 @@ def apply_config(doc: Any, settings: Settings, *, source: str = "--config") -> S
                 raise SettingsError(
                     f"{source}: {path}: {e}".replace(f"invalid {f.metadata['flag']}: ", "")
                 ) from None
-        elif path in NOT_APPLICABLE or path.split(".")[0] in NOT_APPLICABLE:
+        elif canonical in NOT_APPLICABLE or canonical.split(".")[0] in NOT_APPLICABLE:
             log.log(V2, "Ignoring configuration field that does not apply", extra=kv(field=path))
         else:
             log.warning("Unknown configuration field", extra=kv(file=source, field=path))

@@ -146,8 +146,6 @@ class Proxy:
     # ----- lifecycle -----
 
     async def start(self) -> None:
-        if not self.settings.laptop:
-            self._set_up_node()
         limit = raise_nofile_limit()
         log.log(V2, "File descriptor limit", extra=kv(nofile=limit))
         await self._start_http()
@@ -171,26 +169,6 @@ class Proxy:
         if self.settings.config_file is not None:
             self._spawn("config-watch", self._watch_config(self.settings.config_file))
         self._queue_sync()
-
-    def _set_up_node(self) -> None:
-        """kube-proxy's node settings (``nodesetup``): this process's OOM score, before it
-        starts the workers, which inherit it; the conntrack table and timeouts. What cannot
-        be set is said in one line each, and uproxy serves on."""
-        from uproxy.nodesetup import Wanted, set_oom_score_adj, tune
-
-        problem = set_oom_score_adj(self.settings.oom_score_adj)
-        if problem:
-            log.warning(
-                "Cannot set the OOM score adjustment",
-                extra=kv(value=self.settings.oom_score_adj, err=problem),
-            )
-        problems = tune(Wanted.from_settings(self.settings))
-        if problems:
-            log.warning(
-                "Cannot tune conntrack as configured: run 'uproxy --init-only' where /proc/sys "
-                "is writable (a privileged init container), or change the conntrack settings",
-                extra=kv(problems="; ".join(problems)),
-            )
 
     async def wait(self) -> None:
         """Until stop() or a supervised task failed."""

@@ -3,11 +3,36 @@
 from __future__ import annotations
 
 import gc
+import logging
 import sys
 
+from uproxy.log import kv
 from uproxy.proxy import Proxy, StartupError, install_signal_handlers
 from uproxy.settings import Settings
 from uproxy.syncer import TableRow
+
+log = logging.getLogger("uproxy.run")
+
+
+def set_up_node(settings: Settings) -> None:
+    """kube-proxy's node settings (``nodesetup``), by the process that proxies for the node:
+    its OOM score first, which the workers it starts inherit; then the conntrack table and
+    timeouts. What cannot be set is said in one line each, and uproxy serves on."""
+    from uproxy.nodesetup import Wanted, set_oom_score_adj, tune
+
+    problem = set_oom_score_adj(settings.oom_score_adj)
+    if problem:
+        log.warning(
+            "Cannot set the OOM score adjustment",
+            extra=kv(value=settings.oom_score_adj, err=problem),
+        )
+    problems = tune(Wanted.from_settings(settings))
+    if problems:
+        log.warning(
+            "Cannot tune conntrack as configured: run 'uproxy --init-only' where /proc/sys is "
+            "writable (a privileged init container), or change the conntrack settings",
+            extra=kv(problems="; ".join(problems)),
+        )
 
 
 def format_table(rows: list[TableRow]) -> str:
@@ -31,6 +56,8 @@ def print_table(rows: list[TableRow]) -> None:
 
 
 async def run_proxy(settings: Settings) -> int:
+    if not settings.laptop:
+        set_up_node(settings)
     try:
         proxy = Proxy(settings, on_table=print_table if settings.laptop else None)
     except StartupError as e:

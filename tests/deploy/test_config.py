@@ -43,6 +43,14 @@ def test_configmap_gives_the_expected_settings(
     assert s.nodeport_addresses == ()
     assert s.lb_algorithm == "round-robin" and s.cleanup_on_exit is False
     assert s.verbosity == 0 and s.logging_format == "text"
+    assert s.oom_score_adj == -999
+    if beside:  # kube-proxy on the node owns its conntrack settings
+        assert s.conntrack_max_per_core == 0
+        assert s.conntrack_tcp_timeout_established == s.conntrack_tcp_timeout_close_wait == 0
+    else:
+        assert (s.conntrack_max_per_core, s.conntrack_min) == (32768, 131072)
+        assert s.conntrack_tcp_timeout_established == 86400.0
+        assert s.conntrack_tcp_timeout_close_wait == 3600.0
     # Every field in the shipped file is one uproxy reads: no warning about unknown fields.
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
 
@@ -111,3 +119,24 @@ def test_an_unknown_field_warns_and_loads(tmp_path: Path, caplog: pytest.LogCapt
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert [r.getMessage() for r in warnings] == ["Unknown configuration field"]
     assert warnings[0].kv["field"] == "udpIdleTimout"  # type: ignore[attr-defined]
+
+
+def test_linux_fields_of_newer_kube_proxy_configurations_mean_the_same(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    doc = _configmap_config()
+    del doc["conntrack"], doc["oomScoreAdj"]  # the older spelling of the same fields
+    doc["linux"] = {
+        "conntrack": {"maxPerCore": 0, "tcpCloseWaitTimeout": "2h", "tcpBeLiberal": True},
+        "oomScoreAdj": -500,
+        "masqueradeAll": False,
+    }
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(doc))
+    caplog.set_level(logging.WARNING, logger="uproxy")
+    s, _ = parse_settings([f"--config={config}"])
+    assert s.conntrack_max_per_core == 0
+    assert s.conntrack_tcp_timeout_close_wait == 7200.0
+    assert s.conntrack_tcp_be_liberal is True
+    assert s.oom_score_adj == -500
+    assert [r.getMessage() for r in caplog.records] == []  # masqueradeAll: known, ignored

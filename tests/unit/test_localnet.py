@@ -110,6 +110,9 @@ def test_missing_bridge_stops_uproxy_with_one_line(tmp_path: Path) -> None:
     argv = ["--services", str(services), "--rules", "iptables-restore"]
     argv += ["--detect-local-mode", "BridgeInterface", "--pod-bridge-interface", "nosuch0"]
     argv += ["--healthz-bind-address", "", "--metrics-bind-address", ""]
+    # This host's own conntrack settings and the test's OOM score stay as they are.
+    argv += ["--conntrack-max-per-core=0", "--conntrack-tcp-timeout-established=0"]
+    argv += ["--conntrack-tcp-timeout-close-wait=0", "--oom-score-adj=0"]
     proc = subprocess.run(
         [sys.executable, "-m", "uproxy.cli", *argv], capture_output=True, text=True, timeout=60
     )
