@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import gc
 import logging
 import sys
@@ -63,13 +65,27 @@ async def run_proxy(settings: Settings) -> int:
     except StartupError as e:
         print(f"uproxy: error: {e}", file=sys.stderr)
         return 1
+    # Handled from here on: a stop signal while uproxy starts (a rollout, a node draining)
+    # stops it the same way, with its line, instead of the default action killing it.
+    install_signal_handlers(proxy.on_signal)
+    starting = asyncio.ensure_future(proxy.start())
+    stopped = asyncio.ensure_future(proxy.wait())
     try:
-        await proxy.start()
+        await asyncio.wait((starting, stopped), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    if not starting.done():  # stopped before it had started
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError, StartupError):
+            await starting
+        await proxy.stop()
+        return _exit(proxy)
+    try:
+        starting.result()
     except StartupError as e:
         print(f"uproxy: error: {e}", file=sys.stderr)
         await proxy.stop()
         return 1
-    install_signal_handlers(proxy.on_signal)
     # Start-up objects (modules, settings, clients) live for the whole process: move them
     # out of the collector's sight so per-connection collections stay cheap. The collector
     # was off while they were made (see main()); bulk work later freezes its own
@@ -79,6 +95,10 @@ async def run_proxy(settings: Settings) -> int:
     gc.enable()
     await proxy.wait()
     await proxy.stop()
+    return _exit(proxy)
+
+
+def _exit(proxy: Proxy) -> int:
     if proxy.failure:
         print(f"uproxy: error: {proxy.failure}", file=sys.stderr)
         return 1

@@ -26,7 +26,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import wait_for
+from tests.conftest import wait_for, wait_for_sync
 from tests.factories import endpoint, endpoint_slice, service
 from tests.integration.backends import NamedBackend, greet
 from tests.integration.procs import children
@@ -569,6 +569,40 @@ class _Stream:
         finally:
             self.writer.close()
         return "intact" if self.received.digest() == self.sent.digest() else "corrupt"
+
+
+def test_a_stop_signal_while_uproxy_starts_stops_it_with_its_line(tmp_path: Path) -> None:
+    """SIGTERM before the start is over (here: its worker is held before it could say it is
+    ready, so the start cannot end) stops uproxy as a later one does: the stop line, the
+    worker stopped, exit 0. The default action used to kill it without a word."""
+    path = tmp_path / "services.yaml"
+    path.write_text("")
+    argv = [
+        sys.executable, "-m", "uproxy.cli", "--services", str(path), "--rules", "none",
+        "--workers", "1", "--healthz-bind-address", "", "--metrics-bind-address", "",
+    ]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    worker = None
+    try:
+        deadline = time.monotonic() + 20
+        while worker is None and time.monotonic() < deadline and proc.poll() is None:
+            found = children(proc.pid)
+            worker = found[0] if found else None
+            time.sleep(0.002)
+        assert worker is not None, "no worker started"
+        os.kill(worker, signal.SIGSTOP)
+        os.kill(proc.pid, signal.SIGTERM)
+        os.kill(worker, signal.SIGCONT)
+        out, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert out == ""  # the start never got to its first sync (the table)
+    assert "Stopping: draining connections" in err
+    assert "Traceback" not in err
+    wait_for_sync(lambda: not children(proc.pid), timeout=5, message="the worker gone")
 
 
 def test_a_stop_drains_every_listener_at_once_and_a_second_signal_exits_now(
