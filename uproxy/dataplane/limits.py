@@ -4,9 +4,10 @@ Each relayed TCP connection holds two fds and each UDP flow one; every proxy por
 listening socket in every worker, two while a relist swaps it for another, and the control
 process holds every socket of every port's group (``uproxy.workers``): one per TCP port, one
 per worker for a UDP or ClientIP-affinity port. The usual soft limit of 1,024 fds would cap
-uproxy at ~500 connections, and a hard limit of 20,000 at fewer than 10,000 service ports. At start uproxy raises its limit to ``WANTED`` (capped by
-``fs.nr_open``) when it may raise the hard limit (CAP_SYS_RESOURCE, as a DaemonSet runs it),
-else its soft limit to the hard one, which needs no privilege. Workers inherit it.
+uproxy at ~500 connections, and a hard limit of 20,000 at fewer than 10,000 service ports.
+At start uproxy raises its limit to ``WANTED`` (capped by ``fs.nr_open``) when it may raise
+the hard limit (CAP_SYS_RESOURCE, as the DaemonSet runs it), else its soft limit to the hard
+one, which needs no privilege. Workers inherit it.
 Exhaustion is still handled (listeners pause accepting on EMFILE); this only moves the
 ceiling.
 """
