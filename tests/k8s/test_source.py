@@ -225,7 +225,10 @@ async def test_server_back_at_an_older_version_is_relisted_not_retried(
     apiserver.create(SVC, service("a"))
     apiserver.create(EPS, endpoint_slice("a-1", service_name="a", ips=["10.1.0.1"], port=80))
     tracker, source = await start_source()
-    await wait_for(lambda: tracker.synced and apiserver.open_watches(EPS) == 1)
+    # Every feed's watch open (the Node's too): a bookmark reaches only the watches open.
+    await wait_for(
+        lambda: tracker.synced and all(apiserver.open_watches(k) == 1 for k in (SVC, EPS, "Node"))
+    )
     old_rv = apiserver.resource_version
     for i in range(20):  # the client's version moves well ahead of the backup's
         apiserver.create("Node", node(f"other-{i}"))
