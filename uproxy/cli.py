@@ -51,6 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="Remove every rule and chain uproxy installs (any backend) and exit",
     )
     parser.add_argument(
+        "--write-config-to",
+        metavar="FILE",
+        help="Write the configuration these flags (and --config) give to FILE, as a "
+        "KubeProxyConfiguration with every field uproxy reads, and exit",
+    )
+    parser.add_argument(
         "--init-only",
         action="store_true",
         help="Raise the node's conntrack settings (the conntrack flags) and exit: for a "
@@ -119,6 +125,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"uproxy: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     setup_logging(verbosity=settings.verbosity, fmt=settings.logging_format)
+    write_to = getattr(ns, "write_config_to", None)
+    if write_to:
+        from uproxy.configfile import write_config
+
+        try:
+            write_config(write_to, settings)
+        except SettingsError as e:
+            print(f"uproxy: error: {e}", file=sys.stderr)
+            return EXIT_FAILURE
+        return 0
     if getattr(ns, "cleanup", False):
         return run_loop(_cleanup, settings.event_loop)
     if getattr(ns, "init_only", False):

@@ -23,7 +23,14 @@ from typing import Any
 import yaml
 
 from uproxy.log import V2, kv
-from uproxy.settings import Settings, SettingsError, convert, setting_fields
+from uproxy.settings import (
+    Settings,
+    SettingsError,
+    convert,
+    format_duration,
+    parse_duration,
+    setting_fields,
+)
 
 log = logging.getLogger("uproxy.configfile")
 
@@ -63,6 +70,43 @@ def _canonical(path: str) -> str:
     if path in _LINUX_ALIASES:
         return _LINUX_ALIASES[path]
     return path[len(_LINUX) :] if path.startswith(_LINUX) else path
+
+
+def render_config(settings: Settings) -> str:
+    """``settings`` as a KubeProxyConfiguration with every field uproxy reads (what
+    ``--write-config-to`` writes, and the docs' example at the defaults): loading it gives
+    the same settings back."""
+    doc: dict[str, Any] = {"apiVersion": API_VERSION, "kind": KIND, "mode": "userspace"}
+    for f in setting_fields():
+        path, value = f.metadata["config"], getattr(settings, f.name)
+        if not path or value is None:
+            continue
+        node = doc
+        *parents, leaf = path.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = _config_value(f.metadata["kind"], value)
+    return yaml.safe_dump(doc, sort_keys=False, default_flow_style=False)
+
+
+def _config_value(kind: str, value: Any) -> Any:
+    if kind == "duration":
+        text = format_duration(value)
+        return text if parse_duration(text) == value else f"{value!r}s"
+    if kind == "cidrs":
+        return list(value)
+    if kind == "mark":
+        return f"{value:#x}"
+    return value
+
+
+def write_config(path: str, settings: Settings) -> None:
+    """``--write-config-to``: raises SettingsError with one line when it cannot."""
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(render_config(settings))
+    except OSError as e:
+        raise SettingsError(f"--write-config-to {path}: {e.strerror or e}") from None
 
 
 def load_config(path: str, settings: Settings) -> Settings:

@@ -140,3 +140,64 @@ def test_linux_fields_of_newer_kube_proxy_configurations_mean_the_same(
     assert s.conntrack_tcp_be_liberal is True
     assert s.oom_score_adj == -500
     assert [r.getMessage() for r in caplog.records] == []  # masqueradeAll: known, ignored
+
+
+def _settings_values(s: Any) -> dict[str, Any]:
+    from uproxy.settings import setting_fields
+
+    return {f.name: getattr(s, f.name) for f in setting_fields()}
+
+
+def test_a_written_configuration_loads_back_to_the_same_settings(tmp_path: Path) -> None:
+    from uproxy.cli import main
+
+    services = tmp_path / "services.yaml"
+    services.write_text("")
+    written = tmp_path / "written.yaml"
+    flags = [
+        f"--services={services}",
+        "--hostname-override=node-7",
+        "--udp-timeout=1.5s",
+        "--iptables-min-sync-period=250ms",
+        "--conntrack-tcp-timeout-close-wait=0.0005s",  # kept exactly, not rounded to 0ms
+        "--conntrack-min=5",
+        "--conntrack-tcp-be-liberal",
+        "--nodeport-addresses=10.0.0.0/8,fd00::/64",
+        "--cluster-cidr=10.244.0.0/16",
+        "--dial-mark=0x20",
+        "--workers=3",
+        "--rules=nftables",
+        "--oom-score-adj=-500",
+        "-v=3",
+    ]
+    assert main([*flags, f"--write-config-to={written}"]) == 0
+    expected, _ = parse_settings(flags)
+    loaded, _ = parse_settings([f"--config={written}"])
+    assert _settings_values(loaded) == _settings_values(expected)
+    assert _settings_values(loaded) != _settings_values(parse_settings([])[0])
+
+
+def test_the_shipped_configuration_written_out_loads_back_the_same(tmp_path: Path) -> None:
+    from uproxy.cli import main
+
+    shipped = tmp_path / "shipped.yaml"
+    shipped.write_text(yaml.safe_dump(_configmap_config()))
+    written = tmp_path / "written.yaml"
+    assert main([f"--config={shipped}", f"--write-config-to={written}"]) == 0
+    assert _settings_values(parse_settings([f"--config={written}"])[0]) == _settings_values(
+        parse_settings([f"--config={shipped}"])[0]
+    )
+
+
+def test_a_configuration_that_cannot_be_written_is_one_line() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "uproxy.cli", "--write-config-to=/nonexistent/dir/c.yaml"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+    assert done.returncode == 1
+    assert done.stderr.splitlines() == [
+        "uproxy: error: --write-config-to /nonexistent/dir/c.yaml: No such file or directory"
+    ]
