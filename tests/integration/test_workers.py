@@ -285,6 +285,78 @@ async def test_one_udp_client_is_one_flow(tmp_path: Path, proxies: list[Proxy]) 
             t.close()
 
 
+async def test_udp_affinity_turned_on_keeps_a_client_address_in_one_worker_and_off_spreads_it(
+    tmp_path: Path, proxies: list[Proxy]
+) -> None:
+    """A UDP port is a socket per worker; ClientIP affinity makes the group choose by client
+    address, so every socket of one client address (every flow) lands in one worker, whose
+    balancer remembers it. The control process switches the group's program on the socket
+    it holds, and off again: flows then spread by the four-tuple hash."""
+    loop = asyncio.get_running_loop()
+    echo, _ = await loop.create_datagram_endpoint(
+        functools.partial(_Echo, b"u1"), local_addr=("127.0.0.1", 0)
+    )
+    path = tmp_path / "services.yaml"
+
+    def write(affinity: str) -> None:
+        docs: list[dict[str, Any]] = [
+            service(
+                "dns",
+                ports=[{"name": "dns", "port": 1, "protocol": "UDP"}],
+                cluster_ip=None,
+                sessionAffinity=affinity,
+            ),
+            endpoint_slice(
+                "dns-0",
+                "dns",
+                endpoints=[endpoint("127.0.0.1")],
+                ports=[
+                    {"name": "dns", "port": echo.get_extra_info("sockname")[1], "protocol": "UDP"}
+                ],
+            ),
+        ]
+        path.write_text(yaml.safe_dump_all(docs))
+
+    async def flows_from(address: str, count: int) -> list[float]:
+        """New flows per worker after ``count`` clients on ``address`` sent one each."""
+        before = per_worker(proxy, "uproxy_udp_flows", ("default/dns:dns",))
+        clients = []
+        try:
+            for i in range(count):
+                c = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+                c.setblocking(False)
+                c.bind((address, 0))
+                clients.append(c)
+                c.sendto(b"q%d" % i, ("127.0.0.1", port))
+                assert (await _reply(c))[:2] == b"u1"
+        finally:
+            for c in clients:
+                c.close()
+        after = per_worker(proxy, "uproxy_udp_flows", ("default/dns:dns",))
+        return [a - b for a, b in zip(after, before, strict=True)]
+
+    write("None")
+    proxy = await start_proxy(path, udp_timeout=30.0)
+    proxies.append(proxy)
+    pool = proxy.workers
+    assert pool is not None
+    port = proxy_port(proxy, DNS)
+    try:
+        spread = await flows_from("127.0.0.5", 16)
+        assert min(spread) > 0, spread  # the hash: both workers (all 16 in one: 2 in 65,536)
+        write("ClientIP")
+        await wait_for(functools.partial(_steered, pool, True), timeout=10, message="steered")
+        kept = await flows_from("127.0.0.6", 16)
+        assert sorted(kept) == [0, 16], kept  # one client address, one worker
+        write("None")
+        await wait_for(functools.partial(_steered, pool, False), timeout=10, message="unsteered")
+        spread = await flows_from("127.0.0.7", 16)
+        assert min(spread) > 0, spread
+        assert proxy_port(proxy, DNS) == port  # the same port all along
+    finally:
+        echo.close()
+
+
 async def _reply(sock: socket.socket) -> bytes:
     """The next datagram (the echo backends run on this loop: never block it)."""
     for _ in range(300):
