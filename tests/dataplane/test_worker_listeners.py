@@ -18,7 +18,7 @@ import pytest
 
 from tests.conftest import wait_for
 from uproxy.dataplane import worker as worker_module
-from uproxy.dataplane.messages import Configure, OpenListener, SetEndpoints
+from uproxy.dataplane.messages import CloseListener, Configure, OpenListener, SetEndpoints
 from uproxy.dataplane.settings import DataplaneSettings
 from uproxy.dataplane.sockets import bind_tcp, steer_to_first, unsteer
 from uproxy.dataplane.worker import Worker
@@ -60,6 +60,10 @@ async def rig() -> AsyncIterator[Rig]:
             await listener.shutdown(1.0)
         backend.close()
         await backend.wait_closed()
+
+
+def accepting(listener: object) -> bool:
+    return getattr(listener, "socket", None) is not None
 
 
 def queue_connections(port: int) -> list[socket.socket]:
@@ -120,5 +124,24 @@ async def test_a_socket_another_worker_serves_is_left_to_it_untouched(rig: Rig) 
             accepted.sendall(b"worker 0\n")
             accepted.close()
         assert await answers(queued) == [b"worker 0\n"] * QUEUED
+    finally:
+        new.close()
+
+
+async def test_closing_the_port_closes_a_socket_still_retiring(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A port closed (its service gone) while a socket of it is still served until idle: that
+    # socket goes with it, rather than accepting for a port nobody serves any more.
+    monkeypatch.setattr(worker_module, "RETIRE_IDLE_S", 60.0)
+    new = bind_tcp("127.0.0.1", rig.port, backlog=64, reuseport=True)
+    try:
+        rig.worker._on_message(OpenListener(*KEY, old_leaves=True), new.dup())
+        (retiring,) = rig.worker.closing
+        assert accepting(retiring)
+        rig.worker._on_message(CloseListener(*KEY), None)
+        assert not accepting(retiring)
+        assert rig.worker.listeners == {}
+        assert not any(accepting(lst) for lst in rig.worker.closing)
     finally:
         new.close()

@@ -223,10 +223,18 @@ class Worker:
                 self.channel.slice_s = APPLY_SLICE_S if message.serving else APPLY_SLICE_STARTING_S
 
     def _close(self, message: CloseListener) -> None:
-        listener = self.listeners.pop((message.name, message.traffic, message.family), None)
-        if listener is not None:
-            listener.close()
-            self.closing = [lst for lst in self.closing if lst.active] + [listener]
+        key = (message.name, message.traffic, message.family)
+        listener = self.listeners.pop(key, None)
+        if listener is None:
+            return
+        listener.close()
+        for old in self.closing:  # a socket of the port still retiring (see ``_open``) goes too
+            sock = old.socket
+            if sock is not None and (old.name, old.traffic, _family(sock)) == key:
+                old.close()
+        # Kept while they relay (a stop drains them) or still accept (retiring).
+        self.closing = [lst for lst in self.closing if lst.active or lst.socket is not None]
+        self.closing.append(listener)
 
     def _forget(self, message: Forget) -> None:
         self.balancers.pop((message.name, message.family), None)
@@ -272,6 +280,10 @@ class Worker:
         if self.config is None:
             raise RuntimeError("the control process sent a change before Configure")
         return self.config
+
+
+def _family(sock: socket.socket) -> IPFamily:
+    return IPFamily.V6 if sock.family == socket.AF_INET6 else IPFamily.V4
 
 
 if __name__ == "__main__":
