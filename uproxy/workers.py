@@ -137,7 +137,7 @@ class _Listener:
 
     def socket_for(self, index: int) -> socket.socket:
         """What worker ``index`` accepts on."""
-        return self.socks[index] if len(self.socks) > 1 else self.socks[0]
+        return _socket_for(self.socks, index)
 
     def close(self) -> None:
         for sock in self.socks:
@@ -347,7 +347,7 @@ class WorkerPool:
         bound_host, listener.port = listener.socks[0].getsockname()[:2]
         bound_host = sys.intern(bound_host)  # one address for thousands of listeners
         try:
-            copies = self._copies(listener, list(self._workers))
+            copies = self._copies(listener.socks, list(self._workers))
         except OSError:
             listener.close()
             raise
@@ -432,13 +432,13 @@ class WorkerPool:
             steer_by_client=listener.steered,
         )
 
-    def _copies(self, listener: _Listener, indexes: list[int]) -> dict[int, socket.socket]:
-        """A copy of its socket of ``listener`` for each of the workers ``indexes``; OSError
-        (out of fds) with none left open."""
+    def _copies(self, socks: list[socket.socket], indexes: list[int]) -> dict[int, socket.socket]:
+        """A copy of its socket of a group (``socks``, as ``_Listener.socks``) for each of the
+        workers ``indexes``; OSError (out of fds) with none left open."""
         copies: dict[int, socket.socket] = {}
         try:
             for index in indexes:
-                copies[index] = listener.socket_for(index).dup()
+                copies[index] = _socket_for(socks, index).dup()
         except OSError:
             for sock in copies.values():
                 sock.close()
@@ -497,7 +497,7 @@ class WorkerPool:
         )
         listener.socks = [first, *more]
         try:
-            copies = self._copies(listener, [i for i in self._workers if i != 0])
+            copies = self._copies(listener.socks, [i for i in self._workers if i != 0])
             steer(first, self.count)
         except OSError:
             for sock in more:
@@ -512,8 +512,7 @@ class WorkerPool:
         once their workers have served the handshakes that were under way there
         (``messages.OpenListener``), so nothing is reset."""
         first = listener.socks[0]
-        shared = _Listener(listener.protocol, listener.host, listener.port, False, [first])
-        copies = self._copies(shared, [i for i in self._workers if i != 0])
+        copies = self._copies([first], [i for i in self._workers if i != 0])
         try:
             steer_to_first(first)
         except OSError:
@@ -669,6 +668,11 @@ async def _ready_or_exit(w: _Worker) -> None:
 
 def _how(code: int | None) -> str:
     return f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+
+
+def _socket_for(socks: list[socket.socket], index: int) -> socket.socket:
+    """Worker ``index``'s socket of a group: its own, or the one they all accept on."""
+    return socks[index] if len(socks) > 1 else socks[0]
 
 
 def _signal(process: asyncio.subprocess.Process, sig: int) -> None:

@@ -10,6 +10,7 @@ are read before and after to show they never moved.
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,6 @@ from tests.e2e.cluster import Cluster
 from tests.e2e.conftest import StartProc, StartUproxy
 from tests.e2e.harness import ServicesFile, curl, slice_endpoint
 from tests.e2e.manifests import WEB_IP, backend_argv, web_service, web_slice
-from tests.netns.topology import REPO
 
 pytestmark = [pytest.mark.root]
 
@@ -47,14 +47,10 @@ def host_values() -> dict[str, int]:
 
 
 def init_only(net: Cluster, *flags: str) -> subprocess.CompletedProcess[str]:
-    argv = net.topo.python_argv(net.topo.node, "uproxy.cli", "--init-only", *flags)
-    return subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=60, env=_env())
-
-
-def _env() -> dict[str, str]:
-    import os
-
-    return {**os.environ, "PYTHONPATH": str(REPO)}
+    argv = [sys.executable, "-m", "uproxy.cli", "--init-only", *flags]
+    proc = net.topo.popen(net.topo.node, argv)
+    out, err = proc.communicate(timeout=60)
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
 def test_init_only_raises_the_node_namespaces_timeouts_and_never_lowers_them(
