@@ -40,7 +40,6 @@ KIND = "KubeProxyConfiguration"
 # KubeProxyConfiguration fields uproxy reads elsewhere or that do not apply to it.
 NOT_APPLICABLE = {
     "featureGates",
-    "bindAddressHardFail",
     "enableProfiling",
     "showHiddenMetricsForVersion",
     "ipvs",

@@ -1,11 +1,12 @@
 """The proxy process: wires sources, tracker, syncer, rules, health and metrics together.
 
 Start-up order matters: settings are checked, the rules backend is built (failing with one
-line if it cannot work), the HTTP endpoints are bound (a port in use is a start-up error),
-then sources start feeding the tracker and the sync runner starts; the syncer programs
-nothing until every source has listed once. Every long-running task is named and
-supervised: one that ends unexpectedly is logged and stops the process with an error,
-rather than leaving a proxy that silently stopped following its cluster.
+line if it cannot work), the HTTP endpoints are bound (a port in use is tried again in the
+background, or with ``--bind-address-hard-fail`` is a start-up error), then sources start
+feeding the tracker and the sync runner starts; the syncer programs nothing until every
+source has listed once. Every long-running task is named and supervised: one that ends
+unexpectedly is logged and stops the process with an error, rather than leaving a proxy
+that silently stopped following its cluster.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from uproxy.dataplane.limits import raise_nofile_limit
 from uproxy.dataplane.settings import DataplaneSettings
 from uproxy.health import HealthzServer, ProxyHealth
 from uproxy.healthcheck import HealthCheckServers, HealthCheckSpec
-from uproxy.log import V2, kv
+from uproxy.httpserver import HttpServer
+from uproxy.log import V2, V3, kv
 from uproxy.metrics_server import MetricsServer
 from uproxy.model import IPFamily, ServicePortName
 from uproxy.rules.base import RulesBackend
@@ -48,6 +50,15 @@ EXIT_NOW = 143  # a second stop signal: 128 + SIGTERM, as a shell reports a kill
 # generation (about 10 us) that reads the rules themselves only when someone else committed.
 # Often enough that traffic is back within a few seconds of someone flushing the tables.
 RULES_CHECK_INTERVAL_S = 1.0
+
+# /healthz or /metrics could not listen (the port is still held by the proxy this one
+# replaces, say): serve without it and try again this often, as kube-proxy does.
+HTTP_RETRY_S = 5.0
+
+
+def _why(e: OSError) -> str:
+    """A bind error's reason alone (asyncio puts the address into its strerror)."""
+    return os.strerror(e.errno) if e.errno else str(e)
 
 
 class StartupError(Exception):
@@ -138,6 +149,7 @@ class Proxy:
         self._hc_ports: dict[tuple[str, str], dict[ServicePortName, tuple[int, LocalIps]]] = {}
         self._hc_specs: dict[tuple[str, str], HealthCheckSpec] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self._finite: set[asyncio.Task[None]] = set()  # tasks that may end (``_spawn``)
         self._stopped = asyncio.Event()
         self.failure: str | None = None
         self.synced = asyncio.Event()
@@ -290,10 +302,32 @@ class Proxy:
             try:
                 await server.start()
             except OSError as e:
-                raise StartupError(
-                    f"cannot listen on {flag} {value}: {e.strerror or e}; "
-                    f"free the port or pass another address (empty disables)"
-                ) from None
+                why = _why(e)
+                if s.bind_address_hard_fail:
+                    raise StartupError(
+                        f"cannot listen on {flag} {value}: {why}; "
+                        f"free the port or pass another address (empty disables)"
+                    ) from None
+                log.error(
+                    "Cannot listen, serving without it and retrying",
+                    extra=kv(flag=flag, address=value, err=why, every=f"{HTTP_RETRY_S:g}s"),
+                )
+                self._spawn(f"listen {flag}", self._retry_http(server, flag, e.errno), ends=True)
+
+    async def _retry_http(self, server: HttpServer, flag: str, last: int | None) -> None:
+        """Try to bind ``server`` again every ``HTTP_RETRY_S`` until it listens; a new
+        reason is logged once more, the same one only at -v 3."""
+        while True:
+            await asyncio.sleep(HTTP_RETRY_S)
+            try:
+                await server.start()
+            except OSError as e:
+                level = V3 if e.errno == last else logging.ERROR
+                last = e.errno
+                log.log(level, "Cannot listen, retrying", extra=kv(flag=flag, err=_why(e)))
+                continue
+            log.info("Listening now", extra=kv(flag=flag, port=server.port))
+            return
 
     async def _start_sources(self) -> None:
         s = self.settings
@@ -329,7 +363,12 @@ class Proxy:
         name: str,
         coro: Coroutine[Any, Any, None],
         cleanup: Callable[[], Coroutine[Any, Any, Any]] | None = None,
+        *,
+        ends: bool = False,
     ) -> None:
+        """Run ``coro`` as a named task; its end stops the proxy with an error, unless
+        ``ends`` (it is expected to finish) and it returned normally."""
+
         async def supervised() -> None:
             try:
                 await coro
@@ -340,11 +379,17 @@ class Proxy:
         task = asyncio.create_task(supervised(), name=name)
         task.add_done_callback(self._task_done)
         self._tasks.append(task)
+        if ends:
+            self._finite.add(task)
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         if task.cancelled() or self._stopped.is_set():
             return
         err = task.exception()
+        if err is None and task in self._finite:
+            self._finite.discard(task)
+            self._tasks.remove(task)
+            return
         self.failure = f"task {task.get_name()} ended unexpectedly: {err or 'returned'}"
         log.error("Supervised task ended, stopping", extra=kv(task=task.get_name(), err=err))
         self._stopped.set()

@@ -316,6 +316,14 @@ class Settings:
         kind="hostport",
         help="Address of /metrics; empty disables",
     )
+    bind_address_hard_fail: bool = opt(
+        False,
+        flag="--bind-address-hard-fail",
+        config="bindAddressHardFail",
+        kind="bool",
+        help="Exit when /healthz or /metrics cannot listen (by default uproxy serves "
+        "without them and tries again every 5 s, as kube-proxy does)",
+    )
     event_loop: str = opt(
         "auto",
         flag="--event-loop",
