@@ -212,6 +212,7 @@ class Proxy:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks.clear()
+        self._finite.clear()
         await self.syncer.close(drain=True)
         if self.workers is not None:
             await self.workers.stop(drain=True)
