@@ -432,25 +432,25 @@ class WorkerPool:
             steer_by_client=listener.steered,
         )
 
-    def _copies(self, socks: list[socket.socket], indexes: list[int]) -> dict[int, socket.socket]:
-        """A copy of its socket of a group (``socks``, as ``_Listener.socks``) for each of the
-        workers ``indexes``; OSError (out of fds) with none left open."""
-        copies: dict[int, socket.socket] = {}
+    def _copies(self, socks: list[socket.socket], indexes: list[int]) -> dict[int, int]:
+        """A copy (a descriptor) of its socket of a group (``socks``, as ``_Listener.socks``)
+        for each of the workers ``indexes``; OSError (out of fds) with none left open."""
+        copies: dict[int, int] = {}
         try:
             for index in indexes:
-                copies[index] = _socket_for(socks, index).dup()
+                copies[index] = os.dup(_socket_for(socks, index).fileno())
         except OSError:
-            for sock in copies.values():
-                sock.close()
+            for fd in copies.values():
+                os.close(fd)
             raise
         return copies
 
     def _hand_out(
-        self, key: ListenerKey, copies: dict[int, socket.socket], *, old_leaves: bool = False
+        self, key: ListenerKey, copies: dict[int, int], *, old_leaves: bool = False
     ) -> None:
         """Send each worker its copy (the channel closes it once sent)."""
-        for index, sock in copies.items():
-            self._workers[index].channel.send(OpenListener(*key, old_leaves), sock)
+        for index, fd in copies.items():
+            self._workers[index].channel.send(OpenListener(*key, old_leaves), fd)
 
     def _restear(self, balancer: BalancerKey, affinity: bool) -> None:
         if self.count < 2:
@@ -516,8 +516,8 @@ class WorkerPool:
         try:
             steer_to_first(first)
         except OSError:
-            for sock in copies.values():
-                sock.close()
+            for fd in copies.values():
+                os.close(fd)
             raise
         self._hand_out(key, copies, old_leaves=True)
         for sock in listener.socks[1:]:
@@ -577,11 +577,11 @@ class WorkerPool:
         failed: list[tuple[ServicePortName, int, OSError]] = []
         for key, listener in list(self._listeners.items()):
             try:
-                sock = listener.socket_for(w.index).dup()
+                fd = os.dup(listener.socket_for(w.index).fileno())
             except OSError as exc:
                 failed.append((key[0], listener.port, exc))
                 continue
-            w.channel.send(OpenListener(*key), sock)
+            w.channel.send(OpenListener(*key), fd)
         if failed:
             # One line however many: the same cause (say, the open-file limit) fails them all.
             first_name, first_port, first_err = failed[0]

@@ -102,7 +102,7 @@ async def test_a_packet_with_more_sockets_than_fds_left_keeps_the_channel() -> N
             sock.bind(("127.0.0.1", 0))
             sock.listen(1)
             name = ServicePortName("ns", f"svc{i}", "p", Protocol.TCP)
-            channel.send(OpenListener(name, Traffic.CLUSTER, IPFamily.V4), sock)
+            channel.send(OpenListener(name, Traffic.CLUSTER, IPFamily.V4), sock.detach())
         channel.send(Forget(ServicePortName("ns", "end", "p", Protocol.TCP), IPFamily.V4))
         out, err = await asyncio.wait_for(child.communicate(), 15)
     finally:
@@ -331,7 +331,7 @@ async def test_sockets_not_yet_applied_are_closed_with_the_channel() -> None:
         sock.bind(("127.0.0.1", 0))
         ports.append(sock.getsockname()[1])
         name = ServicePortName("ns", f"svc{i}", "p", Protocol.TCP)
-        sender.send(OpenListener(name, Traffic.CLUSTER, IPFamily.V4), sock)
+        sender.send(OpenListener(name, Traffic.CLUSTER, IPFamily.V4), sock.detach())
     try:
         await asyncio.wait_for(closed.wait(), 10)
     finally:

@@ -1065,10 +1065,10 @@ class _Recorder:
     def __init__(self) -> None:
         self.sent: list[Any] = []
 
-    def send(self, message: Any, sock: socket.socket | None = None) -> None:
+    def send(self, message: Any, fd: int | None = None) -> None:
         self.sent.append(message)
-        if sock is not None:
-            sock.close()
+        if fd is not None:
+            os.close(fd)
 
 
 async def test_the_workers_are_told_once_that_the_proxy_serves(
@@ -1139,16 +1139,16 @@ async def test_a_listener_that_cannot_be_copied_for_every_worker_goes_to_none(
     workers = {i: SimpleNamespace(channel=c) for i, c in enumerate(channels)}
     monkeypatch.setattr(pool, "_workers", workers)
     copies = 0
-    real_dup = socket.socket.dup
+    real_dup = os.dup
 
-    def dup(sock: socket.socket) -> socket.socket:
+    def dup(fd: int) -> int:
         nonlocal copies
         copies += 1
         if copies == 2:
             raise OSError(24, "Too many open files")
-        return real_dup(sock)
+        return real_dup(fd)
 
-    monkeypatch.setattr(socket.socket, "dup", dup)
+    monkeypatch.setattr(os, "dup", dup)
     args: dict[str, Any] = dict(
         name=WEB,
         balancer=Balancer(WEB, settings=settings),
@@ -1163,7 +1163,7 @@ async def test_a_listener_that_cannot_be_copied_for_every_worker_goes_to_none(
     assert len(os.listdir("/proc/self/fd")) == fds  # the socket and the copy made: closed
     assert [c.sent for c in channels] == [[], []]
     assert pool._listeners == {}
-    monkeypatch.setattr(socket.socket, "dup", real_dup)
+    monkeypatch.setattr(os, "dup", real_dup)
     opened = await pool.open_listener(**args)  # the same pool works once fds are back
     assert [len(c.sent) for c in channels] == [1, 1]
     assert listening_sockets(opened.port) == 1  # the recorder closed its copies; the pool holds
