@@ -118,6 +118,16 @@ class Settings:
         kind="int",
         help="Most UDP flows per service port; the oldest is evicted first",
     )
+    endpoint_eject_after: int = opt(
+        3,
+        flag="--endpoint-eject-after",
+        config="uproxy.endpointEjectAfter",
+        kind="int",
+        help="Failed dials in a row after which an endpoint is left out of the choice for a "
+        "while (1 s, doubling up to 30 s while it keeps failing; never when every endpoint "
+        "would be out), until a dial to it succeeds or it leaves the EndpointSlices; 0 never "
+        "leaves one out",
+    )
     udp_receive_buffer: int = opt(
         4 << 20,
         flag="--udp-receive-buffer",
@@ -539,6 +549,8 @@ def validate(s: Settings) -> None:
         raise SettingsError("invalid --control-nice: must be 0 to 19")
     if s.udp_receive_buffer < 0:
         raise SettingsError("invalid --udp-receive-buffer: must be 0 or more bytes")
+    if s.endpoint_eject_after < 0:
+        raise SettingsError("invalid --endpoint-eject-after: must be 0 or more")
     if s.udp_max_flows < 1:
         raise SettingsError("invalid --udp-max-flows: must be at least 1")
     if s.udp_timeout <= 0:

@@ -197,3 +197,110 @@ def test_affinity_purged_for_removed_endpoints_and_bounded() -> None:
     b.update(port, [e for e in EPS if e != pinned])
     assert b.affinity_entries < 50
     assert b.pick("10.9.0.199", Traffic.CLUSTER) != pinned
+
+
+# ----- passive ejection -----
+
+
+def picks(b: Balancer, n: int = 40, client: str = "c") -> Counter[Endpoint | None]:
+    return Counter(b.pick(client, Traffic.CLUSTER) for _ in range(n))
+
+
+def test_an_endpoint_failing_in_a_row_is_left_out_then_back_and_out_for_longer() -> None:
+    from uproxy.dataplane import series
+
+    clock = FakeClock()
+    b = balancer(clock=clock)
+    b.update(ServicePort(name=NAME, port=80), EPS)
+    dead, live = EPS[1], [e for e in EPS if e != EPS[1]]
+    ejections = series.ENDPOINT_EJECTIONS.labels(str(NAME))
+    before = ejections.value
+    b.dial_failed("c", dead)
+    b.dial_failed("c", dead)
+    assert picks(b)[dead] == 10  # two failures: still in the round
+    b.dial_failed("c", dead)
+    assert set(picks(b)) == set(live)  # the third: out
+    assert ejections.value == before + 1
+    clock.now += 0.9
+    assert dead not in picks(b)
+    clock.now += 0.2  # 1 s later: back, in its place in the round
+    assert picks(b)[dead] == 10
+    b.dial_failed("c", dead)  # its first dial back fails too: out again, for 2 s
+    assert ejections.value == before + 2
+    clock.now += 1.9
+    assert dead not in picks(b)
+    clock.now += 0.2
+    assert dead in picks(b)
+    b.dial_ok(dead)  # a dial that works forgets it all: three failures again to go out
+    b.dial_failed("c", dead)
+    b.dial_failed("c", dead)
+    assert picks(b)[dead] == 10
+    assert ejections.value == before + 2
+
+
+def test_time_out_doubles_up_to_its_longest() -> None:
+    clock = FakeClock()
+    b = balancer(clock=clock, settings=DataplaneSettings(eject_after=1, eject_max_s=5.0))
+    b.update(ServicePort(name=NAME, port=80), EPS)
+    dead = EPS[0]
+    outs = []
+    for _ in range(5):
+        b.dial_failed("c", dead)
+        out_since = clock.now
+        while dead not in picks(b, 4):
+            clock.now += 0.25
+        outs.append(clock.now - out_since)
+    assert outs == [1.0, 2.0, 4.0, 5.0, 5.0]
+
+
+def test_ejection_never_leaves_a_connection_without_an_endpoint() -> None:
+    b = balancer(settings=DataplaneSettings(eject_after=1))
+    b.update(ServicePort(name=NAME, port=80), EPS[:1])
+    b.dial_failed("c", EPS[0])
+    assert b.pick("c", Traffic.CLUSTER) == EPS[0]  # the only one: tried anyway
+    b.update(ServicePort(name=NAME, port=80), EPS[:2])
+    b.dial_failed("c", EPS[1])
+    b.dial_failed("c", EPS[0])  # both out: both still picked, in turn
+    assert set(picks(b, 4)) == set(EPS[:2])
+    # One out, the other tried already by this connection: the one out is its retry.
+    b.update(ServicePort(name=NAME, port=80), EPS[:3])
+    assert b.pick("c", Traffic.CLUSTER, exclude=EPS[:2]) == EPS[2]
+    assert b.pick("c", Traffic.CLUSTER, exclude=[EPS[2]]) in EPS[:2]
+
+
+def test_a_client_pinned_to_an_endpoint_that_goes_out_moves() -> None:
+    clock = FakeClock()
+    b = balancer(clock=clock)
+    b.update(ServicePort(name=NAME, port=80, affinity_timeout_s=100), EPS)
+    pinned = b.pick("c1", Traffic.CLUSTER)
+    assert pinned is not None and b.pick("c1", Traffic.CLUSTER) == pinned
+    for _ in range(3):  # other clients' dials fail
+        b.dial_failed("c2", pinned)
+    moved = b.pick("c1", Traffic.CLUSTER)
+    assert moved not in (None, pinned)
+    assert {b.pick("c1", Traffic.CLUSTER) for _ in range(10)} == {moved}  # pinned anew
+
+
+def test_an_endpoint_leaving_the_slices_forgets_its_failures() -> None:
+    b = balancer()
+    port = ServicePort(name=NAME, port=80)
+    b.update(port, EPS)
+    for _ in range(3):
+        b.dial_failed("c", EPS[3])
+    assert EPS[3] not in picks(b)
+    b.update(port, EPS[:3])
+    b.update(port, EPS)  # the same pod back (a new one at that address, as often)
+    assert picks(b)[EPS[3]] == 10
+    b.dial_failed("c", EPS[3])  # a dial begun before it left counts nothing now
+    b.update(port, EPS[:3])
+    b.dial_failed("c", EPS[3])
+    b.update(port, EPS)
+    assert picks(b)[EPS[3]] == 10
+
+
+def test_eject_after_zero_never_leaves_one_out() -> None:
+    b = balancer(settings=DataplaneSettings(eject_after=0))
+    b.update(ServicePort(name=NAME, port=80), EPS)
+    for _ in range(50):
+        b.dial_failed("c", EPS[0])
+    assert picks(b)[EPS[0]] == 10

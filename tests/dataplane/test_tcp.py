@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 import os
 import socket
 from collections import Counter
+
+import pytest
 
 from tests.dataplane.conftest import (
     NODE,
@@ -172,10 +176,44 @@ async def test_one_refusing_endpoint_out_of_three_all_connections_succeed(
     eps = [bs[0].endpoint, refused_endpoint(), bs[1].endpoint]
     failed = metrics.DIAL_ATTEMPTS.labels("failed")
     failed_before = failed.value
-    listener = await tcp_listener(make_balancer(TCP_NAME, eps, settings=S))
+    never_out = dataclasses.replace(S, eject_after=0)  # every third connection meets it
+    listener = await tcp_listener(make_balancer(TCP_NAME, eps, settings=never_out))
     seen = Counter([await ident_via(listener.port) for _ in range(100)])
     assert sum(seen.values()) == 100 and set(seen) == {b"b0", b"b1"}
     assert failed.value - failed_before >= 30  # the refusing one was really tried
+
+
+async def test_a_refusing_endpoint_is_left_out_after_three_failed_dials(
+    backends: BackendFactory, tcp_listener: ListenerFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="uproxy.dataplane.balancer")
+    bs = [await backends(f"b{i}", greet=True) for i in range(2)]
+    dead = refused_endpoint()
+    failed = metrics.DIAL_ATTEMPTS.labels("failed")
+    ejections = metrics.ENDPOINT_EJECTIONS.labels(str(TCP_NAME))
+    failed_before, ejections_before = failed.value, ejections.value
+    # Out for 0.5 s at first, so the test sees it come back (1 s by default).
+    settings = dataclasses.replace(S, eject_base_s=0.5)
+    listener = await tcp_listener(
+        make_balancer(TCP_NAME, [bs[0].endpoint, dead, bs[1].endpoint], settings=settings)
+    )
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    seen = Counter([await ident_via(listener.port) for _ in range(60)])
+    assert sum(seen.values()) == 60 and set(seen) == {b"b0", b"b1"}
+    if loop.time() - started < 0.5:  # (a slow machine may have let it back in meanwhile)
+        assert failed.value - failed_before == 3  # then never picked again
+        assert ejections.value == ejections_before + 1
+    lines = [r for r in caplog.records if "Endpoint left out" in r.getMessage()]
+    assert lines and f"127.0.0.1:{dead.port}" in lines[0].kv["endpoint"]  # type: ignore[attr-defined]
+    # Back after its time: its first dial fails, and it is out again at once, for longer.
+    await asyncio.sleep(0.6)
+    was, started = failed.value, loop.time()
+    seen = Counter([await ident_via(listener.port) for _ in range(30)])
+    assert sum(seen.values()) == 30 and set(seen) == {b"b0", b"b1"}
+    if loop.time() - started < 1.0:
+        assert failed.value - was == 1
+    assert ejections.value >= ejections_before + 2
 
 
 async def test_no_endpoints_resets_the_client_within_a_second(

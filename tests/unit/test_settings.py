@@ -132,6 +132,7 @@ def test_dataplane_settings_carry_every_data_plane_setting_from_the_flags() -> N
             "--udp-timeout=5s",
             "--udp-max-flows=17",
             "--udp-receive-buffer=12345",
+            "--endpoint-eject-after=5",
             "--dial-mark=0x2000",
         ]
     )
@@ -139,6 +140,7 @@ def test_dataplane_settings_carry_every_data_plane_setting_from_the_flags() -> N
     default = DataplaneSettings()
     assert dp.node_name == "node-x" and dp.default_algorithm is LbAlgorithm.RANDOM
     assert (dp.udp_timeout_s, dp.udp_max_flows, dp.udp_receive_buffer) == (5.0, 17, 12345)
+    assert dp.eject_after == 5
     for f in fields(DataplaneSettings):
         if "setting" in f.metadata:
             carried = getattr(dp, f.name)

@@ -11,17 +11,31 @@ cluster do not start on the same endpoint after a rollout (the original userspac
 did the same). ClientIP affinity follows the userspace mode too: an affinity hit does not
 advance the round-robin position, the entry's timer restarts on every use, and a failed
 dial forgets the client so the retry lands elsewhere.
+
+An endpoint whose dials keep failing is left out of the choice for a while (passive
+ejection, ``DataplaneSettings.eject_after``): after that many failures in a row, for one
+second, then twice as long each time its first dial back fails too, up to 30 s; a dial that
+succeeds, or the endpoint leaving the EndpointSlices, forgets it all. Out means not picked
+while another endpoint can be: when every endpoint a connection could use is out, or has
+been tried, ejection is ignored (a dial that may fail beats a refusal that will). Each
+worker learns on its own, from its own dials. ``pick`` pays for this only while some
+endpoint of the port has failed.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
 
+from uproxy.dataplane import series
 from uproxy.dataplane.settings import DataplaneSettings
+from uproxy.log import V2, kv
 from uproxy.model import Endpoint, LbAlgorithm, ServicePort, ServicePortName, Traffic, categorize
+
+log = logging.getLogger("uproxy.dataplane.balancer")
 
 # One generator for every balancer: a Random holds 2.5 KB of state and seeds itself from
 # os.urandom, 25 MB and 4 % of the start-up profile at 10,000 service ports. The data plane
@@ -62,6 +76,18 @@ class _Pool:
 _EMPTY = _Pool(())  # every balancer's pools until its first endpoint; never picked from
 
 
+class _Failing:
+    """An endpoint's failed dials: how many in a row since it was last out (or ever), until
+    when it is out (a ``clock`` time), how many times in a row it has been out."""
+
+    __slots__ = ("ejections", "failures", "until")
+
+    def __init__(self) -> None:
+        self.failures = 0
+        self.until = 0.0
+        self.ejections = 0
+
+
 class Balancer:
     """Chooses an endpoint for a client; see the module docstring for the rules.
 
@@ -83,6 +109,7 @@ class Balancer:
         "_endpoints",
         "_external",
         "_external_local",
+        "_failing",
         "_internal_local",
         "_local_ips",
         "_rng",
@@ -116,6 +143,8 @@ class Balancer:
         # client IP -> (endpoint, last use); ordered by last use, oldest first. None while
         # affinity is off: an empty OrderedDict is 128 bytes.
         self._affinity: OrderedDict[str, tuple[Endpoint, float]] | None = None
+        # Endpoints whose last dials failed; None while none has (see the module docstring).
+        self._failing: dict[Endpoint, _Failing] | None = None
 
     def update(
         self, port: ServicePort, endpoints: Sequence[Endpoint], zone: str | None = None
@@ -149,6 +178,10 @@ class Balancer:
         # kube-proxy's health check counts the ready endpoints on this node by address
         # (LocalReadyEndpoints): one pod serving two ports is one endpoint.
         self._local_ips = frozenset(e.ip for e in eps if e.ready and e.node_name == node) or _NO_IPS
+        if self._failing is not None:
+            current = frozenset(eps)
+            failing = {ep: f for ep, f in self._failing.items() if ep in current}
+            self._failing = failing or None
         if affinity_s is None:
             self._affinity = None
         elif self._affinity is None:
@@ -205,6 +238,8 @@ class Balancer:
         pool = self._external if traffic is Traffic.EXTERNAL else self._cluster
         if not pool.order:
             return None
+        if self._failing is not None:
+            exclude = self._with_ejected(self._failing, pool, exclude)
         timeout = self._affinity_s
         table = self._affinity
         if timeout is not None and table is not None:  # set together, by update()
@@ -221,6 +256,19 @@ class Balancer:
                 self._remember(table, client_ip, chosen, now)
             return chosen
         return self._choose(pool, exclude)
+
+    def _with_ejected(
+        self, failing: dict[Endpoint, _Failing], pool: _Pool, exclude: Collection[Endpoint]
+    ) -> Collection[Endpoint]:
+        """``exclude`` and the pool's endpoints that are out now; ``exclude`` alone when that
+        would leave nothing to pick."""
+        now = self._clock()
+        members = pool.members
+        out = {ep for ep, f in failing.items() if f.until > now and ep in members}
+        if not out:
+            return exclude
+        out.update(ep for ep in exclude if ep in members)
+        return exclude if len(out) >= len(pool.order) else out
 
     def _choose(self, pool: _Pool, exclude: Collection[Endpoint]) -> Endpoint | None:
         order = pool.order
@@ -251,13 +299,60 @@ class Balancer:
             table.popitem(last=False)
 
     def dial_failed(self, client_ip: str, endpoint: Endpoint) -> None:
-        """Forget the client's affinity to an endpoint that could not be reached."""
+        """A dial to ``endpoint`` failed: the client's affinity to it goes, and the endpoint
+        is left out for a while once it has failed ``eject_after`` times in a row."""
         table = self._affinity
-        if table is None:
+        if table is not None:
+            entry = table.get(client_ip)
+            if entry is not None and entry[0] == endpoint:
+                del table[client_ip]
+        if self._settings.eject_after > 0:
+            self._failed(endpoint)
+
+    def dial_ok(self, endpoint: Endpoint) -> None:
+        """A dial to ``endpoint`` succeeded: its failures are forgotten (and it is back)."""
+        failing = self._failing
+        if failing is None:
             return
-        entry = table.get(client_ip)
-        if entry is not None and entry[0] == endpoint:
-            del table[client_ip]
+        f = failing.pop(endpoint, None)
+        if f is None:
+            return
+        if not failing:
+            self._failing = None
+        if f.ejections:
+            log.log(
+                V2,
+                "Endpoint back: a dial to it succeeded",
+                extra=kv(service=str(self.name), endpoint=_address(endpoint)),
+            )
+
+    def _failed(self, endpoint: Endpoint) -> None:
+        if endpoint not in self._cluster.members and endpoint not in self._external.members:
+            return  # gone from the slices since this dial began
+        failing = self._failing
+        if failing is None:
+            failing = self._failing = {}
+        f = failing.get(endpoint)
+        if f is None:
+            f = failing[endpoint] = _Failing()
+        now = self._clock()
+        if f.until > now:
+            return  # out already: a dial that began before
+        f.failures += 1
+        settings = self._settings
+        # Back from being out, its first failure puts it out again, for twice as long.
+        if f.failures < settings.eject_after and not f.ejections:
+            return
+        f.failures = 0
+        f.ejections += 1
+        out_s = min(settings.eject_base_s * 2.0 ** min(f.ejections - 1, 16), settings.eject_max_s)
+        f.until = now + out_s
+        series.ENDPOINT_EJECTIONS.labels(str(self.name)).value += 1
+        log.log(
+            logging.INFO if f.ejections == 1 else V2,
+            "Endpoint left out after failed dials",
+            extra=kv(service=str(self.name), endpoint=_address(endpoint), for_s=out_s),
+        )
 
     def endpoints(self, traffic: Traffic) -> tuple[Endpoint, ...]:
         """The usable endpoints for this traffic class, in round-robin order."""
@@ -276,3 +371,7 @@ class Balancer:
     @property
     def affinity_entries(self) -> int:
         return len(self._affinity) if self._affinity is not None else 0
+
+
+def _address(ep: Endpoint) -> str:
+    return f"[{ep.ip}]:{ep.port}" if ":" in ep.ip else f"{ep.ip}:{ep.port}"

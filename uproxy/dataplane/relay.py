@@ -635,6 +635,7 @@ class Connection(_Side):
         stats.live.value += 1
         _DIAL_OK.value += 1
         _DIAL_DURATION.observe(listener.loop.time() - self.started)
+        listener.balancer.dial_ok(self.endpoint)
         if mask & _INPUT:
             side.readable = True
             side.rdhup = bool(mask & (RDHUP | HUP))

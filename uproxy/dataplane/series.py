@@ -461,6 +461,12 @@ NO_ENDPOINTS = ScrapeCounter(
     ("service", "traffic"),
     sparse=True,
 )
+ENDPOINT_EJECTIONS = ScrapeCounter(
+    "uproxy_endpoint_ejections_total",
+    "Times an endpoint was left out of the choice after failed dials (--endpoint-eject-after)",
+    ("service",),
+    sparse=True,
+)
 
 # The families the metrics server writes itself, in this order, after prometheus_client's
 # REGISTRY (which holds the control plane's, ``uproxy.metrics``).
@@ -472,6 +478,7 @@ DATA_PLANE: tuple[ScrapeFamily, ...] = (
     DIAL_DURATION,
     UDP_FLOWS,
     NO_ENDPOINTS,
+    ENDPOINT_EJECTIONS,
     ACCEPT_PAUSED,
 )
 

@@ -40,6 +40,19 @@ class DataplaneSettings:
     # first. Each flow holds one socket (an fd), so this bounds a listener's fds under a
     # flood of client ports.
     udp_max_flows: int = setting("udp_max_flows", 4096)
+    # Failed dials in a row after which a balancer leaves an endpoint out of its choice
+    # (--endpoint-eject-after; 0: never), for ``eject_base_s``, doubling each time it fails
+    # again once back, up to ``eject_max_s``. Passive outlier ejection, as a production L4
+    # proxy does it: the EndpointSlices say an endpoint is ready, but a pod that died, or a
+    # node that went away, stays ready there for as long as its readiness probe or the
+    # node's grace period takes (tens of seconds), and meanwhile every connection that
+    # picked it paid a failed dial first (250 ms when its packets vanish). Three, so that
+    # one dial timing out under load does not move traffic.
+    eject_after: int = setting("endpoint_eject_after", 3)
+    # The first time out, in seconds, and the longest (reached after five ejections in a
+    # row). Short at first: a refusal may be a restart that is over in a second.
+    eject_base_s: float = 1.0
+    eject_max_s: float = 30.0
     # Seconds allowed for each dial attempt; one attempt per entry, each to a different
     # endpoint. The original userspace proxy's schedule (250 ms doubling to 2 s).
     dial_timeouts_s: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0)

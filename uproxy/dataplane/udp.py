@@ -312,6 +312,7 @@ class UdpListener:
             self.stats.dial_failed.value += 1
             self.balancer.dial_failed(client_ip, ep)
             return None
+        self.balancer.dial_ok(ep)
         reply_anc = reply_pktinfo(ancdata) if ancdata is not None else None
         flow = UdpFlow(self, key, ep, sock, reply_anc or None, now)
         try:
