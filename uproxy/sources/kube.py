@@ -40,8 +40,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol as TypingProtocol
 
 import aiohttp
-from kubernetes_asyncio import client, config
-from kubernetes_asyncio.client import ApiClient
 
 from uproxy.log import V2, kv
 from uproxy.objects import (
@@ -50,6 +48,15 @@ from uproxy.objects import (
     InvalidObject,
     node_info,
     object_key,
+)
+from uproxy.sources.kubeclient import (
+    ApiClient,
+    ConfigException,
+    Configuration,
+    CoreV1Api,
+    DiscoveryV1Api,
+    load_incluster_config,
+    load_kube_config,
 )
 from uproxy.tracker import Kind, Tracker
 
@@ -79,14 +86,14 @@ async def make_api_client(*, kubeconfig: str | None, master: str | None) -> ApiC
     ``$KUBECONFIG`` or ``~/.kube/config``. ``--master`` overrides the server address of
     whichever was loaded (or is used alone, without credentials, when nothing else exists).
     """
-    cfg = client.Configuration()
+    cfg = Configuration()
     source = _config_source(kubeconfig=kubeconfig, master=master)
     try:
         if source == "in-cluster":
             _load_incluster_config(client_configuration=cfg)
         elif source is not None:
-            await config.load_kube_config(config_file=source, client_configuration=cfg)
-    except config.ConfigException as exc:
+            await load_kube_config(config_file=source, client_configuration=cfg)
+    except ConfigException as exc:
         raise KubeConfigError(f"cannot load Kubernetes configuration {source}: {exc}") from None
     except OSError as exc:
         raise KubeConfigError(f"cannot read Kubernetes configuration {source}: {exc}") from None
@@ -95,7 +102,7 @@ async def make_api_client(*, kubeconfig: str | None, master: str | None) -> ApiC
     return ApiClient(configuration=cfg)
 
 
-_load_incluster_config: Callable[..., None] = config.load_incluster_config
+_load_incluster_config: Callable[..., None] = load_incluster_config
 
 
 def _config_source(*, kubeconfig: str | None, master: str | None) -> str | None:
@@ -249,8 +256,8 @@ class KubeSource:
         self.inactivity_timeout_s = inactivity_timeout_s
         self.backoff_max_s = backoff_max_s
         self._node_missing_reported = False
-        core = client.CoreV1Api(api_client)
-        discovery = client.DiscoveryV1Api(api_client)
+        core = CoreV1Api(api_client)
+        discovery = DiscoveryV1Api(api_client)
         selector = {"label_selector": service_label_selector(service_proxy_name)}
         self.feeds = [
             _Feed(
