@@ -7,15 +7,15 @@ fixtures use it), so the deferral is only ever seen in a fresh interpreter: each
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from tests.apiserver import ApiServerDouble
-from tests.k8s.helpers import Backends, endpoint_slice, free_port, service
+from tests.conftest import wait_for
+from tests.k8s.helpers import Backends, Client, endpoint_slice, free_port, service
 
 SVC, EPS = "Service", "EndpointSlice"
 
@@ -90,20 +90,14 @@ async def test_uproxy_with_deferred_packages_relays_a_service_from_the_api_serve
         ]  # fmt: skip
         proc = await asyncio.create_subprocess_exec(*argv, stderr=asyncio.subprocess.PIPE)
         try:
-            payload = os.urandom(256 * 1024)
-            got = await _through(port, payload, deadline_s=20)
-            assert got[:10] == b"127.0.0.2\n"
-            echoed = got[10:]
-            assert len(echoed) == len(payload)
-            assert hashlib.sha256(echoed).digest() == hashlib.sha256(payload).digest()
+            await wait_for(_served_by(port, "127.0.0.2"), timeout=20, message="127.0.0.2")
             # A change after the start still arrives (the watch runs on the deferred client).
             api.update(
                 EPS,
                 endpoint_slice("web-1", service_name="web", ips=["127.0.0.3"], port=backends.port),
             )
             await backends.add("127.0.0.3")
-            got = await _through(port, b"x", deadline_s=10, greeting=b"127.0.0.3\n")
-            assert got == b"127.0.0.3\nx"
+            await wait_for(_served_by(port, "127.0.0.3"), timeout=10, message="127.0.0.3")
         finally:
             proc.terminate()
             _, err = await asyncio.wait_for(proc.communicate(), 15)
@@ -111,35 +105,21 @@ async def test_uproxy_with_deferred_packages_relays_a_service_from_the_api_serve
         assert b"Traceback" not in err, err.decode()
 
 
-async def _through(
-    port: int, payload: bytes, *, deadline_s: float, greeting: bytes | None = None
-) -> bytes:
-    """Send ``payload`` through uproxy's port once it serves (and, with ``greeting``, once the
-    backend that answers sends it); the greeting and the echo, read to the payload's length."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + deadline_s
-    while True:
+def _served_by(port: int, backend: str) -> Callable[[], Awaitable[bool]]:
+    """Whether a connection through uproxy's port reaches ``backend`` and carries 256 KiB
+    both ways intact (``Client.round_trip`` checks length and sha256)."""
+
+    async def check() -> bool:
         try:
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        except OSError:
-            if loop.time() > deadline:
-                raise
-            await asyncio.sleep(0.05)
-            continue
+            c = await Client.connect(port, timeout=2)
+        except (OSError, TimeoutError):
+            return False  # not serving yet
         try:
-            line = await asyncio.wait_for(reader.readline(), 5)
-            if greeting is not None and line != greeting:
-                if loop.time() > deadline:
-                    raise AssertionError(f"still served by {line!r}")
-                await asyncio.sleep(0.05)
-                continue
-            writer.write(payload)
-            await writer.drain()
-            echoed = await asyncio.wait_for(reader.readexactly(len(payload)), 10)
-            return line + echoed
-        except (ConnectionError, asyncio.IncompleteReadError):
-            if loop.time() > deadline:
-                raise
-            await asyncio.sleep(0.05)
+            if c.backend != backend:
+                return False
+            await c.round_trip(256 * 1024, timeout=10)
+            return True
         finally:
-            writer.close()
+            await c.close()
+
+    return check

@@ -323,7 +323,7 @@ class Balancer:
             log.log(
                 V2,
                 "Endpoint back: a dial to it succeeded",
-                extra=kv(service=str(self.name), endpoint=_address(endpoint)),
+                extra=kv(service=str(self.name), endpoint=str(endpoint)),
             )
 
     def _failed(self, endpoint: Endpoint) -> None:
@@ -351,7 +351,7 @@ class Balancer:
         log.log(
             logging.INFO if f.ejections == 1 else V2,
             "Endpoint left out after failed dials",
-            extra=kv(service=str(self.name), endpoint=_address(endpoint), for_s=out_s),
+            extra=kv(service=str(self.name), endpoint=str(endpoint), for_s=out_s),
         )
 
     def endpoints(self, traffic: Traffic) -> tuple[Endpoint, ...]:
@@ -371,7 +371,3 @@ class Balancer:
     @property
     def affinity_entries(self) -> int:
         return len(self._affinity) if self._affinity is not None else 0
-
-
-def _address(ep: Endpoint) -> str:
-    return f"[{ep.ip}]:{ep.port}" if ":" in ep.ip else f"{ep.ip}:{ep.port}"

@@ -49,7 +49,7 @@ class DataplaneSettings:
     # picked it paid a failed dial first (250 ms when its packets vanish). Three, so that
     # one dial timing out under load does not move traffic.
     eject_after: int = setting("endpoint_eject_after", 3)
-    # The first time out, in seconds, and the longest (reached after five ejections in a
+    # The first time out, in seconds, and the longest (reached at the sixth ejection in a
     # row). Short at first: a refusal may be a restart that is over in a second.
     eject_base_s: float = 1.0
     eject_max_s: float = 30.0
