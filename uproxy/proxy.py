@@ -170,11 +170,16 @@ class Proxy:
                     f"cannot start the data-plane workers ({sys.executable} -m "
                     f"uproxy.dataplane.worker): {e.strerror or e}"
                 ) from None
-            except RuntimeError as e:
-                raise StartupError(f"cannot start the data-plane workers: {e}") from None
         # While the sources list (the first sync takes the backend's lock after it).
         self._prepare = asyncio.create_task(self.rules.prepare(), name="rules-prepare")
+        # The workers import their modules meanwhile: a start no longer waits for them and
+        # then for the API server, one after the other.
         await self._start_sources()
+        if self.workers is not None:
+            try:
+                await self.workers.ready()
+            except RuntimeError as e:
+                raise StartupError(f"cannot start the data-plane workers: {e}") from None
         self._spawn("sync-runner", self.runner.loop())
         if not self.settings.laptop:
             self._spawn("rules-check", self._check_rules())

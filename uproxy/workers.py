@@ -260,11 +260,16 @@ class WorkerPool:
     # ----- lifecycle -----
 
     async def start(self) -> None:
-        """Lower this process's priority (``control_nice``), start every worker and wait
-        until each has said it is ready."""
+        """Lower this process's priority (``control_nice``) and start every worker; ``ready``
+        waits until each has said it is ready. What the control process does in between (its
+        first listing waits on the API server) overlaps the workers' own start-up."""
         self._lower_control()
         for index in range(self.count):
             self._workers[index] = await self._spawn(index)
+
+    async def ready(self) -> None:
+        """Until every worker ``start`` spawned is ready (RuntimeError when one exits first or
+        does not answer in time); then a worker that dies is replaced."""
         await self._wait_ready(list(self._workers.values()))
         self._supervisor = asyncio.create_task(self._supervise(), name="worker-supervisor")
 

@@ -112,8 +112,10 @@ async def test_healthz_is_503_while_a_sync_is_stuck_and_200_after(
 
     rules.gate.clear()
     try:
-        write(services, "web", "api")  # queues a sync, which now hangs in the rules backend
+        # The next sync (the periodic one: with no rules backend a new service changes no
+        # portals) hangs in the rules backend; a change queued meanwhile waits behind it.
         await wait_for(rules.blocked.is_set, timeout=5, message="a sync to block")
+        write(services, "web", "api")
         await wait_for(
             lambda: _is(port, "/healthz", 503), timeout=5, message="/healthz 503 while stuck"
         )

@@ -119,8 +119,8 @@ def run(services: Path, tmp_path: Path) -> Iterator[Start]:
 
 
 async def _two_workers(r: Running) -> list[int]:
-    """The workers, once both are ready (the sources start after that)."""
-    await wait_for(lambda: "Loaded services file" in r.log.read_text(), timeout=15)
+    """The workers, once both are ready (the first sync opens the proxy port after that)."""
+    await wait_for(lambda: "Proxy ports changed" in r.log.read_text(), timeout=15)
     assert len(r.workers()) == 2
     return r.workers()
 
