@@ -123,10 +123,11 @@ class Settings:
         flag="--endpoint-eject-after",
         config="uproxy.endpointEjectAfter",
         kind="int",
-        help="Failed dials in a row after which an endpoint is left out of the choice for a "
-        "while (1 s, doubling up to 30 s while it keeps failing; never when every endpoint "
-        "would be out), until a dial to it succeeds or it leaves the EndpointSlices; 0 never "
-        "leaves one out",
+        help="Failed dials in a row (for UDP: flows the endpoint refused with ICMP port or "
+        "host unreachable) after which an endpoint is left out of the choice for a while (1 s, "
+        "doubling up to 30 s while it keeps failing; never when every endpoint would be out), "
+        "until a dial to it succeeds (a UDP flow: its first reply) or it leaves the "
+        "EndpointSlices; 0 never leaves one out",
     )
     udp_receive_buffer: int = opt(
         4 << 20,

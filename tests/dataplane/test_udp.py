@@ -433,3 +433,96 @@ async def test_an_ipv6_wildcard_listener_replies_from_the_address_the_client_use
             assert await exchange(c, b"hi", ("::1", listener.port)) == b"6hi"
     finally:
         transport.close()
+
+
+def _closed_udp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])  # closed again: a datagram to it draws ICMP unreachable
+
+
+async def _ask(to: tuple[str, int], payload: bytes, *, within_s: float) -> bytes | None:
+    """One datagram from a new client socket (a new flow); its reply, or None."""
+    loop = asyncio.get_running_loop()
+    with client_socket() as c:
+        c.sendto(payload, to)
+        deadline = loop.time() + within_s
+        while loop.time() < deadline:
+            try:
+                return c.recv(70_000)
+            except BlockingIOError:
+                await asyncio.sleep(0.002)
+    return None
+
+
+async def test_an_endpoint_that_refuses_flows_is_left_out_and_a_reply_brings_it_back(
+    udp_backends: UdpBackendFactory, udp_listener: UdpListenerFactory
+) -> None:
+    (ep_a, _), (ep_b, _) = await udp_backends("a"), await udp_backends("b")
+    dead = Endpoint("127.0.0.1", _closed_udp_port(), node_name=NODE)
+    ejections = metrics.ENDPOINT_EJECTIONS.labels(str(UDP_NAME))
+    before = ejections.value
+    settings = DataplaneSettings(udp_timeout_s=5, eject_base_s=0.5)
+    balancer = make_balancer(UDP_NAME, [ep_a, dead, ep_b], settings=settings)
+    listener = await udp_listener(balancer)
+    to = ("127.0.0.1", listener.port)
+
+    # Round robin: every third new flow meets the closed port until its third refusal.
+    lost = 0
+    for _ in range(12):
+        payload = os.urandom(1000)
+        reply = await _ask(to, payload, within_s=0.3)
+        if reply is None:
+            lost += 1
+        else:
+            assert reply[1:] == payload and reply[:1] in (b"a", b"b")
+        if ejections.value > before:
+            break
+    assert lost == 3 and ejections.value == before + 1
+    assert listener.active <= 9  # the refused flows are gone
+
+    # Out: every new flow is answered while it lasts.
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    for _ in range(20):
+        payload = os.urandom(1000)
+        reply = await _ask(to, payload, within_s=1.0)
+        assert reply is not None and reply[1:] == payload
+        if loop.time() - started > 0.4:
+            break  # (a slow machine: its time out is nearly over)
+
+    # The port opens; once the endpoint is back, its first reply forgets its failures.
+    revived, _ = await loop.create_datagram_endpoint(
+        lambda: _UdpEcho(b"d"), local_addr=("127.0.0.1", dead.port)
+    )
+    try:
+        deadline = loop.time() + 5
+        while True:
+            payload = os.urandom(100)
+            reply = await _ask(to, payload, within_s=1.0)
+            assert reply is None or reply[1:] == payload
+            if reply is not None and reply[:1] == b"d":
+                break
+            assert loop.time() < deadline, "the revived endpoint never answered"
+    finally:
+        revived.close()
+    # Closed again: had its failures not been forgotten, its first refusal would put it out
+    # at once (for twice as long); forgotten, it takes three again.
+    lost = 0
+    for _ in range(3):
+        if await _ask(to, b"after", within_s=0.3) is None:
+            lost += 1
+    assert lost == 1 and ejections.value == before + 1
+
+
+async def test_refusals_are_not_counted_against_an_endpoint_with_ejection_off(
+    udp_backends: UdpBackendFactory, udp_listener: UdpListenerFactory
+) -> None:
+    (ep_a, _) = await udp_backends("a")
+    dead = Endpoint("127.0.0.1", _closed_udp_port(), node_name=NODE)
+    settings = DataplaneSettings(udp_timeout_s=5, eject_after=0)
+    listener = await udp_listener(make_balancer(UDP_NAME, [ep_a, dead], settings=settings))
+    to = ("127.0.0.1", listener.port)
+    replies = [await _ask(to, b"x%d" % i, within_s=0.3) for i in range(8)]
+    assert sum(r is None for r in replies) == 4  # every other flow, for good
+    assert all(r == b"ax%d" % i for i, r in enumerate(replies) if r is not None)

@@ -15,10 +15,11 @@ dial forgets the client so the retry lands elsewhere.
 An endpoint whose dials keep failing is left out of the choice for a while (passive
 ejection, ``DataplaneSettings.eject_after``): after that many failures in a row, for one
 second, then twice as long each time its first dial back fails too, up to 30 s; a dial that
-succeeds, or the endpoint leaving the EndpointSlices, forgets it all. Out means not picked
-while another endpoint can be: when every endpoint a connection could use is out, or has
-been tried, ejection is ignored (a dial that may fail beats a refusal that will). Each
-worker learns on its own, from its own dials. ``pick`` pays for this only while some
+succeeds, or the endpoint leaving the EndpointSlices, forgets it all (UDP has no dial: a flow
+the endpoint refuses is a failure, its first reply a success; ``uproxy.dataplane.udp``). Out
+means not picked while another endpoint can be: when every endpoint a connection could use
+is out, or has been tried, ejection is ignored (a dial that may fail beats a refusal that
+will). Each worker learns on its own, from its own dials. ``pick`` pays for this only while some
 endpoint of the port has failed.
 """
 

@@ -22,6 +22,12 @@ the loop's one 64 KiB buffer and forwards each slice of it without a copy before
 a specific bound address uses ``recvfrom_into``/``sendto`` (the kernel then answers from
 that address by itself).
 
+An endpoint that refuses a flow (ICMP port or host unreachable: the flow's socket reports
+ECONNREFUSED, EHOSTUNREACH or ENETUNREACH) counts as a failed dial for passive ejection, as
+a refused TCP connection does; its first reply on a flow counts as a dial that succeeded.
+Connecting a UDP socket sends nothing, so neither can be told earlier. The flow goes, and
+the client's next datagram picks an endpoint afresh.
+
 Idle flows are found by a periodic sweep (every ``udp_timeout_s / 2``, only while flows
 exist), not a timer per datagram: a datagram only stores ``loop.time()`` in its flow.
 The flow table is a dict in order of the clients' last datagram, so evicting "the least
@@ -31,6 +37,7 @@ recently active" flow when the table is full is ``next(iter(...))``.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import socket
 import struct
@@ -50,6 +57,10 @@ IP_PKTINFO = 8  # linux/in.h; not exported by Python's socket module
 _ANC_SIZE = socket.CMSG_SPACE(32)  # room for in_pktinfo (12 B) or in6_pktinfo (20 B)
 _WILDCARDS = ("0.0.0.0", "::", "")
 
+# What a connected UDP socket reports when the endpoint's host answers with ICMP port or
+# host unreachable: the endpoint is not there. (EMSGSIZE and the like say nothing of it.)
+_REFUSED = frozenset((errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN))
+
 # A flow's key: the client's address and port, and on a wildcard-bound listener the
 # datagram's packet info as received (the address it was sent to, and the interface).
 FlowKey = tuple[str, int] | tuple[str, int, bytes]
@@ -58,7 +69,7 @@ FlowKey = tuple[str, int] | tuple[str, int, bytes]
 class UdpFlow:
     """One client address and its connected socket to the chosen endpoint."""
 
-    __slots__ = ("client", "endpoint", "key", "last", "listener", "pktinfo", "sock")
+    __slots__ = ("answered", "client", "endpoint", "key", "last", "listener", "pktinfo", "sock")
 
     def __init__(
         self,
@@ -76,6 +87,7 @@ class UdpFlow:
         self.sock = sock
         self.pktinfo = pktinfo
         self.last = now
+        self.answered = False  # the endpoint has replied on this flow
 
     def readable(self) -> None:
         """Replies from the endpoint: to the client, from the address it sent to."""
@@ -91,11 +103,14 @@ class UdpFlow:
                 n = sock.recv_into(view)
             except BlockingIOError:
                 return
-            except OSError:
+            except OSError as exc:
                 # ECONNREFUSED (ICMP port unreachable) and the like: forget the flow so the
                 # client's next datagram picks an endpoint afresh.
-                listener.drop_flow(self)
+                listener.flow_failed(self, exc)
                 return
+            if not self.answered:
+                self.answered = True
+                listener.balancer.dial_ok(self.endpoint)
             self.last = listener.loop.time()
             counter.value += n
             try:
@@ -264,8 +279,8 @@ class UdpListener:
                 flow.sock.send(view[:n])
             except BlockingIOError:
                 pass  # dropped, as a full network queue would
-            except OSError:
-                self.drop_flow(flow)  # e.g. ECONNREFUSED from an earlier datagram
+            except OSError as exc:
+                self.flow_failed(flow, exc)  # e.g. ECONNREFUSED from an earlier datagram
         self._count_flows()
 
     def _new_flow(
@@ -312,7 +327,6 @@ class UdpListener:
             self.stats.dial_failed.value += 1
             self.balancer.dial_failed(client_ip, ep)
             return None
-        self.balancer.dial_ok(ep)
         reply_anc = reply_pktinfo(ancdata) if ancdata is not None else None
         flow = UdpFlow(self, key, ep, sock, reply_anc or None, now)
         try:
@@ -345,6 +359,13 @@ class UdpListener:
         if n != self._flows_counted:
             self.stats.live.value += n - self._flows_counted
             self._flows_counted = n
+
+    def flow_failed(self, flow: UdpFlow, exc: OSError) -> None:
+        """The flow's socket reported an error: it goes; a refusal counts against its
+        endpoint (passive ejection, and the client's affinity to it)."""
+        self.drop_flow(flow)
+        if exc.errno in _REFUSED:
+            self.balancer.dial_failed(flow.client[0], flow.endpoint)
 
     def drop_flow(self, flow: UdpFlow) -> None:
         if self.flows.get(flow.key) is flow:
