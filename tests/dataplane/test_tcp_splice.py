@@ -478,3 +478,59 @@ async def test_a_spliced_source_is_not_read_while_its_pipe_is_held(
     assert got_up == [digest(bulk + tail)]
     assert mutes[:2] == [True, False]  # muted while held, on again once flushed
     await wait_until(lambda: listener.active == 0, what="pair closed")
+
+
+async def _ping_pong(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, count: int, size: int
+) -> None:
+    """``count`` messages of ``size`` bytes, each echoed back whole before the next."""
+    for _ in range(count):
+        message = os.urandom(size)
+        writer.write(message)
+        assert await asyncio.wait_for(reader.readexactly(size), 5) == message
+
+
+async def test_small_messages_on_a_long_keep_alive_connection_never_open_a_pipe(
+    backends: BackendFactory, tcp_listener: ListenerFactory, pipes: list[int]
+) -> None:
+    """3,000 request/response pairs of 100 bytes: 300 KB each way, past the 64 KiB
+    threshold, in reads far below a bulk transfer's: copied, never spliced."""
+    b = await backends("echo")
+    listener = await tcp_listener(
+        make_balancer(TCP_NAME, [b.endpoint], settings=SPLICE), settings=SPLICE
+    )
+    to_endpoint = metrics.BYTES.labels(str(TCP_NAME), "to_endpoint")
+    before = to_endpoint.value
+    reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
+    try:
+        await _ping_pong(reader, writer, 3000, 100)
+    finally:
+        writer.close()
+    assert to_endpoint.value - before == 300_000
+    assert pipes == []
+
+
+async def test_a_spliced_direction_copies_again_once_its_bulk_is_over(
+    backends: BackendFactory, tcp_listener: ListenerFactory, pipes: list[int]
+) -> None:
+    """A bulk transfer each way opens both pipes; the small messages after it close them
+    (the connection stays open); the next bulk transfer opens new ones."""
+    b = await backends("echo")
+    listener = await tcp_listener(
+        make_balancer(TCP_NAME, [b.endpoint], settings=SPLICE), settings=SPLICE
+    )
+    own = len(_pipe_fds(os.getpid()))  # the loop's own (its self-pipe)
+    reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
+    try:
+        for round_ in (1, 2):
+            bulk = os.urandom(4 * MIB)
+            writer.write(bulk)
+            got = await asyncio.wait_for(reader.readexactly(len(bulk)), 10)
+            assert digest(got) == digest(bulk)
+            assert len(pipes) == 2 * round_  # both directions spliced
+            assert len(_pipe_fds(os.getpid())) == own + 4
+            await _ping_pong(reader, writer, 20, 100)
+            await wait_until(lambda: len(_pipe_fds(os.getpid())) == own, what="pipes closed")
+            assert listener.active == 1  # the pair goes on
+    finally:
+        writer.close()

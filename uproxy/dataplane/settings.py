@@ -65,9 +65,10 @@ class DataplaneSettings:
     # buffers do the rest of the buffering. 256 KiB: one read per 256 KiB of a bulk
     # transfer on the copy path.
     high_water: int = 256 * 1024
-    # Bytes one direction of a TCP pair moves by copying before it switches to splice(2)
-    # through a pipe of its own (zero-copy, two more fds); None: never. See
-    # ``dataplane/relay.py`` for the measurements behind the default.
+    # Bytes one direction of a TCP pair moves by copying, in reads of at least 16 KiB (a
+    # bulk transfer's), before it switches to splice(2) through a pipe of its own
+    # (zero-copy, two more fds); None: never. See ``dataplane/relay.py`` for the
+    # measurements behind the default.
     splice_threshold: int | None = 128 * 1024
     # Bytes of that pipe (F_SETPIPE_SZ; the kernel rounds up to pages, caps at
     # /proc/sys/fs/pipe-max-size for unprivileged processes).

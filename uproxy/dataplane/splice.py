@@ -49,7 +49,7 @@ class Pipe:
     """A non-blocking pipe, how many bytes wait in it for the destination socket, and whether
     the source's input events are off meanwhile."""
 
-    __slots__ = ("held", "muted", "r", "size", "w")
+    __slots__ = ("held", "muted", "r", "size", "small_wakes", "w")
 
     def __init__(self, r: int, w: int, size: int) -> None:
         self.r = r
@@ -57,6 +57,7 @@ class Pipe:
         self.size = size  # bytes asked per splice from the source socket
         self.held = 0
         self.muted = False  # the source's input events are off while ``held``
+        self.small_wakes = 0  # wake-ups in a row that brought little (``relay``)
 
     def close(self) -> None:
         os.close(self.r)
