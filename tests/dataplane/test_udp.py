@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import resource
 import socket
 import struct
@@ -436,15 +437,33 @@ async def test_an_ipv6_wildcard_listener_replies_from_the_address_the_client_use
 
 
 def _closed_udp_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])  # closed again: a datagram to it draws ICMP unreachable
+    """A UDP port nothing listens on, so that a datagram to it draws ICMP port unreachable,
+    and that stays so: it is below the ephemeral range, where the kernel never puts a socket
+    bound to port 0 (a flow's socket, a client's), as it could a port it had just handed out
+    and taken back."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    for port in random.Random().sample(range(low // 2, low), 100):
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no free UDP port below the ephemeral range")
 
 
-async def _ask(to: tuple[str, int], payload: bytes, *, within_s: float) -> bytes | None:
-    """One datagram from a new client socket (a new flow); its reply, or None."""
-    loop = asyncio.get_running_loop()
-    with client_socket() as c:
+@pytest.fixture
+def asker() -> Iterator[Callable[..., Awaitable[bytes | None]]]:
+    """``ask(to, payload, within_s=...)``: one datagram from a new client socket (a new flow);
+    its reply, or None. Every client socket stays open until the test ends: a port closed
+    could be handed to a later client, whose datagrams would then join the earlier flow."""
+    held: list[socket.socket] = []
+
+    async def ask(to: tuple[str, int], payload: bytes, *, within_s: float) -> bytes | None:
+        loop = asyncio.get_running_loop()
+        c = client_socket()
+        held.append(c)
         c.sendto(payload, to)
         deadline = loop.time() + within_s
         while loop.time() < deadline:
@@ -452,11 +471,17 @@ async def _ask(to: tuple[str, int], payload: bytes, *, within_s: float) -> bytes
                 return c.recv(70_000)
             except BlockingIOError:
                 await asyncio.sleep(0.002)
-    return None
+        return None
+
+    yield ask
+    for c in held:
+        c.close()
 
 
 async def test_an_endpoint_that_refuses_flows_is_left_out_and_a_reply_brings_it_back(
-    udp_backends: UdpBackendFactory, udp_listener: UdpListenerFactory
+    udp_backends: UdpBackendFactory,
+    udp_listener: UdpListenerFactory,
+    asker: Callable[..., Awaitable[bytes | None]],
 ) -> None:
     (ep_a, _), (ep_b, _) = await udp_backends("a"), await udp_backends("b")
     dead = Endpoint("127.0.0.1", _closed_udp_port(), node_name=NODE)
@@ -471,7 +496,7 @@ async def test_an_endpoint_that_refuses_flows_is_left_out_and_a_reply_brings_it_
     lost = 0
     for _ in range(12):
         payload = os.urandom(1000)
-        reply = await _ask(to, payload, within_s=0.3)
+        reply = await asker(to, payload, within_s=0.3)
         if reply is None:
             lost += 1
         else:
@@ -486,7 +511,7 @@ async def test_an_endpoint_that_refuses_flows_is_left_out_and_a_reply_brings_it_
     started = loop.time()
     for _ in range(20):
         payload = os.urandom(1000)
-        reply = await _ask(to, payload, within_s=1.0)
+        reply = await asker(to, payload, within_s=1.0)
         assert reply is not None and reply[1:] == payload
         if loop.time() - started > 0.4:
             break  # (a slow machine: its time out is nearly over)
@@ -499,7 +524,7 @@ async def test_an_endpoint_that_refuses_flows_is_left_out_and_a_reply_brings_it_
         deadline = loop.time() + 5
         while True:
             payload = os.urandom(100)
-            reply = await _ask(to, payload, within_s=1.0)
+            reply = await asker(to, payload, within_s=1.0)
             assert reply is None or reply[1:] == payload
             if reply is not None and reply[:1] == b"d":
                 break
@@ -510,19 +535,21 @@ async def test_an_endpoint_that_refuses_flows_is_left_out_and_a_reply_brings_it_
     # at once (for twice as long); forgotten, it takes three again.
     lost = 0
     for _ in range(3):
-        if await _ask(to, b"after", within_s=0.3) is None:
+        if await asker(to, b"after", within_s=0.3) is None:
             lost += 1
     assert lost == 1 and ejections.value == before + 1
 
 
 async def test_refusals_are_not_counted_against_an_endpoint_with_ejection_off(
-    udp_backends: UdpBackendFactory, udp_listener: UdpListenerFactory
+    udp_backends: UdpBackendFactory,
+    udp_listener: UdpListenerFactory,
+    asker: Callable[..., Awaitable[bytes | None]],
 ) -> None:
     (ep_a, _) = await udp_backends("a")
     dead = Endpoint("127.0.0.1", _closed_udp_port(), node_name=NODE)
     settings = DataplaneSettings(udp_timeout_s=5, eject_after=0)
     listener = await udp_listener(make_balancer(UDP_NAME, [ep_a, dead], settings=settings))
     to = ("127.0.0.1", listener.port)
-    replies = [await _ask(to, b"x%d" % i, within_s=0.3) for i in range(8)]
+    replies = [await asker(to, b"x%d" % i, within_s=0.3) for i in range(8)]
     assert sum(r is None for r in replies) == 4  # every other flow, for good
     assert all(r == b"ax%d" % i for i, r in enumerate(replies) if r is not None)
