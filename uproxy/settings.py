@@ -12,6 +12,7 @@ setting, the value and what is expected.
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 import re
 import socket
@@ -40,6 +41,8 @@ def opt(
     )
 
 
+# The kernel's limit for TCP_KEEPIDLE and TCP_KEEPINTVL (MAX_TCP_KEEPIDLE, in seconds).
+MAX_TCP_KEEPALIVE_S = 32767
 RULES_BACKENDS = ("auto", "iptables-restore", "nftables", "iptables", "none")
 LOCAL_MODES = ("ClusterCIDR", "NodeCIDR", "BridgeInterface", "InterfaceNamePrefix")
 PRIMARY = "primary"  # --nodeport-addresses: the node's primary address
@@ -110,6 +113,17 @@ class Settings:
         config="udpIdleTimeout",
         kind="duration",
         help="How long an idle UDP flow is kept",
+    )
+    tcp_keepalive: float = opt(
+        15.0,
+        flag="--tcp-keepalive",
+        config="uproxy.tcpKeepAlive",
+        kind="duration",
+        help="Idle time after which TCP keep-alive probes go out on both sides of a relayed "
+        "connection, and the time between probes (whole seconds, rounded up); a peer that "
+        "answers none of the node's net.ipv4.tcp_keepalive_probes (9) is taken as gone and "
+        "the connection is reset on the other side. kube-proxy's userspace mode had Go's 15 s; "
+        "0 sends no probes",
     )
     udp_max_flows: int = opt(
         4096,
@@ -382,6 +396,11 @@ class Settings:
         return self.hostname_override or socket.gethostname().lower()
 
     @property
+    def tcp_keepalive_whole_s(self) -> int:
+        """--tcp-keepalive as the kernel takes it: whole seconds, rounded up; 0: off."""
+        return math.ceil(self.tcp_keepalive)
+
+    @property
     def algorithm(self) -> LbAlgorithm:
         return LbAlgorithm(self.lb_algorithm)
 
@@ -556,6 +575,10 @@ def validate(s: Settings) -> None:
         raise SettingsError("invalid --udp-max-flows: must be at least 1")
     if s.udp_timeout <= 0:
         raise SettingsError("invalid --udp-timeout: must be positive")
+    if s.tcp_keepalive != 0 and not 0 < s.tcp_keepalive <= MAX_TCP_KEEPALIVE_S:
+        raise SettingsError(
+            f"invalid --tcp-keepalive: must be 0 (off) or up to {MAX_TCP_KEEPALIVE_S}s"
+        )
     if s.iptables_sync_period <= 0:
         raise SettingsError("invalid --iptables-sync-period: must be positive")
     if s.iptables_min_sync_period > s.iptables_sync_period:

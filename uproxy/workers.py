@@ -435,6 +435,7 @@ class WorkerPool:
             backlog=self._settings.listen_backlog,
             receive_buffer=self._settings.udp_receive_buffer,
             steer_by_client=listener.steered,
+            keepalive=self._settings.tcp_keepalive_s,
         )
 
     def _copies(self, socks: list[socket.socket], indexes: list[int]) -> dict[int, int]:
@@ -499,6 +500,7 @@ class WorkerPool:
             backlog=self._settings.listen_backlog,
             receive_buffer=self._settings.udp_receive_buffer,
             steer_by_client=False,
+            keepalive=self._settings.tcp_keepalive_s,
         )
         listener.socks = [first, *more]
         try:

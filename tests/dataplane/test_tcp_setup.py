@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import _socket
 import asyncio
 import contextlib
 import gc
@@ -11,6 +12,7 @@ import struct
 import time
 from collections.abc import Iterator
 
+import pytest
 import uvloop
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -24,7 +26,7 @@ from tests.dataplane.conftest import (
     wait_until,
 )
 from uproxy import metrics
-from uproxy.dataplane import relay
+from uproxy.dataplane import relay, sockets
 from uproxy.dataplane.settings import DataplaneSettings
 from uproxy.model import Endpoint
 
@@ -142,6 +144,80 @@ async def test_a_dial_that_completes_as_its_deadline_fires_loses_nothing(
         # asyncio's loop a dial takes several iterations: its first attempts all expire.)
         assert failed.value - failed_before < 5
     assert b.accepted >= 5
+
+
+def keepalive_of(sock: _socket.socket) -> tuple[int, int, int]:
+    """SO_KEEPALIVE, TCP_KEEPIDLE and TCP_KEEPINTVL of ``sock``, as the kernel has them."""
+    return (
+        sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+        sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
+        sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL),
+    )
+
+
+@pytest.mark.parametrize("seconds", [7, 0])
+async def test_keepalive_probes_both_sides_of_a_pair_that_lives(
+    backends: BackendFactory, tcp_listener: ListenerFactory, seconds: int
+) -> None:
+    """The client side has keep-alive from its listening socket at once; the endpoint side
+    gets it when the dial's deadline fires on a pair still open; with 0, neither has it."""
+    b = await backends("echo")
+    settings = DataplaneSettings(dial_timeouts_s=(1.0,), tcp_keepalive_s=seconds)
+    listener = await tcp_listener(
+        make_balancer(TCP_NAME, [b.endpoint], settings=settings), settings=settings
+    )
+    reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
+    try:
+        writer.write(b"ping")
+        assert await asyncio.wait_for(reader.readexactly(4), 5) == b"ping"
+        conn = next(iter(listener._conns))
+        assert conn.sock is not None and conn.peer is not None and conn.peer.sock is not None
+        client_side, endpoint_side = conn.sock, conn.peer.sock
+        if seconds:
+            assert keepalive_of(client_side) == (1, seconds, seconds)
+            # Linked well within its 1 s deadline: not yet on the endpoint side.
+            assert keepalive_of(endpoint_side)[0] == 0
+            await wait_until(
+                lambda: keepalive_of(endpoint_side) == (1, seconds, seconds),
+                timeout=3,
+                what="keep-alive on the endpoint side",
+            )
+        else:
+            await wait_until(lambda: conn.deadline is None, timeout=3, what="the deadline")
+            assert keepalive_of(client_side)[0] == keepalive_of(endpoint_side)[0] == 0
+        # Still relaying, and nothing left armed once the pair is closed.
+        writer.write(b"pong")
+        assert await asyncio.wait_for(reader.readexactly(4), 5) == b"pong"
+    finally:
+        writer.close()
+        await writer.wait_closed()
+    await wait_until(lambda: listener.active == 0, what="pair closed")
+    assert len(listener.dial_timers[1.0]) == 0
+
+
+async def test_a_pair_that_ends_young_never_sets_keepalive_on_its_endpoint_side(
+    backends: BackendFactory, tcp_listener: ListenerFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Short connections pay nothing for keep-alive: the deadline is cancelled with them."""
+    b = await backends("echo")
+    calls: list[int] = []
+
+    def counting(sock: _socket.socket, seconds: int) -> None:
+        calls.append(seconds)
+        sockets.keep_alive(sock, seconds)
+
+    monkeypatch.setattr(relay, "keep_alive", counting)
+    settings = DataplaneSettings(dial_timeouts_s=(5.0,), tcp_keepalive_s=7)
+    listener = await tcp_listener(
+        make_balancer(TCP_NAME, [b.endpoint], settings=settings), settings=settings
+    )
+    for _ in range(20):
+        payload = os.urandom(1000)
+        got = await asyncio.wait_for(echo_through(listener.port, payload), 5)
+        assert digest(got) == digest(payload)
+    await wait_until(lambda: listener.active == 0, what="pairs closed")
+    assert len(listener.dial_timers[5.0]) == 0  # every deadline went with its pair
+    assert calls == []
 
 
 async def test_a_client_leaving_during_a_dial_frees_everything(

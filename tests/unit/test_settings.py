@@ -133,6 +133,7 @@ def test_dataplane_settings_carry_every_data_plane_setting_from_the_flags() -> N
             "--udp-max-flows=17",
             "--udp-receive-buffer=12345",
             "--endpoint-eject-after=5",
+            "--tcp-keepalive=2500ms",
             "--dial-mark=0x2000",
         ]
     )
@@ -141,6 +142,7 @@ def test_dataplane_settings_carry_every_data_plane_setting_from_the_flags() -> N
     assert dp.node_name == "node-x" and dp.default_algorithm is LbAlgorithm.RANDOM
     assert (dp.udp_timeout_s, dp.udp_max_flows, dp.udp_receive_buffer) == (5.0, 17, 12345)
     assert dp.eject_after == 5
+    assert dp.tcp_keepalive_s == 3  # whole seconds, rounded up, as the kernel takes them
     for f in fields(DataplaneSettings):
         if "setting" in f.metadata:
             carried = getattr(dp, f.name)
@@ -174,6 +176,7 @@ def test_settings_as_flags_parse_back_and_start_a_worker() -> None:
         (["--control-nice", "-1"], "--control-nice: must be 0 to 19"),
         (["--udp-max-flows", "x"], "--udp-max-flows: expected an integer, got 'x'$"),
         (["--workers", "1.5"], "--workers: expected an integer, got '1.5'$"),
+        (["--tcp-keepalive", "10h"], "--tcp-keepalive: must be 0 \\(off\\) or up to 32767s"),
     ],
 )
 def test_bad_flags(argv: list[str], needle: str) -> None:

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import _socket
 import asyncio
+import contextlib
 import errno
 import os
 import socket
@@ -80,6 +81,7 @@ from uproxy.dataplane.poller import (
     poller_for,
 )
 from uproxy.dataplane.settings import DataplaneSettings
+from uproxy.dataplane.sockets import keep_alive
 from uproxy.dataplane.splice import SPLICE_FLAGS, Pipe
 from uproxy.dataplane.stats import Stats
 from uproxy.dataplane.timers import Deadline, FixedDelayTimers
@@ -581,6 +583,9 @@ class Connection(_Side):
 
     def _dial_expired(self) -> None:
         self.deadline = None
+        if self.linked:
+            self._keep_alive_endpoint()
+            return
         side = self.dialing
         if side is None or side.sock is None:
             return
@@ -660,7 +665,12 @@ class Connection(_Side):
 
     def link(self, side: _EndpointSide, mask: int) -> None:
         """The dial succeeded: join the two sides and move what is waiting on either."""
-        self._cancel_deadline()
+        if not self.listener.settings.tcp_keepalive_s:
+            self._cancel_deadline()
+        # Else the dial's deadline stays armed, and when it fires on a pair still open the
+        # endpoint side gets keep-alive probes (``_keep_alive_endpoint``); a pair that ends
+        # first cancels it in ``finish``, as it would have here. (Linked by the deadline
+        # itself, the pair is already that old: see below.)
         self.dialing = None
         self.dialed()
         side.peer = self
@@ -680,6 +690,22 @@ class Connection(_Side):
             self.pump()
         if side.readable and not self.closed:
             side.pump()
+        if self.deadline is None and not self.closed:
+            self._keep_alive_endpoint()  # returns at once when keep-alive is off
+
+    def _keep_alive_endpoint(self) -> None:
+        """Keep-alive probes on the endpoint's socket, as the client's has from its listener.
+
+        Only once the pair has outlived its dial's deadline (0.25 s for a first dial): a
+        short connection never pays the three system calls (2.4 us, a few per cent of a
+        connection's CPU), and a long one is probed after at most that much more idleness.
+        """
+        peer = self.peer
+        seconds = self.listener.settings.tcp_keepalive_s
+        if peer is None or peer.sock is None or not seconds:
+            return
+        with contextlib.suppress(OSError):  # the socket died meanwhile: its event says so
+            keep_alive(peer.sock, seconds)
 
     def half_closed(self) -> None:
         """One direction is over: the other gets ``half_close_linger_s`` to finish."""

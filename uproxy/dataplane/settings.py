@@ -56,6 +56,13 @@ class DataplaneSettings:
     # Seconds allowed for each dial attempt; one attempt per entry, each to a different
     # endpoint. The original userspace proxy's schedule (250 ms doubling to 2 s).
     dial_timeouts_s: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0)
+    # Seconds of idleness before TCP keep-alive probes, and between them (--tcp-keepalive,
+    # whole seconds; 0: none), so that a peer gone without a word (a node powered off, a
+    # link cut) does not hold its pair, and the other side's connection, forever. The
+    # client side inherits it from the listening socket; the endpoint side gets it once its
+    # pair has outlived the dial's deadline (``relay``), so short connections never pay for
+    # it.
+    tcp_keepalive_s: int = setting("tcp_keepalive_whole_s", 15)
     # Seconds a half-closed TCP pair may stay open before both sides are closed, so that
     # a peer that never sends its FIN cannot pile up FIN_WAIT2/CLOSE_WAIT sockets.
     half_close_linger_s: float = 60.0

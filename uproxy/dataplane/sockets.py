@@ -26,6 +26,7 @@ and its connections queue there for its replacement instead of moving the others
 
 from __future__ import annotations
 
+import _socket
 import ctypes
 import socket
 import struct
@@ -50,8 +51,24 @@ def family_of(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
-def bind_tcp(host: str, port: int, *, backlog: int, reuseport: bool = False) -> socket.socket:
-    """A non-blocking listening TCP socket; raises OSError (EADDRINUSE, EACCES...)."""
+def keep_alive(sock: _socket.socket, seconds: int) -> None:
+    """TCP keep-alive probes after ``seconds`` of idleness, then every ``seconds`` (0: off).
+
+    How many go unanswered before the kernel gives up is the node's
+    net.ipv4.tcp_keepalive_probes; the socket then reports ETIMEDOUT."""
+    if seconds <= 0:
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, seconds)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, seconds)
+
+
+def bind_tcp(
+    host: str, port: int, *, backlog: int, reuseport: bool = False, keepalive: int = 0
+) -> socket.socket:
+    """A non-blocking listening TCP socket; raises OSError (EADDRINUSE, EACCES...).
+
+    ``keepalive``: see ``keep_alive``; accepted sockets inherit it."""
     family = family_of(host)
     # Non-blocking from the start: no fcntl/ioctl afterwards (10,000 of them at a cold start).
     sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
@@ -64,6 +81,8 @@ def bind_tcp(host: str, port: int, *, backlog: int, reuseport: bool = False) -> 
         # A relay must not hold back small writes (Nagle). Accepted sockets inherit the
         # option from their listener: one system call here instead of one per connection.
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # Keep-alive too (the flag and both intervals): none of it costs a connection.
+        keep_alive(sock, keepalive)
         sock.bind((host, port))
         sock.listen(backlog)
     except OSError:
@@ -110,6 +129,7 @@ def bind_group(
     backlog: int,
     receive_buffer: int,
     steer_by_client: bool,
+    keepalive: int = 0,
 ) -> list[socket.socket]:
     """``count`` sockets on one address in a SO_REUSEPORT group, in the group's order.
 
@@ -121,7 +141,7 @@ def bind_group(
     try:
         for _ in range(count):
             if protocol is Protocol.TCP:
-                sock = bind_tcp(host, port, backlog=backlog, reuseport=True)
+                sock = bind_tcp(host, port, backlog=backlog, reuseport=True, keepalive=keepalive)
             else:
                 sock = bind_udp(host, port, receive_buffer=receive_buffer, reuseport=True)
             socks.append(sock)

@@ -158,7 +158,9 @@ class TcpListener:
     ) -> Self:
         """Bind and start accepting; port 0 lets the OS choose. Raises OSError."""
         FD_RESERVE.refresh_limit()
-        sock = bind_tcp(host, port, backlog=settings.listen_backlog)
+        sock = bind_tcp(
+            host, port, backlog=settings.listen_backlog, keepalive=settings.tcp_keepalive_s
+        )
         return cls.serve(sock, name=name, balancer=balancer, traffic=traffic, settings=settings)
 
     @classmethod
