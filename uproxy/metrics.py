@@ -92,6 +92,7 @@ from uproxy.dataplane.counters import Labels, SlotReader
 from uproxy.dataplane.series import (
     ACCEPT_PAUSED as ACCEPT_PAUSED,
     BYTES as BYTES,
+    CONNECTION_ERRORS as CONNECTION_ERRORS,
     CONNECTIONS as CONNECTIONS,
     DATA_PLANE as DATA_PLANE,
     DIAL_ATTEMPTS as DIAL_ATTEMPTS,

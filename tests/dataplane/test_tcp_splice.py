@@ -69,6 +69,11 @@ async def server() -> AsyncIterator[Callable[[Handler], Awaitable[Endpoint]]]:
         await srv.wait_closed()
 
 
+def errors_of(side: str) -> metrics.AnyTally:
+    """The count of TCP_NAME's connections ended by a reset from ``side``."""
+    return metrics.CONNECTION_ERRORS.labels(str(TCP_NAME), side, "reset")
+
+
 async def read_digest(reader: asyncio.StreamReader) -> tuple[int, str]:
     """Reads until EOF: the length and sha256 of what came."""
     h, n = hashlib.sha256(), 0
@@ -165,6 +170,8 @@ async def test_an_endpoint_reset_mid_transfer_reaches_the_client_as_a_reset(
     listener = await tcp_listener(
         make_balancer(TCP_NAME, [ep], settings=settings), settings=settings
     )
+    errors = {side: errors_of(side) for side in ("endpoint", "client")}
+    before = {side: tally.value for side, tally in errors.items()}
     fds = open_fds()
     reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
     outcome = ""
@@ -181,6 +188,11 @@ async def test_an_endpoint_reset_mid_transfer_reaches_the_client_as_a_reset(
     assert outcome == "reset"
     await wait_until(lambda: listener.active == 0, what="pair closed")
     await wait_until(lambda: open_fds() <= fds, what="sockets and pipes closed")
+    # Counted once, as the endpoint's reset.
+    assert {side: tally.value - before[side] for side, tally in errors.items()} == {
+        "endpoint": 1,
+        "client": 0,
+    }
 
 
 @pytest.mark.parametrize("settings", [SPLICE, COPY], ids=["splice", "copy"])
@@ -208,6 +220,8 @@ async def test_a_client_reset_mid_transfer_reaches_the_endpoint_as_a_reset(
     listener = await tcp_listener(
         make_balancer(TCP_NAME, [ep], settings=settings), settings=settings
     )
+    errors = {side: errors_of(side) for side in ("endpoint", "client")}
+    before = {side: tally.value for side, tally in errors.items()}
     loop = asyncio.get_running_loop()
     client = socket.socket()
     client.setblocking(False)
@@ -220,6 +234,10 @@ async def test_a_client_reset_mid_transfer_reaches_the_endpoint_as_a_reset(
     await wait_until(lambda: bool(outcome), timeout=10, what="the endpoint told")
     assert outcome == ["reset"]
     await wait_until(lambda: listener.active == 0, what="pair closed")
+    assert {side: tally.value - before[side] for side, tally in errors.items()} == {
+        "endpoint": 0,
+        "client": 1,
+    }
 
 
 async def test_a_reader_that_reads_nothing_stalls_a_spliced_sender(

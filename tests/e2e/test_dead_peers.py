@@ -4,7 +4,7 @@ A pod holds an idle connection to a ClusterIP; then either the endpoint or the p
 answering, every packet to it dropped, so that neither a FIN nor a RST ever comes. uproxy's
 TCP keep-alive probes (``--tcp-keepalive 1s``, two probes in the node's namespace) go
 unanswered, the kernel gives the socket up, and uproxy resets the other side: the pod's
-connection, or the endpoint's. Without keep-alive both stay established for as long as
+connection, or the endpoint's; ``uproxy_connection_errors_total`` says which side timed out. Without keep-alive both stay established for as long as
 anyone waits (kube-proxy's userspace mode had Go's 15 s keep-alive on both sides).
 """
 
@@ -107,3 +107,10 @@ def test_a_silent_peer_is_found_and_the_other_side_reset(
         )
         assert time.monotonic() - started >= 0.9
         assert next_line(client, 0) == ""  # the pod heard nothing: its packets are dropped
+    # Counted as what it was: that side's probes went unanswered.
+    errors = {
+        labels: value
+        for (name, labels), value in proxy.metrics().items()
+        if name == "uproxy_connection_errors_total"
+    }
+    assert errors == {(("error", "timeout"), ("service", "default/sum:raw"), ("side", gone)): 1.0}

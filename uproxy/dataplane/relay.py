@@ -90,6 +90,17 @@ from uproxy.model import Endpoint, Traffic
 _LINGER_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends a RST
 _NOWAIT = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL  # the accepted socket stays blocking
 _TCP_ESTABLISHED = 1  # linux/tcp_states.h
+# How a relayed socket's error reads in uproxy_connection_errors_total: the peer reset it
+# (a RST; EPIPE is a write after one), nothing answered (keep-alive probes or retransmissions
+# gave up: the peer is gone), or ICMP said the way is gone.
+_ERROR_NAMES = {
+    errno.ECONNRESET: "reset",
+    errno.EPIPE: "reset",
+    errno.ETIMEDOUT: "timeout",
+    errno.EHOSTUNREACH: "unreachable",
+    errno.ENETUNREACH: "unreachable",
+    errno.EHOSTDOWN: "unreachable",
+}
 _NEVER = 1 << 62  # bytes to go before splicing, when it is off or was tried
 # A read (or a wake-up's first splice) of at least this much is a bulk transfer's: only
 # those count toward ``splice_threshold``, and a spliced direction whose wake-up brings
@@ -193,13 +204,29 @@ class _Side:
     def _unlinked_event(self, mask: int) -> None:
         raise NotImplementedError
 
+    def failed(self, side: _Side, err: int | None) -> None:
+        """``side``'s socket failed with ``err`` (an errno; None: ask the socket): count it
+        in ``uproxy_connection_errors_total``, then reset the pair (both sides)."""
+        conn = self._pair()
+        if err is None and side.sock is not None:
+            try:
+                err = side.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            except OSError as exc:
+                err = exc.errno
+        series.CONNECTION_ERRORS.labels(
+            conn.listener.stats.service,
+            "client" if side is conn else "endpoint",
+            _ERROR_NAMES.get(err or 0, "other"),
+        ).value += 1
+        conn.reset()
+
     def event(self, mask: int) -> None:
         peer = self.peer
         if peer is None:
             self._unlinked_event(mask)
             return
         if mask & ERR:
-            self._pair().reset()  # pass a reset on as a reset, even on a side not read
+            self.failed(self, None)  # pass a reset on as a reset, even on a side not read
             return
         if mask & _INPUT and not self.eof:
             self.readable = True
@@ -233,8 +260,8 @@ class _Side:
             except BlockingIOError:
                 self.readable = False
                 return
-            except OSError:
-                self._pair().reset()
+            except OSError as exc:
+                self.failed(self, exc.errno)
                 return
             if n == 0:
                 self._end()
@@ -246,8 +273,8 @@ class _Side:
                 sent = dst.send(view[:n], _NOWAIT)
             except BlockingIOError:
                 sent = 0
-            except OSError:
-                self._pair().reset()
+            except OSError as exc:
+                self.failed(peer, exc.errno)
                 return
             if sent < n:
                 self.out = memoryview(bytes(view[sent:n]))
@@ -276,8 +303,8 @@ class _Side:
             except BlockingIOError:
                 self.readable = False
                 return
-            except OSError:
-                self._pair().reset()
+            except OSError as exc:
+                self.failed(self, exc.errno)
                 return
             if n == 0:
                 self._end()
@@ -287,8 +314,8 @@ class _Side:
                 sent = os.splice(pipe.r, dst, n, flags=SPLICE_FLAGS)
             except BlockingIOError:
                 sent = 0
-            except OSError:
-                self._pair().reset()
+            except OSError as exc:
+                self.failed(peer, exc.errno)
                 return
             if sent < n:
                 pipe.held = n - sent
@@ -391,8 +418,8 @@ class _Side:
                 return
         except BlockingIOError:
             return
-        except OSError:
-            self._pair().reset()
+        except OSError as exc:
+            self.failed(peer, exc.errno)
             return
         if self.eof:
             self._pass_fin()
@@ -422,8 +449,8 @@ class _Side:
             return
         try:
             peer.sock.shutdown(socket.SHUT_WR)
-        except OSError:
-            conn.reset()
+        except OSError as exc:
+            self.failed(peer, exc.errno)
             return
         conn.half_closed()
 

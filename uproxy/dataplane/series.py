@@ -467,6 +467,14 @@ ENDPOINT_EJECTIONS = ScrapeCounter(
     ("service",),
     sparse=True,
 )
+CONNECTION_ERRORS = ScrapeCounter(
+    "uproxy_connection_errors_total",
+    "Relayed TCP connections ended by an error on one side, the other side then reset: side "
+    "is client or endpoint; error is reset (the peer reset it), timeout (keep-alive probes or "
+    "retransmissions went unanswered: the peer is gone), unreachable or other",
+    ("service", "side", "error"),
+    sparse=True,
+)
 
 # The families the metrics server writes itself, in this order, after prometheus_client's
 # REGISTRY (which holds the control plane's, ``uproxy.metrics``).
@@ -479,6 +487,7 @@ DATA_PLANE: tuple[ScrapeFamily, ...] = (
     UDP_FLOWS,
     NO_ENDPOINTS,
     ENDPOINT_EJECTIONS,
+    CONNECTION_ERRORS,
     ACCEPT_PAUSED,
 )
 
