@@ -575,7 +575,7 @@ def validate(s: Settings) -> None:
         raise SettingsError("invalid --udp-max-flows: must be at least 1")
     if s.udp_timeout <= 0:
         raise SettingsError("invalid --udp-timeout: must be positive")
-    if s.tcp_keepalive != 0 and not 0 < s.tcp_keepalive <= MAX_TCP_KEEPALIVE_S:
+    if not 0 <= s.tcp_keepalive <= MAX_TCP_KEEPALIVE_S:
         raise SettingsError(
             f"invalid --tcp-keepalive: must be 0 (off) or up to {MAX_TCP_KEEPALIVE_S}s"
         )

@@ -692,7 +692,8 @@ class Connection(_Side):
 
     def link(self, side: _EndpointSide, mask: int) -> None:
         """The dial succeeded: join the two sides and move what is waiting on either."""
-        if not self.listener.settings.tcp_keepalive_s:
+        keepalive = self.listener.settings.tcp_keepalive_s
+        if not keepalive:
             self._cancel_deadline()
         # Else the dial's deadline stays armed, and when it fires on a pair still open the
         # endpoint side gets keep-alive probes (``_keep_alive_endpoint``); a pair that ends
@@ -717,8 +718,8 @@ class Connection(_Side):
             self.pump()
         if side.readable and not self.closed:
             side.pump()
-        if self.deadline is None and not self.closed:
-            self._keep_alive_endpoint()  # returns at once when keep-alive is off
+        if keepalive and self.deadline is None and not self.closed:
+            self._keep_alive_endpoint()
 
     def _keep_alive_endpoint(self) -> None:
         """Keep-alive probes on the endpoint's socket, as the client's has from its listener.
