@@ -49,6 +49,9 @@ import time
 from dataclasses import dataclass
 
 TASKS = "/proc/self/task"
+# The longest ``can_raise_back`` waits for its probe thread to be gone (it takes well under
+# a millisecond but for a CPU that is not free).
+PROBE_EXIT_WAIT_S = 1.0
 # The slice the control process asks for; the kernel clamps it to 0.1-100 ms.
 CONTROL_SLICE_NS = 20_000_000
 # sched_setattr(2) has no wrapper in Python or glibc: the system call, by number.
@@ -128,12 +131,20 @@ def set_process(nice: int, slice_ns: int = 0, *, tasks: str = TASKS) -> bool:
     return slices
 
 
-def can_raise_back(step: int) -> bool:
+def can_raise_back(step: int, *, tasks: str = TASKS) -> bool:
     """Whether a thread that went ``step`` nice levels down may come back up (what a worker
-    does): tried for real, on a short-lived thread of its own."""
+    does): tried for real, on a short-lived thread of its own.
+
+    When the answer is no, that thread cannot come back up either, and until the kernel has
+    removed it, it is one of this process's tasks that ``set_process`` cannot set: the
+    thread's ``join`` returns a moment before the thread is gone (under load, long enough
+    for a start to fail on it with EPERM). So this returns once it has left ``tasks``.
+    """
     answer: list[bool] = []
+    tid: list[int] = []
 
     def probe() -> None:
+        tid.append(threading.get_native_id())
         base = current()
         try:
             os.setpriority(os.PRIO_PROCESS, 0, base + step)
@@ -146,6 +157,9 @@ def can_raise_back(step: int) -> bool:
     t = threading.Thread(target=probe, name="nice-probe")
     t.start()
     t.join()
+    gone_by = time.monotonic() + PROBE_EXIT_WAIT_S
+    while tid and os.path.exists(f"{tasks}/{tid[0]}") and time.monotonic() < gone_by:
+        time.sleep(0.001)
     return answer == [True]
 
 
