@@ -48,6 +48,7 @@ def ip_family(ip: str) -> IPFamily:
 class LbAlgorithm(enum.StrEnum):
     ROUND_ROBIN = "round-robin"
     RANDOM = "random"
+    LEAST_CONNECTIONS = "least-connections"
 
 
 @dataclass(frozen=True, slots=True, order=True)

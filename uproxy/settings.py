@@ -176,8 +176,9 @@ class Settings:
         flag="--lb-algorithm",
         config="uproxy.lbAlgorithm",
         choices=tuple(a.value for a in LbAlgorithm),
-        help="How endpoints are chosen; the annotation uproxy.io/lb-algorithm overrides it "
-        "per service",
+        help="How endpoints are chosen: in turn, at random, or the one with the fewest "
+        "connections (UDP: flows) open in this worker, equal ones in turn; the annotation "
+        "uproxy.io/lb-algorithm overrides it per service",
     )
     # --- rules ---
     rules: str = opt(

@@ -199,6 +199,78 @@ def test_affinity_purged_for_removed_endpoints_and_bounded() -> None:
     assert b.pick("10.9.0.199", Traffic.CLUSTER) != pinned
 
 
+# ----- least-connections -----
+
+LEAST = LbAlgorithm.LEAST_CONNECTIONS
+
+
+def test_least_connections_takes_the_endpoint_with_fewest_open_and_equals_in_turn() -> None:
+    b = balancer(algorithm=LEAST)
+    assert b.counting
+    b.update(ServicePort(name=NAME, port=80), EPS[:3])
+    order = b.endpoints(Traffic.CLUSTER)
+    # Nothing ends: each endpoint gets one before any gets a second, in round-robin order.
+    held = [b.pick("c", Traffic.CLUSTER) for _ in range(6)]
+    assert held == [*order, *order]
+    # Two connections of one endpoint end: the next two go there, whatever the turn.
+    busy, freed = order[2], order[0]
+    b.release(freed)
+    b.release(freed)
+    assert [b.pick("c", Traffic.CLUSTER) for _ in range(2)] == [freed, freed]
+    # All level again (2 each): back to turns, from after the last one chosen.
+    assert b.pick("c", Traffic.CLUSTER) == order[1]
+    assert b.pick("c", Traffic.CLUSTER) == busy
+
+
+def test_least_connections_counts_by_address_across_updates_and_skips_excluded() -> None:
+    b = balancer(algorithm=LEAST)
+    port = ServicePort(name=NAME, port=80)
+    a, c = Endpoint("10.0.0.1", 80), Endpoint("10.0.0.2", 80)
+    b.update(port, [a, c])
+    for _ in range(4):
+        b.pick("x", Traffic.CLUSTER)  # 2 open each
+    b.release(a)
+    # The same pods with other conditions are new Endpoint objects: the counts hold.
+    a2, c2 = (dataclasses.replace(e, zone="z1") for e in (a, c))
+    b.update(port, [a2, c2])
+    assert b.pick("x", Traffic.CLUSTER) == a2
+    # An excluded endpoint (a dial to it just failed) is not taken, however idle.
+    b.release(a2)
+    b.release(a2)
+    assert b.pick("x", Traffic.CLUSTER, exclude=[a2]) == c2
+    # Releasing more than was counted never goes below nothing.
+    for _ in range(5):
+        b.release(c2)
+    assert b.pick("x", Traffic.CLUSTER) == a2
+
+
+def test_least_connections_counts_affinity_hits_and_only_while_it_is_the_algorithm() -> None:
+    clock = FakeClock()
+    b = balancer(clock=clock)
+    rr = ServicePort(name=NAME, port=80, affinity_timeout_s=100)
+    b.update(rr, EPS[:2])
+    counting = [b.counting]  # round-robin counts nothing
+    lc = dataclasses.replace(rr, lb_algorithm=LEAST)
+    b.update(lc, EPS[:2])
+    counting.append(b.counting)
+    assert counting == [False, True]
+    pinned = b.pick("10.9.0.1", Traffic.CLUSTER)
+    for _ in range(3):
+        assert b.pick("10.9.0.1", Traffic.CLUSTER) == pinned  # 4 open to it
+    other = b.pick("10.9.0.2", Traffic.CLUSTER)
+    assert other != pinned
+    assert b.pick("10.9.0.3", Traffic.CLUSTER) == other  # 1 < 4
+    assert other is not None
+    b.update(rr, EPS[:2])
+    assert not b.counting
+    b.release(other)  # a connection counted before the switch ends: nothing to count down
+    # Back to least-connections: counting starts afresh (what is still open is not
+    # counted), so two new clients get one endpoint each, not both the one with fewer.
+    b.update(lc, EPS[:2])
+    fresh = {b.pick("10.9.0.4", Traffic.CLUSTER), b.pick("10.9.0.5", Traffic.CLUSTER)}
+    assert fresh == set(EPS[:2])
+
+
 # ----- passive ejection -----
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -14,6 +15,7 @@ import pytest
 from tests.dataplane.conftest import (
     NODE,
     TCP_NAME,
+    Backend,
     BackendFactory,
     ListenerFactory,
     digest,
@@ -57,6 +59,75 @@ async def test_random_is_within_15_percent_of_even(
     seen = Counter([await ident_via(listener.port) for _ in range(300)])
     assert set(seen) == {b"b0", b"b1", b"b2"}
     assert all(85 <= n <= 115 for n in seen.values()), seen
+
+
+LEAST = LbAlgorithm.LEAST_CONNECTIONS
+Held = dict[bytes, list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
+
+
+async def hold_one(port: int, held: Held) -> bytes:
+    """A connection through ``port`` kept open in ``held``; the backend's ident."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    ident = (await asyncio.wait_for(reader.readline(), 5)).strip()
+    held.setdefault(ident, []).append((reader, writer))
+    return ident
+
+
+async def close_all(held: Held) -> None:
+    for pairs in held.values():
+        for _, writer in pairs:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+
+async def test_least_connections_sends_new_connections_where_fewest_are_open(
+    backends: BackendFactory, tcp_listener: ListenerFactory
+) -> None:
+    bs = [await backends(f"b{i}", greet=True) for i in range(3)]
+    balancer = make_balancer(TCP_NAME, [b.endpoint for b in bs], settings=S, algorithm=LEAST)
+    listener = await tcp_listener(balancer)
+    held: Held = {}
+    try:
+        for _ in range(6):
+            await hold_one(listener.port, held)
+        assert {k: len(v) for k, v in held.items()} == {b"b0": 2, b"b1": 2, b"b2": 2}
+        # Both connections to b1 end, from the client's side: the relay sees them through.
+        for _, writer in held.pop(b"b1"):
+            writer.close()
+        await wait_until(lambda: listener.active == 4, what="b1's pairs closed")
+        # Round-robin would go on in turn; least-connections fills b1 up first.
+        assert [await hold_one(listener.port, held) for _ in range(2)] == [b"b1", b"b1"]
+        # Bytes through one of the new ones, both ways.
+        reader, writer = held[b"b1"][0]
+        payload = os.urandom(1 << 20)
+        writer.write(payload)
+        echoed = await asyncio.wait_for(reader.readexactly(len(payload)), 10)
+        assert digest(echoed) == digest(payload)
+    finally:
+        await close_all(held)
+
+
+async def test_least_connections_forgets_a_failed_dial_at_once(
+    backends: BackendFactory, tcp_listener: ListenerFactory
+) -> None:
+    live = await backends("live", greet=True)
+    dead = refused_endpoint()
+    never_out = dataclasses.replace(S, eject_after=0)
+    balancer = make_balancer(TCP_NAME, [dead, live.endpoint], settings=never_out, algorithm=LEAST)
+    listener = await tcp_listener(balancer, settings=never_out)
+    held: Held = {}
+    revived = Backend(b"revived", greet=True, port=dead.port)
+    try:
+        # Every dial to the dead one is refused and retried on the live one, where all stay.
+        for _ in range(3):
+            assert await hold_one(listener.port, held) == b"live"
+        await revived.start()
+        # The refused dials left nothing counted: 0 open against 3, so all three go there.
+        assert [await hold_one(listener.port, held) for _ in range(3)] == [b"revived"] * 3
+    finally:
+        await close_all(held)
+        await revived.stop()
 
 
 async def test_client_ip_affinity_pins_then_moves_after_expiry(

@@ -28,7 +28,7 @@ from uproxy.dataplane.poller import read_poller_for
 from uproxy.dataplane.settings import DataplaneSettings
 from uproxy.dataplane.udp import reply_pktinfo
 from uproxy.localnet import has_loopback6
-from uproxy.model import Endpoint, ServicePort, Traffic
+from uproxy.model import Endpoint, LbAlgorithm, ServicePort, Traffic
 
 
 class _UdpEcho(asyncio.DatagramProtocol):
@@ -331,6 +331,33 @@ async def test_flows_persist_across_endpoint_updates(
         balancer.update(ServicePort(name=UDP_NAME, port=53), [new])
         assert (await exchange(c2, b"x", to))[:1] == b"n"
         assert (await exchange(c1, b"y", to))[:1] == b"o"
+
+
+async def test_least_connections_counts_open_flows_until_they_expire(
+    udp_backends: UdpBackendFactory, udp_listener: UdpListenerFactory
+) -> None:
+    (a, _), (b, _) = await udp_backends("a"), await udp_backends("b")
+    settings = DataplaneSettings(udp_timeout_s=0.5)
+    balancer = make_balancer(
+        UDP_NAME, [a, b], settings=settings, algorithm=LbAlgorithm.LEAST_CONNECTIONS
+    )
+    listener = await udp_listener(balancer, settings=settings)
+    to = ("127.0.0.1", listener.port)
+    with client_socket() as c1, client_socket() as c2, client_socket() as c3:
+        first = (await exchange(c1, b"1", to))[:1]
+        second = (await exchange(c2, b"2", to))[:1]
+        assert (await exchange(c3, b"3", to))[:1] == first  # 1 open each: in turn
+        # c1's and c3's flows expire while c2 keeps its own alive: `first` has none open.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 5
+        while listener.active > 1:
+            assert loop.time() < deadline, "the idle flows never expired"
+            assert await exchange(c2, b"k", to) == second + b"k"
+            await asyncio.sleep(0.05)
+        # In turn, `second` would be next; with fewest flows open, `first` is.
+        with client_socket() as c4:
+            reply = await exchange(c4, b"4" * 1000, to)
+        assert digest(reply) == digest(first + b"4" * 1000)
 
 
 async def test_wildcard_listener_replies_from_the_address_the_client_used(

@@ -818,6 +818,44 @@ def _proxy_ports(proc: subprocess.Popen[str], n: int) -> list[int]:
 
 
 @pytest.mark.skipif(not has_loopback6(), reason="this machine has no IPv6 loopback")
+async def test_a_least_connections_service_fills_up_the_endpoint_whose_connections_ended(
+    tmp_path: Path, backends: list[NamedBackend], proxies: list[Proxy]
+) -> None:
+    path = tmp_path / "services.yaml"
+    services_file(path, backends, annotations={"uproxy.io/lb-algorithm": "least-connections"})
+    proxy = await start_proxy(path, workers=1)  # one worker: it counts every connection
+    proxies.append(proxy)
+    port = proxy_port(proxy)
+    held: dict[str, list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]] = {}
+
+    async def hold() -> str:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        name = (await asyncio.wait_for(reader.readline(), 5)).decode().strip()
+        held.setdefault(name, []).append((reader, writer))
+        return name
+
+    try:
+        for _ in range(6):
+            await hold()
+        assert {name: len(pairs) for name, pairs in held.items()} == {"b1": 2, "b2": 2, "b3": 2}
+        for _, writer in held.pop("b2"):
+            writer.close()
+        open_now = ("default/web:http", "TCP")
+        await wait_for(lambda: per_worker(proxy, "uproxy_open_connections", open_now) == [4])
+        # The annotation reached the worker: b2 has none open, so both go there (in turn,
+        # b1 and b2 would).
+        assert [await hold(), await hold()] == ["b2", "b2"]
+        reader, writer = held["b2"][1]
+        payload = os.urandom(1 << 20)
+        writer.write(payload)
+        echoed = await asyncio.wait_for(reader.readexactly(len(payload)), 10)
+        assert hashlib.sha256(echoed).digest() == hashlib.sha256(payload).digest()
+    finally:
+        for pairs in held.values():
+            for _, writer in pairs:
+                writer.close()
+
+
 async def test_each_family_has_its_own_balancer_in_every_worker(
     tmp_path: Path, backends: list[NamedBackend], proxies: list[Proxy]
 ) -> None:

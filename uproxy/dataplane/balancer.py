@@ -1,4 +1,5 @@
-"""Endpoint selection for one service port: round-robin or random, with ClientIP affinity.
+"""Endpoint selection for one service port: round-robin, random or least-connections, with
+ClientIP affinity.
 
 The syncer owns one ``Balancer`` per service port and calls ``update`` with the port and
 its merged endpoints on every sync; listeners call ``pick`` for each new connection or UDP
@@ -21,6 +22,17 @@ means not picked while another endpoint can be: when every endpoint a connection
 is out, or has been tried, ejection is ignored (a dial that may fail beats a refusal that
 will). Each worker learns on its own, from its own dials. ``pick`` pays for this only while some
 endpoint of the port has failed.
+
+Least-connections (IPVS's ``lc``, HAProxy's ``leastconn``) sends a new connection, or a new
+UDP flow, to the endpoint with the fewest open in this worker, equal ones in round-robin
+order, so that long-lived connections (databases, gRPC, websockets) do not pile up on the
+endpoints that happened to get them. An open connection counts from the moment it is picked
+(a burst of connections that all arrive before any dial completes spreads too) until it ends
+or its dial fails; callers ``release`` what ``pick`` counted (``counting`` says whether it
+did). Each worker counts its own connections, as each learns its own failures: with several
+workers the choice is least-connections per worker. Connections opened before a switch to
+least-connections are not counted. Only a least-connections port keeps counts, and its
+``pick`` looks at each endpoint of the pool (as IPVS's ``lc`` does); the others keep no counts.
 """
 
 from __future__ import annotations
@@ -112,6 +124,7 @@ class Balancer:
         "_external_local",
         "_failing",
         "_internal_local",
+        "_load",
         "_local_ips",
         "_rng",
         "_settings",
@@ -146,6 +159,12 @@ class Balancer:
         self._affinity: OrderedDict[str, tuple[Endpoint, float]] | None = None
         # Endpoints whose last dials failed; None while none has (see the module docstring).
         self._failing: dict[Endpoint, _Failing] | None = None
+        # Least-connections only: the connections (UDP flows) open per endpoint address (IP
+        # and port: on a laptop, endpoints differ by port alone), only those above zero; None
+        # for the other algorithms.
+        self._load: dict[tuple[str, int], int] | None = (
+            {} if self._algorithm is LbAlgorithm.LEAST_CONNECTIONS else None
+        )
 
     def update(
         self, port: ServicePort, endpoints: Sequence[Endpoint], zone: str | None = None
@@ -160,6 +179,8 @@ class Balancer:
         external_local = port.external_policy_local
         if self._unchanged(algorithm, affinity_s, internal_local, external_local, eps, zone):
             return
+        if algorithm is not self._algorithm:
+            self._load = {} if algorithm is LbAlgorithm.LEAST_CONNECTIONS else None
         self._algorithm = algorithm
         self._affinity_s = affinity_s
         self._internal_local = internal_local
@@ -246,17 +267,43 @@ class Balancer:
         if timeout is not None and table is not None:  # set together, by update()
             now = self._clock()
             entry = table.get(client_ip)
-            if entry is not None:
-                ep, last = entry
-                if now - last < timeout and ep in pool.members and ep not in exclude:
-                    table[client_ip] = (ep, now)
-                    table.move_to_end(client_ip)
-                    return ep
+            chosen: Endpoint | None
+            if entry is not None and (
+                now - entry[1] < timeout and entry[0] in pool.members and entry[0] not in exclude
+            ):
+                chosen = entry[0]
+                table[client_ip] = (chosen, now)
+                table.move_to_end(client_ip)
+            else:
+                chosen = self._choose(pool, exclude)
+                if chosen is not None:
+                    self._remember(table, client_ip, chosen, now)
+        else:
             chosen = self._choose(pool, exclude)
-            if chosen is not None:
-                self._remember(table, client_ip, chosen, now)
-            return chosen
-        return self._choose(pool, exclude)
+        load = self._load
+        if load is not None and chosen is not None:
+            key = (chosen.ip, chosen.port)
+            load[key] = load.get(key, 0) + 1
+        return chosen
+
+    @property
+    def counting(self) -> bool:
+        """Whether ``pick`` counts the connections it hands out (least-connections): the
+        caller then ``release``s the endpoint when the connection is over."""
+        return self._load is not None
+
+    def release(self, endpoint: Endpoint) -> None:
+        """A connection (UDP flow) that ``pick`` counted to ``endpoint`` is over, or its
+        dial failed."""
+        load = self._load
+        if load is None:
+            return  # switched away from least-connections since the pick
+        key = (endpoint.ip, endpoint.port)
+        n = load.get(key, 0)
+        if n > 1:
+            load[key] = n - 1
+        elif n:
+            del load[key]
 
     def _with_ejected(
         self, failing: dict[Endpoint, _Failing], pool: _Pool, exclude: Collection[Endpoint]
@@ -273,6 +320,8 @@ class Balancer:
 
     def _choose(self, pool: _Pool, exclude: Collection[Endpoint]) -> Endpoint | None:
         order = pool.order
+        if self._load is not None:
+            return self._least(pool, self._load, exclude)
         if self._algorithm is LbAlgorithm.RANDOM:
             if not exclude:
                 return order[self._rng.randrange(len(order))]
@@ -285,6 +334,33 @@ class Balancer:
                 pool.position = (pool.position + step + 1) % n
                 return ep
         return None
+
+    def _least(
+        self, pool: _Pool, load: dict[tuple[str, int], int], exclude: Collection[Endpoint]
+    ) -> Endpoint | None:
+        """The endpoint with the fewest open connections, the first in round-robin order
+        from the pool's position among equals (the position then moves past it).
+
+        The scan stops at the first endpoint with none open: under short connections that
+        is the first one looked at, so only a pool whose every endpoint is busy (long-lived
+        connections, which arrive seldom) is scanned whole."""
+        order = pool.order
+        n = len(order)
+        best: Endpoint | None = None
+        best_open = best_at = 0
+        for step in range(n):
+            at = (pool.position + step) % n
+            ep = order[at]
+            if ep in exclude:
+                continue
+            open_now = load.get((ep.ip, ep.port), 0)
+            if best is None or open_now < best_open:
+                best, best_open, best_at = ep, open_now, at
+                if not open_now:
+                    break  # none can have fewer
+        if best is not None:
+            pool.position = (best_at + 1) % n
+        return best
 
     def _remember(
         self,

@@ -507,6 +507,7 @@ class Connection(_Side):
         "dialing",
         "endpoint",
         "fd_deadline",
+        "held",
         "linger",
         "linked",
         "listener",
@@ -526,6 +527,8 @@ class Connection(_Side):
         self.listener = listener
         self.client_ip = client_ip
         self.endpoint = endpoint
+        # The balancer counted ``endpoint`` (least-connections): released when it is done.
+        self.held = listener.balancer.counting
         self.closed = False
         self.linked = False
         self.dialing: _EndpointSide | None = None
@@ -651,18 +654,25 @@ class Connection(_Side):
         ep = self.endpoint
         self.attempt += 1
         balancer.dial_failed(self.client_ip, ep)
+        if self.held:
+            self.held = False
+            balancer.release(ep)
         if self.tried is None:
             self.tried = []
         self.tried.append(ep)
+        if self.attempt >= len(listener.settings.dial_timeouts_s):
+            self._give_up()
+            return
         nxt = balancer.pick(self.client_ip, listener.traffic, exclude=self.tried)
         if nxt is None:
             # Every endpoint was tried once: the next, longer attempt goes to any of them
             # again (a timeout under load is often not the endpoint's fault).
             nxt = balancer.pick(self.client_ip, listener.traffic)
-        if nxt is None or self.attempt >= len(listener.settings.dial_timeouts_s):
+        if nxt is None:
             self._give_up()
             return
         self.endpoint = nxt
+        self.held = balancer.counting
         self.dial()
 
     def _give_up(self) -> None:
@@ -777,6 +787,9 @@ class Connection(_Side):
         listener = self.listener
         if self.linked:
             listener.stats.live.value -= 1
+        if self.held:
+            self.held = False
+            listener.balancer.release(self.endpoint)
         listener.released(self)
         if FD_RESERVE.waiters:  # one attribute test per connection while nothing waits
             FD_RESERVE.released(listener.loop)

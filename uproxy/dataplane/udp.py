@@ -69,7 +69,17 @@ FlowKey = tuple[str, int] | tuple[str, int, bytes]
 class UdpFlow:
     """One client address and its connected socket to the chosen endpoint."""
 
-    __slots__ = ("answered", "client", "endpoint", "key", "last", "listener", "pktinfo", "sock")
+    __slots__ = (
+        "answered",
+        "client",
+        "endpoint",
+        "held",
+        "key",
+        "last",
+        "listener",
+        "pktinfo",
+        "sock",
+    )
 
     def __init__(
         self,
@@ -88,6 +98,8 @@ class UdpFlow:
         self.pktinfo = pktinfo
         self.last = now
         self.answered = False  # the endpoint has replied on this flow
+        # The balancer counted ``endpoint`` (least-connections): released when the flow goes.
+        self.held = listener.balancer.counting
 
     def readable(self) -> None:
         """Replies from the endpoint: to the client, from the address it sent to."""
@@ -290,11 +302,27 @@ class UdpListener:
         now: float,
     ) -> UdpFlow | None:
         client_ip = key[0]
-        ep = self.balancer.pick(client_ip, self.traffic)
+        balancer = self.balancer
+        ep = balancer.pick(client_ip, self.traffic)
         if ep is None:
             self.stats.refused.value += 1
             self.stats.no_endpoints.value += 1
             return None
+        flow = self._open_flow(key, ep, ancdata, now)
+        if flow is None and balancer.counting:
+            balancer.release(ep)
+        return flow
+
+    def _open_flow(
+        self,
+        key: FlowKey,
+        ep: Endpoint,
+        ancdata: list[tuple[int, int, bytes]] | None,
+        now: float,
+    ) -> UdpFlow | None:
+        """A flow of ``key`` to ``ep``, its socket connected and watched; None when that
+        fails (counted, the datagram dropped)."""
+        client_ip = key[0]
         flows = self.flows
         while len(flows) >= self.settings.udp_max_flows:
             self.drop_flow(next(iter(flows.values())))
@@ -370,6 +398,9 @@ class UdpListener:
     def drop_flow(self, flow: UdpFlow) -> None:
         if self.flows.get(flow.key) is flow:
             del self.flows[flow.key]
+        if flow.held:
+            flow.held = False
+            self.balancer.release(flow.endpoint)
         fd = flow.sock.fileno()
         if fd >= 0:
             self.poller.forget(fd)  # the flow's socket is its only copy: closing it unwatches
