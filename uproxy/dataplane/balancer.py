@@ -256,7 +256,8 @@ class Balancer:
     def pick(
         self, client_ip: str, traffic: Traffic, *, exclude: Collection[Endpoint] = ()
     ) -> Endpoint | None:
-        """The endpoint for this client, or None when no usable endpoint is left."""
+        """The endpoint for this client, or None when no usable endpoint is left; counted
+        as one more open on it while ``counting``, until ``release``."""
         pool = self._external if traffic is Traffic.EXTERNAL else self._cluster
         if not pool.order:
             return None

@@ -309,8 +309,8 @@ class UdpListener:
             self.stats.no_endpoints.value += 1
             return None
         flow = self._open_flow(key, ep, ancdata, now)
-        if flow is None and balancer.counting:
-            balancer.release(ep)
+        if flow is None:
+            balancer.release(ep)  # (a no-op unless the pick was counted)
         return flow
 
     def _open_flow(
