@@ -558,6 +558,8 @@ class WorkerPool:
             raise
         finally:
             theirs.close()
+        if self.lowered is not None:
+            priority.raise_started(process.pid, self.lowered)
         worker: _Worker | None = None
 
         def on_message(message: Message, sock: socket.socket | None) -> None:

@@ -185,3 +185,32 @@ async def test_control_nice_0_keeps_one_priority(run: Start) -> None:
     for pid in (r.pid, *workers):
         _assert_threads(pid, base, default)
     assert "yields the CPU" not in r.log.read_text()
+
+
+async def test_a_worker_starts_at_the_workers_priority_not_the_controls(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Before it has run a line of its own: its interpreter and imports must not run at the
+    # control's priority (under full load a replacement then took 1.3-1.5 s to be ready).
+    # The worker here is a program that never sets itself, so only the control process can
+    # have raised it.
+    from uproxy.dataplane.settings import DataplaneSettings
+    from uproxy.workers import WorkerPool
+
+    stand_in = tmp_path / "worker"
+    stand_in.write_text("#!/bin/sh\nexec sleep 30\n")
+    stand_in.chmod(0o755)
+    monkeypatch.setattr("uproxy.workers.sys.executable", str(stand_in))
+    base, default = priority.current(), _default_slice()
+    pool = WorkerPool(1, settings=DataplaneSettings(), argv=[], control_nice=STEP)
+    pool._lower_control()
+    assert pool.lowered is not None and pool.lowered.worker_nice == base
+    _assert_threads(os.getpid(), base + STEP, priority.CONTROL_SLICE_NS)
+    worker = await pool._spawn(0)
+    try:
+        _assert_threads(worker.process.pid, base, default)
+    finally:
+        worker.process.kill()
+        await worker.process.wait()
+        worker.channel.close()
+        worker.files.close()
