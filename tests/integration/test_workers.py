@@ -525,15 +525,24 @@ async def test_a_replacement_that_dies_before_it_is_ready_is_replaced_at_once(
     assert pool is not None
     port = proxy_port(proxy)
     first = pool.pids[0]
+    spawn = pool._spawn
+    stopped: list[int] = []
+
+    async def spawn_stopped(index: int) -> Any:
+        # Stopped as soon as it exists, before the loop can read a word from it: a
+        # replacement now starts at the workers' priority and, polled from the (lowered)
+        # control process under load, could be ready before the test caught it.
+        worker = await spawn(index)
+        if not stopped:
+            os.kill(worker.process.pid, signal.SIGSTOP)
+            stopped.append(worker.process.pid)
+        return worker
+
+    pool._spawn = spawn_stopped  # type: ignore[method-assign]
     os.kill(first, signal.SIGKILL)
-
-    def replaced() -> bool:
-        return 0 in pool._workers and pool._workers[0].process.pid != first
-
-    await wait_for(replaced, timeout=2, interval=0.002)
-    starting = pool._workers[0].process.pid
-    os.kill(starting, signal.SIGSTOP)
-    assert not _all_ready(proxy)  # it had no time to import the worker, let alone say so
+    await wait_for(lambda: bool(stopped), timeout=2, interval=0.002)
+    starting = stopped[0]
+    assert not _all_ready(proxy)  # it never ran long enough to say so
     killed_at = time.monotonic()
     os.kill(starting, signal.SIGKILL)
     # The second death in a row backs off 0.1 s; the third worker serves within a second.
