@@ -54,10 +54,20 @@ def _same_priority_after() -> Iterator[None]:
     from uproxy import priority
 
     before = priority.current()
-    state = (priority._giving_way, priority._interval, priority._gave_way)
+    state = (
+        priority._giving_way,
+        priority._interval,
+        priority._gave_way,
+        priority._yield_paused_until,
+    )
     yield
     priority.set_process(before)
-    priority._giving_way, priority._interval, priority._gave_way = state
+    (
+        priority._giving_way,
+        priority._interval,
+        priority._gave_way,
+        priority._yield_paused_until,
+    ) = state
 
 
 _HOST_SETTINGS = (

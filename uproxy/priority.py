@@ -28,7 +28,8 @@ settings of the scheduler fix that, each per thread:
   keep-alive p99 went from 0.84-1.03 / 0.71-1.64 ms to 0.55-0.88 / 0.68-0.86 ms
   (iptables-restore / nftables; 6 runs as before against 7 giving way, 5 of them every
   0.2 ms and 2 every 0.5 ms, alternating). A process that did not lower itself never gives
-  way.
+  way. Where the CPU is saturated by others, a yield costs far more than it gives, and a
+  yield that comes back late pauses them (``offer_cpu``).
 
 A new thread or process starts with its creator's values. So the control process sets every
 thread it has (later threads, and every command it runs, inherit them), and a worker, forked
@@ -70,9 +71,34 @@ GIVE_WAY_S = 0.0001
 # listeners (a pair of context switches): offers every 0.1 ms made a cold start of 10,000
 # services 0.05-0.15 s slower, every 0.2 ms up to 0.1 s.
 GIVE_WAY_STARTING_S = 0.0005
+# A yield that comes back later than this found the CPU taken by others, not by a worker
+# that wanted a moment of it: after it, no yield for ``YIELD_PAUSE_FACTOR`` times as long as
+# it took. Since Linux 6.18 a task that yields forfeits the rest of its slice in virtual
+# time (its vruntime moves to its deadline), which the scheduler charges at its weight: with
+# two busy nice-0 tasks on its CPU, a yield by the control process (nice 10, a 20 ms slice)
+# came back after 348-376 ms and one by a worker (nice 0) after 3.8 ms, against 1-2 us on
+# an idle CPU. Yielding every 0.1-0.5 ms, bulk work on a saturated CPU got 0.3-2 % of the
+# CPU its weight is worth: 5,000 services, listed in 0.7 s when idle, were not synced after
+# 120 s. With the pause, late yields cost at most a tenth of the time.
+YIELD_LATE_S = 0.002
+YIELD_PAUSE_FACTOR = 10
 _giving_way = False  # set once this process lowered itself
 _interval = GIVE_WAY_STARTING_S
 _gave_way = 0.0
+_yield_paused_until = 0.0
+
+
+def offer_cpu(now: float) -> None:
+    """``sched_yield``, unless a recent yield came back late (``YIELD_LATE_S``): then
+    nothing until ``YIELD_PAUSE_FACTOR`` times as long as that yield took has passed.
+    ``now``: ``time.perf_counter()``, just read."""
+    global _yield_paused_until
+    if now < _yield_paused_until:
+        return
+    os.sched_yield()
+    took = time.perf_counter() - now
+    if took > YIELD_LATE_S:
+        _yield_paused_until = now + took * (1 + YIELD_PAUSE_FACTOR)
 
 
 def give_way(now: float | None = None) -> None:
@@ -87,7 +113,7 @@ def give_way(now: float | None = None) -> None:
         now = time.perf_counter()
     if now - _gave_way >= _interval:
         _gave_way = now
-        os.sched_yield()
+        offer_cpu(now)
 
 
 def serving() -> None:

@@ -114,6 +114,44 @@ def test_only_a_lowered_process_gives_way_and_at_most_once_per_interval(
         priority.serving()  # the first sync is done: offers come sooner
 
 
+def test_a_yield_that_comes_back_late_pauses_yields_ten_times_as_long(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # On a CPU saturated by others each yield forfeits the rest of the slice: the control
+    # process's came back after ~370 ms. Yielding on would starve the bulk work it is in.
+    now = [1000.0]
+    took = [0.0]
+    yields: list[float] = []
+
+    def sched_yield() -> None:
+        yields.append(now[0])
+        now[0] += took[0]
+
+    monkeypatch.setattr(priority, "os", SimpleNamespace(sched_yield=sched_yield))
+    monkeypatch.setattr(priority, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(priority, "_yield_paused_until", 0.0)
+
+    def offer_for(seconds: float) -> tuple[int, int]:
+        """(offers, yields) over ``seconds`` of work that offers every 0.1 ms."""
+        offers, before, end = 0, len(yields), now[0] + seconds
+        while now[0] < end:
+            priority.offer_cpu(now[0])
+            offers += 1
+            now[0] += 0.0001
+        return offers, len(yields) - before
+
+    took[0] = 0.00001  # a worker had the CPU for 10 us: every offer yields
+    offers, yielded = offer_for(0.01)
+    assert yielded == offers > 50
+    took[0] = 0.37
+    assert offer_for(0.01)[1] == 1  # the first one came back after 0.37 s
+    took[0] = 0.00001
+    assert offer_for(3.69)[1] == 0  # for ten times as long: none
+    now[0] += 0.01
+    offers, yielded = offer_for(0.01)
+    assert yielded == offers > 50  # then every offer again
+
+
 @pytest.mark.root  # raising the priority back needs CAP_SYS_NICE
 def test_lowering_turns_giving_way_on_and_taking_back_turns_it_off(
     monkeypatch: pytest.MonkeyPatch,

@@ -319,11 +319,12 @@ class Channel:
         scheduler sees a worker busy with a 10,000-port sync as one task that never sleeps
         and lets it run out its time slice while a woken client, backend or other worker
         waits on that CPU (2-4.5 ms, ``perf sched``); the yield lets them run first, and
-        costs nothing when nobody waits.
+        costs nothing when nobody waits. On a CPU saturated by others it costs a tick
+        each time, so a yield that comes back late pauses them (``priority.offer_cpu``).
         """
         busy = self._busy
         if self._resume is not None:
-            os.sched_yield()
+            priority.offer_cpu(time.perf_counter())
             if busy is not None and not self._deferred and busy():
                 # The loop runs this pass before it collects the waiting input: wait one
                 # more pass (once: a pass after that applies at least one message).
