@@ -252,6 +252,9 @@ class ApiServerDouble:
             return
         self.drop_watches()
         await runner.cleanup()
+        # A watch that came in while the port was closing (a client reconnecting at once),
+        # still open after it: a server that is down sends nothing more.
+        self.drop_watches()
 
     async def restart(self, *, down_for_s: float = 0.0) -> None:
         """Go away for ``down_for_s`` seconds, then come back on the same port with the state."""
@@ -432,6 +435,8 @@ class ApiServerDouble:
             self._objects[kind][key] = new
         event = _Event(self._rv, kind, type_, new, old)
         self._log.append(event)
+        if self._runner is None:
+            return  # down: a watch resumes from the log once back up
         for w in self._watchers:
             if w.kind == kind:
                 w.queue.put_nowait(event)
