@@ -30,6 +30,12 @@ backend (``iptables-restore`` in nft mode, ``nftables``), each in a fresh namesp
   first old one refuses, and uproxy's log (``--logging-format json``) has counted N proxy
   ports opened and N closed. The table gives the share of the run the sync covered: the p99
   of a run is diluted by its undisturbed part.
+- **Big sync, workers saturated.** The same swap again (to a third set of N services), during
+  a 20 s run of new connections (``Connection: close``) as fast as wrk makes them instead of
+  the paced keep-alive run: the workers are then busy all the time, and the control process,
+  lowered below them, has to get its share from them. Its latency figures are those of a
+  connection run, not comparable to the keep-alive rows; what it shows is how long the sync
+  takes and that nothing fails.
 - **Rules repair.** A keep-alive run during which the rules are flushed (``iptables -t nat
   -F``, or ``nft delete table ip uproxy``), then flushed again 1 s after each repair (a new
   connection through the ClusterIP answers again; uproxy checks its rules every second).
@@ -73,6 +79,7 @@ METRICS_URL = "http://127.0.0.1:10249/metrics"
 READY_BASE_S = 30.0
 READY_PER_SERVICE_S = 0.015
 PROBE_TIMEOUT_S = 0.5
+SATURATE_CONNECTIONS = 16  # as the peers' connection run (``workloads.Durations``)
 POLL_S = 0.05
 # The rest of a node's rules: they keep the kernel's NAT hooks and conntrack registered.
 NODE_RULES = """table ip bench-node {
@@ -92,17 +99,19 @@ class Plan:
     repair_s: float  # length of the rules-repair run
     sync_min_s: float = 4.0
     sync_max_s: float = 40.0
+    # The saturated swap's run: long enough to see the sync end while the load lasts.
+    saturated_s: float = 20.0
     connections: int = 4  # as the peers' keep-alive run (``workloads.Durations``)
 
 
 FULL = Plan(services=10000, undisturbed_s=3, repair_s=10)
-QUICK = Plan(services=1000, undisturbed_s=1, repair_s=3, sync_min_s=3.0)
+QUICK = Plan(services=1000, undisturbed_s=1, repair_s=3, sync_min_s=3.0, saturated_s=5.0)
 
 
 def planned_seconds(plan: Plan) -> float:
-    """Per rules backend: start-up, the three runs, stopping (for the progress estimate)."""
+    """Per rules backend: start-up, the four runs, stopping (for the progress estimate)."""
     start = 1.0 + plan.services * 0.0008
-    return 3 * start + 4 + plan.undisturbed_s + plan.repair_s
+    return 3 * start + 5 + plan.undisturbed_s + plan.repair_s + plan.saturated_s
 
 
 def service_yaml(name: str, ip: str, target: int) -> str:
@@ -130,7 +139,8 @@ endpoints:
 
 
 def filler_ip(generation: int, i: int) -> str:
-    """Generation 0 in 10.96.0.0/15, generation 1 in 10.98.0.0/15: never the same address."""
+    """Generation 0 in 10.96.0.0/15, generation 1 in 10.98.0.0/15, generation 2 in
+    10.100.0.0/15 (below the target's 10.100.255.10): never the same address."""
     return f"10.{96 + 2 * generation + i // 62500}.{i // 250 % 250}.{i % 250 + 1}"
 
 
@@ -253,14 +263,16 @@ class Session:
         else:
             _check(["iptables-nft", "-w", "5", "-t", "nat", "-F"])
 
-    def keepalive(self, seconds: float) -> Callable[[], wl.Figures]:
-        """The peers' paced keep-alive wrk run, to the measured service's ClusterIP."""
+    def keepalive(self, seconds: float, *, saturate: bool = False) -> Callable[[], wl.Figures]:
+        """The peers' paced keep-alive wrk run, to the measured service's ClusterIP; with
+        ``saturate``, their unpaced connection run instead (16 connections)."""
+        script, connections = ("conn", SATURATE_CONNECTIONS) if saturate else ("keepalive", 0)
 
         def run() -> wl.Figures:
             return wl.wrk(
                 PORT,
-                script=self.scripts["keepalive"],
-                connections=self.plan.connections,
+                script=self.scripts[script],
+                connections=connections or self.plan.connections,
                 seconds=seconds,
                 core=self.ctx.where.load,
                 host=TARGET_IP,
@@ -316,16 +328,21 @@ def check_bytes(s: Session) -> None:
         raise RuntimeError(f"HTTP body through the ClusterIP is wrong ({len(body)} bytes)")
 
 
-def big_sync(s: Session, start_s: float) -> wl.Figures:
-    """Replace every filler service while a keep-alive run goes on; time the sync."""
+def big_sync(
+    s: Session, start_s: float, *, generation: int = 1, saturate: bool = False
+) -> wl.Figures:
+    """Replace every filler service (generation - 1) by ``generation``'s while a keep-alive
+    run (``saturate``: a connection run as fast as it goes) goes on; time the sync."""
     n = s.plan.services
     seconds = min(max(2.0 * start_s + 3.0, s.plan.sync_min_s), s.plan.sync_max_s)
+    if saturate:
+        seconds = s.plan.saturated_s
     fresh = s.services.with_suffix(".next")
-    fresh.write_text(services_file(1, n, s.backends.ports.http))
-    old_ip, new_ip = filler_ip(0, 0), filler_ip(1, n - 1)
+    fresh.write_text(services_file(generation, n, s.backends.ports.http))
+    old_ip, new_ip = filler_ip(generation - 1, 0), filler_ip(generation, n - 1)
     syncs_before = scrape((SYNCS,))[SYNCS]
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        running = pool.submit(s.accounted, s.keepalive(seconds))
+        running = pool.submit(s.accounted, s.keepalive(seconds, saturate=saturate))
         time.sleep(0.5)
         os.replace(fresh, s.services)
         replaced_wall, replaced = time.time(), time.monotonic()
@@ -401,6 +418,9 @@ def run(
         progress.say(f"disturb {rules}: big sync: {_sync_line(entry['big_sync'])}")
         entry["repair"] = rules_repairs(s)
         progress.say(f"disturb {rules}: rules repair: {_repair_line(entry['repair'])}")
+        saturated = big_sync(s, entry["start"]["listening_s"], generation=2, saturate=True)
+        entry["big_sync_saturated"] = saturated
+        progress.say(f"disturb {rules}: big sync, workers saturated: {_sync_line(saturated)}")
         entry["end"] = proctree.memory_mb(s.pids)
         entry["end"]["worker_restarts"] = scrape((RESTARTS,))[RESTARTS]
     finally:

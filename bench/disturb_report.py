@@ -1,9 +1,10 @@
 """The table of ``bench.disturb``: keep-alive latency through uproxy during its control work.
 
-Each rules backend gets three rows (undisturbed, big sync, rules repair), each p99 beside
-uproxy's own undisturbed p99 and HAProxy's plain keep-alive p99 from the peers of the same
-run (``haproxy-2cpu``, both CPUs as here, and pinned ``haproxy``), with the CPU each of
-uproxy's roles spent during the run and what the disturbance did.
+Each rules backend gets four rows (undisturbed, big sync, rules repair, and a big sync
+while the workers are saturated), each p99 beside uproxy's own undisturbed p99 and
+HAProxy's plain keep-alive p99 from the peers of the same run (``haproxy-2cpu``, both CPUs
+as here, and pinned ``haproxy``; none for the saturated run, a connection run), with the CPU
+each of uproxy's roles spent during the run and what the disturbance did.
 """
 
 from __future__ import annotations
@@ -11,7 +12,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-RUNS = (("undisturbed", "undisturbed"), ("big_sync", "big sync"), ("repair", "rules repair"))
+RUNS = (
+    ("undisturbed", "undisturbed"),
+    ("big_sync", "big sync"),
+    ("repair", "rules repair"),
+    ("big_sync_saturated", "big sync, workers saturated (a connection run, not keep-alive)"),
+)
+# Runs whose latency is not a keep-alive run's: no ratio to the keep-alive p99s.
+NOT_KEEPALIVE = frozenset({"big_sync_saturated"})
 
 
 def _haproxy_p99(summary: dict[str, Any], peer: str) -> float | None:
@@ -27,7 +35,7 @@ def _what(key: str, f: dict[str, Any], services: int) -> str:
     def s(v: float) -> str:
         return "not seen" if v < 0 else f"{v:.1f} s"
 
-    if key == "big_sync":
+    if key.startswith("big_sync"):
         return (
             f"{services:,} services replaced by {services:,} others: new ones answer after "
             f"{s(f['new_reachable_s'])}, old ones refused after {s(f['old_refused_s'])}, "
@@ -60,9 +68,11 @@ def _rows(rules: str, entry: dict[str, Any], summary: dict[str, Any]) -> list[st
             f"{f['p999_ms']:.2f}",
             f"{f['max_ms']:.1f}",
             f"{f['errors']:.0f}",
-            _x(f["p99_ms"], base),
-            _x(f["p99_ms"], h2),
-            _x(f["p99_ms"], h1),
+            *(
+                ["-"] * 3
+                if key in NOT_KEEPALIVE
+                else [_x(f["p99_ms"], base), _x(f["p99_ms"], h2), _x(f["p99_ms"], h1)]
+            ),
             f"{f.get('cpu_main_s', 0):.2f}",
             f"{f.get('cpu_workers_s', 0):.2f}",
             f"{f.get('cpu_other_s', 0):.2f}",
