@@ -73,8 +73,8 @@ GIVE_WAY_S = 0.0001
 GIVE_WAY_STARTING_S = 0.0005
 # A yield that comes back later than this found the CPU taken by others, not by a worker
 # that wanted a moment of it: after it, no yield for ``YIELD_PAUSE_FACTOR`` times as long as
-# it took. Since Linux 6.18 a task that yields forfeits the rest of its slice in virtual
-# time (its vruntime moves to its deadline), which the scheduler charges at its weight: with
+# it took. On the kernels measured here (6.18) a task that yields forfeits the rest of its
+# slice in virtual time (its vruntime moves to its deadline), charged at its weight: with
 # two busy nice-0 tasks on its CPU, a yield by the control process (nice 10, a 20 ms slice)
 # came back after 348-376 ms and one by a worker (nice 0) after 3.8 ms, against 1-2 us on
 # an idle CPU. Yielding every 0.1-0.5 ms, bulk work on a saturated CPU got 0.3-2 % of the
