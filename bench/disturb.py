@@ -263,16 +263,19 @@ class Session:
         else:
             _check(["iptables-nft", "-w", "5", "-t", "nat", "-F"])
 
-    def keepalive(self, seconds: float, *, saturate: bool = False) -> Callable[[], wl.Figures]:
+    def load(self, seconds: float, *, saturate: bool = False) -> Callable[[], wl.Figures]:
         """The peers' paced keep-alive wrk run, to the measured service's ClusterIP; with
-        ``saturate``, their unpaced connection run instead (16 connections)."""
-        script, connections = ("conn", SATURATE_CONNECTIONS) if saturate else ("keepalive", 0)
+        ``saturate``, their unpaced connection run instead."""
+        if saturate:
+            script, connections = "conn", SATURATE_CONNECTIONS
+        else:
+            script, connections = "keepalive", self.plan.connections
 
         def run() -> wl.Figures:
             return wl.wrk(
                 PORT,
                 script=self.scripts[script],
-                connections=connections or self.plan.connections,
+                connections=connections,
                 seconds=seconds,
                 core=self.ctx.where.load,
                 host=TARGET_IP,
@@ -334,15 +337,16 @@ def big_sync(
     """Replace every filler service (generation - 1) by ``generation``'s while a keep-alive
     run (``saturate``: a connection run as fast as it goes) goes on; time the sync."""
     n = s.plan.services
-    seconds = min(max(2.0 * start_s + 3.0, s.plan.sync_min_s), s.plan.sync_max_s)
     if saturate:
         seconds = s.plan.saturated_s
+    else:
+        seconds = min(max(2.0 * start_s + 3.0, s.plan.sync_min_s), s.plan.sync_max_s)
     fresh = s.services.with_suffix(".next")
     fresh.write_text(services_file(generation, n, s.backends.ports.http))
     old_ip, new_ip = filler_ip(generation - 1, 0), filler_ip(generation, n - 1)
     syncs_before = scrape((SYNCS,))[SYNCS]
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        running = pool.submit(s.accounted, s.keepalive(seconds, saturate=saturate))
+        running = pool.submit(s.accounted, s.load(seconds, saturate=saturate))
         time.sleep(0.5)
         os.replace(fresh, s.services)
         replaced_wall, replaced = time.time(), time.monotonic()
@@ -376,7 +380,7 @@ def rules_repairs(s: Session) -> wl.Figures:
     repairs: list[float] = []
     full_before = scrape((FULL_SYNCS,))[FULL_SYNCS]
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        running = pool.submit(s.accounted, s.keepalive(s.plan.repair_s))
+        running = pool.submit(s.accounted, s.load(s.plan.repair_s))
         time.sleep(0.5)
         end = time.monotonic() + s.plan.repair_s - 1.5
         while time.monotonic() < end and not running.done():
@@ -412,7 +416,7 @@ def run(
     entry: dict[str, Any] = {"rules": rules, "services": plan.services, "workers": WORKERS}
     try:
         entry["start"] = start(s, progress)
-        entry["undisturbed"] = s.accounted(s.keepalive(plan.undisturbed_s))
+        entry["undisturbed"] = s.accounted(s.load(plan.undisturbed_s))
         progress.say(f"disturb {rules}: undisturbed: {_line(entry['undisturbed'])}")
         entry["big_sync"] = big_sync(s, entry["start"]["listening_s"])
         progress.say(f"disturb {rules}: big sync: {_sync_line(entry['big_sync'])}")
