@@ -79,11 +79,17 @@ def pause() -> None:
     _depth += 1
 
 
-def resume() -> None:
-    """End of a bulk: freeze what it made; the collector is back on once no bulk is left."""
+def resume(*, freeze: bool = True) -> None:
+    """End of a bulk: freeze what it made; the collector is back on once no bulk is left.
+
+    ``freeze=False`` ends a pause whose work turned out small (a reload that changed one
+    document): what it made stays in the collector's sight, cyclic garbage included.
+    """
     global _depth
     _depth -= 1
-    gc.freeze()
+    if freeze:
+        gc.freeze()
     if _depth == 0:
         gc.enable()
-        trim()
+        if freeze:
+            trim()

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import pytest
 import yaml
 
 from tests.factories import endpoint, endpoint_slice, service
+from uproxy import heap
 from uproxy.model import Protocol, ServicePortName
 from uproxy.objects import object_key
 from uproxy.sources import file as file_source
@@ -424,6 +426,75 @@ async def test_each_object_is_converted_once(
     await src.poll()
     assert sorted(converted) == sorted(object_key(d) for d in docs[:-2])
     assert ServicePortName("default", "svc-19", "http", Protocol.TCP) not in tracker.snapshot()
+
+
+@pytest.fixture
+def collector_restored() -> Iterator[None]:
+    yield
+    gc.unfreeze()
+    gc.enable()
+
+
+class LoadSpy:
+    """``_load`` as it is, noting whether the collector was on while it ran."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.collector_on: list[bool] = []
+        self.made: list[Any] = []  # the documents each load parsed
+        self._real = file_source._load
+        monkeypatch.setattr(file_source, "_load", self)
+
+    def __call__(self, *args: Any) -> Any:
+        self.collector_on.append(gc.isenabled())
+        change = self._real(*args)
+        if change is not None:
+            self.made += [c.obj for _, c in change.upserts]
+        return change
+
+
+def frozen(obj: object) -> bool:
+    """Moved out of the collector's generations by ``gc.freeze`` (it is still tracked)."""
+    assert gc.is_tracked(obj)
+    return all(o is not obj for o in gc.get_objects())
+
+
+@pytest.mark.usefixtures("collector_restored")
+async def test_a_big_reload_parses_without_the_collector_and_freezes_what_it_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The collector's full passes over a big parse's objects held the GIL, and with it the
+    # loop, for up to 125 ms each at 10,000 services.
+    path = tmp_path / "services.yaml"
+    n = heap.BULK_MIN + 100
+    src, tracker = await loaded(path, cluster(n))
+    spy = LoadSpy(monkeypatch)
+    rewrite(path, dump(*cluster(n, ip="10.0.0.2")))
+    await src.poll()
+    assert len(tracker.calls) == n  # every slice changed
+    assert spy.collector_on == [False]
+    assert gc.isenabled() and heap._depth == 0
+    assert frozen(spy.made[-1])  # what the tracker keeps is out of the passes' way
+
+
+@pytest.mark.usefixtures("collector_restored")
+async def test_a_small_or_bad_reload_leaves_the_collector_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "services.yaml"
+    docs = cluster(20)
+    src, tracker = await loaded(path, docs)
+    spy = LoadSpy(monkeypatch)
+    docs[3] = endpoint_slice("svc-1-1", "svc-1", endpoints=[endpoint("10.0.0.7")])
+    rewrite(path, dump(*docs))
+    await src.poll()
+    with caplog.at_level(logging.ERROR, logger="uproxy"):
+        rewrite(path, "kind: [")
+        await src.poll()
+    assert tracker.calls == [("upsert", Kind.ENDPOINT_SLICE, "default/svc-1-1")]
+    assert len(caplog.records) == 1
+    assert spy.collector_on == [False, False]
+    assert gc.isenabled() and heap._depth == 0
+    assert not frozen(spy.made[0])  # a small change's objects stay in the collector's sight
 
 
 async def test_a_reload_is_announced_once_when_all_of_it_is_in(tmp_path: Path) -> None:
