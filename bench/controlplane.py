@@ -151,7 +151,7 @@ def _note(notes: list[str], where: str, res: dict[str, Any], progress: Progress)
         progress.say(f"control plane, {where}: failed: {why}")
     for problem in res.get("problems", []):
         notes.append(f"{where}: {problem}")
-    for kind in ("endpoint_change", "endpoint_change_scraped", "service_add"):
+    for kind in ("endpoint_change", "endpoint_change_scraped", "service_add", "bulk_move"):
         for problem in res.get("detail", {}).get(kind, {}).get("problems", []):
             notes.append(f"{where}, {kind}: {problem}")
     return failed

@@ -8,8 +8,9 @@ watches) or written as a services file, so the two cold starts read the same clu
 
 The double runs in its own process, on the load core, in the node's network namespace (where
 uproxy reaches it on 127.0.0.1). Besides the Kubernetes API it listens on a unix socket for the
-writes a run makes while uproxy is up: an endpoint moved to the other backend, a service
-added, every watch expired (410 Gone) so that uproxy relists. Each write is answered with the
+writes a run makes while uproxy is up: an endpoint moved to the other backend, every
+service's endpoint moved at once, a service added, every watch expired (410 Gone) so that
+uproxy relists. Each write is answered with the
 CLOCK_MONOTONIC time at which the double committed it: that clock is the same in every process
 on the machine, so a run is timed from the API write itself, not from its own request.
 """
@@ -192,6 +193,15 @@ async def _apply(api: Any, request: Obj) -> Obj:
         slice_ = endpoint_slice(name, request["address"], trigger=time.time())
         api.create("EndpointSlice", slice_)
         return {"t": t}
+    if op == "move_all":
+        # Every service's endpoint at once, as a rollout of every backend or a node's
+        # drain looks to a watcher: one MODIFIED event per slice, back to back.
+        address, count = request["address"], int(request["services"])
+        stamp = time.time()
+        t = time.monotonic()
+        for i in range(count):
+            api.update("EndpointSlice", endpoint_slice(f"svc-{i}", address, trigger=stamp))
+        return {"t": t, "written_s": time.monotonic() - t}
     if op == "relist":
         return await _relist(api, float(request.get("timeout_s", 120)))
     raise ValueError(f"unknown op {op!r}")

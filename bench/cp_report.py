@@ -82,6 +82,14 @@ def _scrapes(e: Entry) -> str:
     return f"{s['count']} scrapes, median {statistics.median(s['s']):.2f} s, {s['failed']} failed"
 
 
+def _bulk(e: Entry) -> str:
+    b = e.get("api", {}).get("detail", {}).get("bulk_move")
+    if not b:
+        return "-"
+    last = "not moved" if b["last_s"] is None else f"{b['last_s']:.2f} s"
+    return f"{last}; CPU {b['control_cpu_s']:.2f} s control, {b['tree_cpu_s']:.2f} s in all"
+
+
 def _own(histogram: str, what: str) -> Callable[[Entry], str]:
     """Mean of one of uproxy's histograms over the changes and additions, in ms."""
 
@@ -119,6 +127,8 @@ def _rows(plan: dict[str, Any]) -> list[tuple[str, str, Callable[[Entry], str]]]
         ("— the scrapes meanwhile", "", _scrapes),
         ("service added, p50 / p99 (ms)", f"p99 ≤ {GOAL_ADD_P99_MS:,} ms",
          _latency("service_add")),
+        ("every endpoint moved at once (one watch event each): the last answered; CPU", "",
+         _bulk),
         ("one /metrics scrape", "", _metrics),
         ("uproxy's own figures meanwhile: mean sync (ms)", "",
          _own("kubeproxy_sync_proxy_rules_duration_seconds", "syncs")),

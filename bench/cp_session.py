@@ -14,7 +14,8 @@ What one session measures, in this order (see ``bench.controlplane`` for the def
    figure the median of the starts;
 2. memory (API source): RSS at synced, after ``settle_s`` idle, after ``relists`` forced relists;
 3. detail (the largest size only): one /metrics scrape; endpoint changes, without and then with
-   a scrape every second; services added. Each write lands after a random pause (a fixed
+   a scrape every second; services added; then every endpoint moved at once (a watch burst
+   of one event per service), timed and its CPU read. Each write lands after a random pause (a fixed
    seed), so that it meets uproxy's periodic work (rules check every second, rate-limited
    syncs) at a random phase, as a write in a cluster would.
 """
@@ -32,6 +33,7 @@ from pathlib import Path
 from subprocess import Popen
 from typing import Any
 
+from bench import proctree
 from bench.cp_cluster import (
     ADDED_PORT_BASE,
     BACKENDS,
@@ -54,13 +56,17 @@ from bench.cp_probes import (
     status_mib,
     wait_rules,
 )
-from bench.procs import Cores, ProcessGroup, listening_ports
+from bench.procs import Cores, ProcessGroup, cpu_split, listening_ports
+from bench.proctree import CLK_TCK
 from bench.progress import Progress
 
 METRICS = ("127.0.0.1", 10249)
 OLD, NEW = "backend-a", "backend-b"
 POLL_LIMIT_S = 10.0  # one endpoint change or one added service: give up after this long
 POLL_MAX_ATTEMPTS = 5000
+BULK_LIMIT_S = 60  # every endpoint moved at once: give up after this long
+BULK_SAMPLES = 20
+BULK_QUIET_S = 0.5
 SYNC_SAMPLES = tuple(
     f"{name}_{part}"
     for name in (
@@ -146,7 +152,7 @@ def _session(
     if control is not None:
         _memory(plan, proxy, control, result, progress)
         if plan.detail:
-            result["detail"] = _detail(plan, procs, cores, control, workdir, progress)
+            result["detail"] = _detail(plan, procs, proxy.pid, cores, control, workdir, progress)
     result["rss_end_mib"] = status_mib(proxy.pid)
     result["peak_rss_mib"] = status_mib(proxy.pid, "VmHWM")
     if proxy.poll() is not None:
@@ -295,6 +301,7 @@ def _memory(
 def _detail(
     plan: SessionPlan,
     procs: ProcessGroup,
+    proxy_pid: int,
     cores: Cores,
     control: Control,
     workdir: Path,
@@ -321,6 +328,12 @@ def _detail(
     progress.say(_said("endpoint change, /metrics every 1 s", out["endpoint_change_scraped"]))
     out["service_add"] = _additions(control, c, rng)
     progress.say(_said("service added", out["service_add"]))
+    out["bulk_move"] = bulk = _bulk_move(control, proxy_pid, n)
+    progress.say(
+        f"control plane, every endpoint moved at once ({n:,} watch events): the last service "
+        f"answered from {NEW} after {_num(bulk['last_s'])} s, the control process's CPU "
+        f"{_num(bulk['control_cpu_s'])} s, all of uproxy's {_num(bulk['tree_cpu_s'])} s"
+    )
     # uproxy's own account of its work meanwhile, to read the figures with.
     after = sample_values(scrape(*METRICS)[0].decode(), SYNC_SAMPLES)
     out["uproxy_metrics"] = {k: after[k] - before.get(k, 0.0) for k in after}
@@ -368,6 +381,67 @@ def _changes(control: Control, indices: list[int], rng: random.Random) -> dict[s
             f"from neither backend while endpoints moved (each should reach one of them)"
         )
     return out
+
+
+def _bulk_move(control: Control, proxy_pid: int, services: int) -> dict[str, Any]:
+    """Every service's endpoint moves to backend-b in one go (one watch event per slice).
+
+    Timed to the first answer from backend-b through the last service written (the watch
+    delivers in order); then a spread of BULK_SAMPLES services must answer from backend-b
+    too, and uproxy's CPU is read once its control process has been idle for BULK_QUIET_S.
+    """
+    out: dict[str, Any] = {"events": services, "problems": []}
+    cpu0, own0 = cpu_split(proxy_pid), _own_cpu(proxy_pid)
+    reply = control.call(
+        {"op": "move_all", "address": BACKENDS[NEW], "services": services}, timeout_s=60
+    )
+    t, out["written_s"] = reply["t"], reply["written_s"]
+    last = services - 1
+    poll = poll_answer(
+        cluster_ip(last),
+        PORT_BASE + last,
+        NEW,
+        accept=frozenset({OLD}),
+        limit_s=BULK_LIMIT_S,
+        max_attempts=BULK_LIMIT_S * 200,
+    )
+    out["last_s"] = None if poll.first_at is None else poll.first_at - t
+    if poll.failed or poll.other:
+        out["problems"].append(
+            f"{poll.failed} connections unanswered, {poll.other} answered by neither backend"
+        )
+    stale = []
+    for k in (j * services // BULK_SAMPLES for j in range(BULK_SAMPLES)):
+        try:
+            answer = ask(cluster_ip(k), PORT_BASE + k)
+        except OSError as e:
+            answer = f"no answer ({e})"
+        if answer != NEW:
+            stale.append(f"svc-{k}: {answer!r}")
+    if stale:
+        out["problems"].append(f"after the last moved, not moved yet: {', '.join(stale[:5])}")
+    deadline, prev = time.monotonic() + BULK_LIMIT_S, _own_cpu(proxy_pid)
+    while time.monotonic() < deadline:
+        time.sleep(BULK_QUIET_S)
+        now = _own_cpu(proxy_pid)
+        if now - prev < BULK_QUIET_S * 0.05:  # under 5 % of a CPU: done
+            break
+        prev = now
+    cpu1 = cpu_split(proxy_pid)
+    out["control_cpu_s"] = _own_cpu(proxy_pid) - own0
+    out["tree_cpu_s"] = sum(cpu1) - sum(cpu0)
+    return out
+
+
+def _own_cpu(pid: int) -> float:
+    """User and system CPU seconds of one process (not its children)."""
+    (s,) = proctree.sample([pid])
+    p = s.procs[pid]
+    return (p.user + p.system) / CLK_TCK
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _additions(control: Control, count: int, rng: random.Random) -> dict[str, Any]:

@@ -62,6 +62,7 @@ class _Resource:
 
 
 _LIVENESS_CHECK_S = 0.25  # how often an idle watch checks that its client is still there
+_EVENTS_PER_WRITE = 1000  # queued events sent in one write at most
 
 _RESOURCES = {
     r.kind: r
@@ -566,6 +567,7 @@ class ApiServerDouble:
         deadline = loop.time() + timeout_s if timeout_s > 0 else None
         interval = self.bookmark_interval_s if w.bookmarks else None
         next_bookmark = loop.time() + interval if interval else None
+        held: _Event | _Bookmark | str | None = None  # taken from the queue, not sent yet
         while True:
             now = loop.time()
             if deadline is not None and now >= deadline:
@@ -573,7 +575,9 @@ class ApiServerDouble:
             if w.transport is None or w.transport.is_closing():
                 return  # the client went away: do not count it as an open watch
             item: _Event | _Bookmark | str
-            if interval and next_bookmark is not None and now >= next_bookmark:
+            if held is not None:
+                item, held = held, None
+            elif interval and next_bookmark is not None and now >= next_bookmark:
                 # Only with nothing queued: then every event up to now has been sent.
                 next_bookmark = now + interval
                 if not w.queue.empty():
@@ -604,9 +608,22 @@ class ApiServerDouble:
                     await _write(response, {"type": "BOOKMARK", "object": obj})
                 continue
             if isinstance(item, _Event):
-                line = _event_line(item, w.filter)
-                if line is not None:
-                    await _write(response, line)
+                # Events queued together go out in one write, as a busy server's share
+                # segments: a client that falls behind reads many at once.
+                lines: list[bytes] = []
+                while True:
+                    line = _event_line(item, w.filter)
+                    if line is not None:
+                        lines.append(_encode(line))
+                    if w.queue.empty() or len(lines) >= _EVENTS_PER_WRITE:
+                        break
+                    nxt = w.queue.get_nowait()
+                    if not isinstance(nxt, _Event):
+                        held = nxt
+                        break
+                    item = nxt
+                if lines:
+                    await response.write(b"".join(lines))
 
 
 def _event_line(event: _Event, flt: Filter) -> Obj | None:
@@ -626,7 +643,11 @@ def _event_line(event: _Event, flt: Filter) -> Obj | None:
 
 
 async def _write(response: web.StreamResponse, event: Obj) -> None:
-    await response.write(json.dumps(event, separators=(",", ":")).encode() + b"\n")
+    await response.write(_encode(event))
+
+
+def _encode(event: Obj) -> bytes:
+    return json.dumps(event, separators=(",", ":")).encode() + b"\n"
 
 
 def _strip_type(obj: Obj) -> Obj:
