@@ -8,12 +8,11 @@ on stderr and a non-zero exit, never a traceback.
 from __future__ import annotations
 
 import argparse
-import gc
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from uproxy import __version__
+from uproxy import __version__, heap
 from uproxy.eventloop import run_loop
 from uproxy.log import setup as setup_logging
 from uproxy.settings import Settings, SettingsError, convert, setting_fields, validate
@@ -140,8 +139,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(ns, "init_only", False):
         return _init_only(settings)
     # Importing the clients makes ~10^5 long-lived objects: the collector's passes over them
-    # were 20-60 ms each at start. run_proxy() freezes them and turns it back on.
-    gc.disable()
+    # were 20-60 ms each at start. The start is bulk work (uproxy.heap): run_proxy() ends it
+    # once the proxy has started, which freezes them.
+    heap.pause()
     from uproxy.run import run_proxy
 
     try:

@@ -8,6 +8,7 @@ re-watch (not relist) after a dropped or silent stream, periodic relist, filteri
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 from collections.abc import Iterable
 from pathlib import Path
@@ -17,11 +18,14 @@ import pytest
 
 from tests.apiserver import ApiServerDouble
 from tests.conftest import wait_for
+from uproxy import heap
 from uproxy.model import Protocol, ServicePortName
 from uproxy.sources.kube import (
+    MAX_EVENT_BYTES,
     KubeConfigError,
     Listing,
     Obj,
+    _Lines,
     make_api_client,
     service_label_selector,
 )
@@ -435,3 +439,69 @@ async def test_410_in_an_open_stream_relists(
     await wait_for(lambda: apiserver.list_count(SVC) == 2 and apiserver.list_count(EPS) == 2)
     apiserver.delete(SVC, service("a"))
     await wait_for(lambda: names(tracker) == {"b"})
+
+
+async def test_a_watch_burst_is_applied_with_the_collector_off_and_frozen(
+    apiserver: ApiServerDouble, start_source: SourceFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Events that pile up in the stream are bulk work (``uproxy.heap``): the collector stays
+    off while they are applied and their objects are frozen after; a lone event is not."""
+    n = heap.BULK_MIN + 500
+    for i in range(n):
+        apiserver.create(
+            EPS, endpoint_slice(f"s-{i}", service_name=f"s{i}", ips=["10.1.0.1"], port=80)
+        )
+    apiserver.create(SVC, service("s0"))
+    apiserver.create(SVC, service(f"s{n - 1}", cluster_ip="10.96.0.11"))
+    tracker, _ = await start_source()
+    await wait_for(lambda: tracker.synced and apiserver.open_watches(EPS) == 1, timeout=10)
+    await wait_for(lambda: gc.isenabled() and heap._depth == 0)
+    seen: list[bool] = []  # the collector's state at each upsert of a slice
+    upsert = tracker.upsert
+
+    def spy(kind: Kind, obj: Obj) -> None:
+        if kind is Kind.ENDPOINT_SLICE:
+            seen.append(gc.isenabled())
+        upsert(kind, obj)
+
+    monkeypatch.setattr(tracker, "upsert", spy)
+    frozen = gc.get_freeze_count()
+    for i in range(n):  # one go: the stream fills faster than the source reads it
+        apiserver.update(
+            EPS, endpoint_slice(f"s-{i}", service_name=f"s{i}", ips=["10.1.0.2"], port=80)
+        )
+    await wait_for(lambda: len(seen) == n, timeout=10)
+    await wait_for(lambda: gc.isenabled() and heap._depth == 0)
+    assert seen.count(False) >= 0.9 * n, f"collector on for {seen.count(True)} of {n} events"
+    assert gc.get_freeze_count() > frozen
+    assert ips(tracker, f"s{n - 1}") == ["10.1.0.2"]
+
+    seen.clear()
+    frozen = gc.get_freeze_count()
+    apiserver.update(EPS, endpoint_slice("s-0", service_name="s0", ips=["10.1.0.3"], port=80))
+    await wait_for(lambda: ips(tracker, "s0") == ["10.1.0.3"])
+    assert seen == [True]  # one event is no burst
+    assert gc.get_freeze_count() <= frozen  # nothing more frozen (frozen objects may go)
+
+
+async def test_events_split_across_reads_and_a_large_one_arrive_whole(
+    apiserver: ApiServerDouble, start_source: SourceFactory
+) -> None:
+    apiserver.create(SVC, service("web"))
+    tracker, _ = await start_source()
+    await wait_for(lambda: tracker.synced and apiserver.open_watches(EPS) == 1)
+    many = [f"10.{i // 62500}.{i // 250 % 250}.{i % 250 + 1}" for i in range(1000)]
+    big = endpoint_slice("web-1", service_name="web", ips=many, port=80)
+    big["metadata"]["annotations"] = {"note": "x" * 1_000_000}  # ~1.1 MB on one line
+    apiserver.create(EPS, big)
+    await wait_for(lambda: len(ips(tracker, "web")) == 1000, timeout=10)
+
+
+def test_watch_lines_are_cut_at_newlines_whatever_the_reads() -> None:
+    lines = _Lines()
+    assert lines.feed(b'{"a"') == []
+    assert lines.feed(b": 1}\n{") == [b'{"a": 1}']
+    assert lines.feed(b'"b": 2}\n{"c": 3}\n\n') == [b'{"b": 2}', b'{"c": 3}', b""]
+    assert lines.feed(b"x" * 10) == []
+    with pytest.raises(ValueError, match="over"):
+        lines.feed(b"y" * MAX_EVENT_BYTES)

@@ -41,6 +41,7 @@ from typing import Any, Protocol as TypingProtocol
 
 import aiohttp
 
+from uproxy import heap
 from uproxy.log import V2, kv
 from uproxy.objects import (
     HEADLESS_LABEL,
@@ -73,6 +74,11 @@ CONNECT_TIMEOUT_S = 10.0
 WATCH_TIMEOUT_RANGE_S = (300.0, 600.0)
 BACKOFF_INITIAL_S = 0.5
 YIELD_EVERY = 200  # events handled between yields to the loop during a burst
+# Events in one read of a watch stream that make a burst (``_Burst``): a stream that keeps
+# up with its events brings one or a few per read.
+BURST_EVENTS = 64
+# One watch event's limit: etcd stores objects of up to 1.5 MiB by default.
+MAX_EVENT_BYTES = 16 << 20
 
 
 class KubeConfigError(ValueError):
@@ -454,20 +460,32 @@ class KubeSource:
                     raise _Gone(why)
                 raise _ApiError(resp.status, _status_message(raw))
             handled = 0
-            while True:
-                try:
-                    async with asyncio.timeout(self.inactivity_timeout_s):
-                        line = await resp.content.readline()
-                except TimeoutError:
-                    raise _Silent() from None
-                if not line:
-                    return progressed  # the server's timeout: a clean end
-                if line.strip():
-                    self._dispatch(feed, line)
-                    progressed = True
-                    handled += 1
-                    if handled % YIELD_EVERY == 0:
-                        await asyncio.sleep(0)
+            lines, burst = _Lines(), _Burst()
+            data = b""
+            try:
+                while True:
+                    if not data:
+                        burst.end()  # caught up with the stream: whatever burst it was is over
+                        try:
+                            async with asyncio.timeout(self.inactivity_timeout_s):
+                                data = await resp.content.readany()
+                        except TimeoutError:
+                            raise _Silent() from None
+                        if not data:
+                            return progressed  # the server's timeout: a clean end
+                    events = lines.feed(data)
+                    burst.read(len(events))
+                    for line in events:
+                        if not line.strip():
+                            continue
+                        self._dispatch(feed, line)
+                        progressed = True
+                        handled += 1
+                        if handled % YIELD_EVERY == 0:
+                            await asyncio.sleep(0)
+                    data = resp.content.read_nowait()  # what arrived meanwhile, if anything
+            finally:
+                burst.end()
         finally:
             resp.close()
 
@@ -542,6 +560,66 @@ class KubeSource:
             )
             return
         self.tracker.set_node(info)
+
+
+class _Lines:
+    """A watch stream's bytes, cut into its events: one JSON document per line."""
+
+    __slots__ = ("_parts", "_size")
+
+    def __init__(self) -> None:
+        self._parts: list[bytes] = []  # the start of an event not ended yet
+        self._size = 0
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """The events that ``data`` ends (none while one event is still arriving)."""
+        end = data.rfind(b"\n")
+        if end < 0:
+            self._parts.append(data)
+            self._size += len(data)
+            if self._size > MAX_EVENT_BYTES:
+                raise ValueError(f"watch event over {MAX_EVENT_BYTES} bytes")
+            return []
+        head = data[:end]
+        if self._parts:
+            head = b"".join([*self._parts, head])
+        rest = data[end + 1 :]
+        self._parts, self._size = ([rest], len(rest)) if rest else ([], 0)
+        return head.split(b"\n")
+
+
+class _Burst:
+    """The collector off while a watch delivers events faster than they are applied.
+
+    A read that brings BURST_EVENTS or more events at once (the stream's buffer filled while
+    the last ones were applied: a rollout, a namespace deleted, a node drained) pauses the
+    collector until a read brings fewer or nothing is left to read; a burst of
+    ``heap.BULK_MIN`` events or more is then frozen, as a listing is. Left on, the
+    collector's full passes over the objects such a burst makes grew with it: 10,000 slices
+    changed at once at 10,000 services cost passes of 69, 97 and 73 ms, about a quarter of
+    the control process's CPU for the burst.
+    """
+
+    __slots__ = ("_events", "_paused")
+
+    def __init__(self) -> None:
+        self._paused = False
+        self._events = 0
+
+    def read(self, events: int) -> None:
+        if events >= BURST_EVENTS:
+            if not self._paused:
+                heap.pause()
+                self._paused = True
+            self._events += events
+        elif self._paused:
+            self.end()
+
+    def end(self) -> None:
+        if self._paused:
+            self._paused = False
+            heap.resume(freeze=self._events >= heap.BULK_MIN)
+            self._events = 0
 
 
 def _retrieve(task: asyncio.Task[Any]) -> None:
