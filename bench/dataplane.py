@@ -25,7 +25,7 @@ from typing import Any
 from bench import proctree, workloads as wl
 from bench.backends import Backends
 from bench.peers import Context, Peer, PeerPorts, Running, ports_for
-from bench.procs import CpuSet, machine_busy_s
+from bench.procs import CpuSet, host_steal_s, machine_busy_s
 from bench.progress import Progress
 
 
@@ -215,7 +215,7 @@ def _runs(
     for i in range(total):
         warm = plan.warmup and i == 0
         before = proctree.sample(running.pids)
-        machine_before = machine_busy_s()
+        machine_before, steal_before = machine_busy_s(), host_steal_s()
         started = time.monotonic()
         try:
             figures = w.run(running.ports, plan, scripts, load)
@@ -225,6 +225,7 @@ def _runs(
             break
         figures["wall_s"] = time.monotonic() - started
         figures["machine_cpu_s"] = machine_busy_s() - machine_before
+        figures["steal_ms_per_s"] = (host_steal_s() - steal_before) * 1000 / figures["wall_s"]
         if w.key == "conn" and figures.get("requests"):
             figures["machine_us_per_conn"] = figures["machine_cpu_s"] * 1e6 / figures["requests"]
         cpu = proctree.between(before, proctree.sample(running.pids)) if running.pids else None

@@ -123,6 +123,15 @@ FIGURES = [
         compared=False,
     ),
     Figure(
+        "ka_steal",
+        "keepalive",
+        "steal_ms_per_s",
+        "CPU time the host took from this VM (steal, all CPUs), keep-alive run",
+        "ms/s",
+        False,
+        compared=False,
+    ),
+    Figure(
         "ka_scrape_p99",
         "ka_scrape",
         "p99_ms",
@@ -492,7 +501,7 @@ def _spread_table(
     scales: list[str],
     offered: int | None = None,
 ) -> list[str]:
-    keys = ["conn_rate", "ka_p99", "cpu_us_per_conn"]
+    keys = ["conn_rate", "ka_p99", "ka_steal", "cpu_us_per_conn"]
     keys += ["paced_rate", "paced_cpu_us_per_conn"] if offered else []
     lines = [
         "### Spread between rounds (min - max)",

@@ -38,6 +38,7 @@ from bench.procs import (
     Cores,
     ProcessGroup,
     cpu_split,
+    host_steal_s,
     machine_busy_s,
     reaped_children_s,
     runqueue_wait_s,
@@ -72,15 +73,17 @@ PROBE_S = 0.1
 
 
 def accounted(run: Callable[[], wl.Figures], pids: list[int]) -> wl.Figures:
-    """Run a workload; add the proxy's user/system CPU, its children's, and the machine's."""
+    """Run a workload; add the proxy's user/system CPU, its children's, the machine's, and
+    the time the host took the machine's CPUs away (steal)."""
     before = [cpu_split(p) for p in pids]
     children_before = sum(reaped_children_s(p) for p in pids)
     waited_before = sum(runqueue_wait_s(p, relaying=True) for p in pids)
-    machine_before = machine_busy_s()
+    machine_before, steal_before = machine_busy_s(), host_steal_s()
     start = time.monotonic()
     figures = run()
     figures["wall_s"] = time.monotonic() - start
     figures["machine_cpu_s"] = machine_busy_s() - machine_before
+    figures["steal_ms_per_s"] = (host_steal_s() - steal_before) * 1000 / figures["wall_s"]
     if pids:
         after = [cpu_split(p) for p in pids]
         figures["cpu_user_s"] = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))

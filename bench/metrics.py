@@ -60,6 +60,14 @@ METRICS = [
     Metric("ka_p50", "keepalive", "p50_ms", "Keep-alive latency p50 (paced)", "ms", False),
     Metric("ka_p99", "keepalive", "p99_ms", "Keep-alive latency p99 (paced)", "ms", False),
     Metric("ka_rate", "keepalive", "rate", "Keep-alive offered rate achieved", "req/s", True),
+    Metric(
+        "ka_steal",
+        "keepalive",
+        "steal_ms_per_s",
+        "CPU time the host took from this VM (steal, all CPUs), keep-alive run",
+        "ms/s",
+        False,
+    ),
     Metric("udp_rate", "udp", "rate", "UDP request/response", "req/s", True),
     Metric("udp_p99", "udp", "p99_ms", "UDP latency p99", "ms", False),
     Metric("peak_rss_mb", "peak", "rss_mb", "Proxy peak RSS", "MiB", False),
@@ -67,4 +75,4 @@ METRICS = [
 
 BY_KEY = {m.key: m for m in METRICS}
 # Read beside the others, left out of the wide overview table.
-NOT_IN_OVERVIEW = ("ka_rate", "conn_runq", "machine_us_per_conn")
+NOT_IN_OVERVIEW = ("ka_rate", "ka_steal", "conn_runq", "machine_us_per_conn")

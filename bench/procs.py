@@ -241,6 +241,14 @@ def machine_busy_s() -> float:
     return (user + nice + system + irq + softirq + steal) / CLK_TCK
 
 
+def host_steal_s() -> float:
+    """CPU seconds the host has taken from every CPU of this machine (a VM's steal time):
+    runnable vCPUs the hypervisor did not run. Whatever ran on such a CPU stalled meanwhile,
+    proxy and peers alike; a run with more of it reads slower and with longer tails."""
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    return int(fields[7]) / CLK_TCK
+
+
 def reaped_children_s(pid: int) -> float:
     """CPU seconds of the children ``pid`` has reaped: uproxy's rules-check commands."""
     try:
