@@ -18,6 +18,7 @@ class Metric:
     unit: str
     higher_is_better: bool
     scale: float = 1.0
+    compared: bool = True  # False: the machine's, not the peer's: no ratios between peers
 
 
 METRICS = [
@@ -67,6 +68,7 @@ METRICS = [
         "CPU time the host took from this VM (steal, all CPUs), 1 stream run",
         "ms/s",
         False,
+        compared=False,
     ),
     Metric(
         "ka_steal",
@@ -75,6 +77,7 @@ METRICS = [
         "CPU time the host took from this VM (steal, all CPUs), keep-alive run",
         "ms/s",
         False,
+        compared=False,
     ),
     Metric("udp_rate", "udp", "rate", "UDP request/response", "req/s", True),
     Metric("udp_p99", "udp", "p99_ms", "UDP latency p99", "ms", False),

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import cp_report, deployed_report, disturb_report, goals, proc_report
-from bench.metrics import METRICS, NOT_IN_OVERVIEW, Metric
+from bench.metrics import BY_KEY, METRICS, NOT_IN_OVERVIEW, Metric
 from bench.stats import Summary, ratio, summarise
 
 KERNEL = "kernel-dnat"
@@ -120,7 +120,8 @@ def summary_table(peers: dict[str, Any]) -> dict[str, dict[str, Any]]:
             d: dict[str, Any] = s.as_dict()
             for label, ref in REFERENCES[placement(peers[name])].items():
                 ref_s = medians.get(ref, {}).get(key)
-                d[label] = ratio(s.median, ref_s.median if ref_s else None)
+                compared = BY_KEY[key].compared
+                d[label] = ratio(s.median, ref_s.median if ref_s and compared else None)
             out[name][key] = d
     return out
 
@@ -237,6 +238,8 @@ def _uproxy_table(results: dict[str, Any], up: list[str]) -> list[str]:
     lines.append(head + " |")
     lines.append("|---|" + "---|---|---|" * len(up))
     for m in METRICS:
+        if not m.compared:
+            continue
         cells = []
         for p in up:
             d = summary.get(p, {}).get(m.key, {})
