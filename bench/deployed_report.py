@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.metrics import STEAL_TITLE
 from bench.stats import ratio, summarise
 
 
@@ -126,7 +127,7 @@ FIGURES = [
         "ka_steal",
         "keepalive",
         "steal_ms_per_s",
-        "CPU time the host took from this VM (steal, all CPUs), keep-alive run",
+        f"{STEAL_TITLE}, keep-alive run",
         "ms/s",
         False,
         compared=False,
