@@ -452,6 +452,7 @@ class KubeSource:
             _request_timeout=timeout,
         )
         progressed = False
+        lines, burst = _Lines(), _Burst()
         try:
             if not 200 <= resp.status <= 299:
                 raw = await resp.read()
@@ -460,33 +461,30 @@ class KubeSource:
                     raise _Gone(why)
                 raise _ApiError(resp.status, _status_message(raw))
             handled = 0
-            lines, burst = _Lines(), _Burst()
             data = b""
-            try:
-                while True:
+            while True:
+                if not data:
+                    burst.end()  # caught up with the stream: whatever burst it was is over
+                    try:
+                        async with asyncio.timeout(self.inactivity_timeout_s):
+                            data = await resp.content.readany()
+                    except TimeoutError:
+                        raise _Silent() from None
                     if not data:
-                        burst.end()  # caught up with the stream: whatever burst it was is over
-                        try:
-                            async with asyncio.timeout(self.inactivity_timeout_s):
-                                data = await resp.content.readany()
-                        except TimeoutError:
-                            raise _Silent() from None
-                        if not data:
-                            return progressed  # the server's timeout: a clean end
-                    events = lines.feed(data)
-                    burst.read(len(events))
-                    for line in events:
-                        if not line.strip():
-                            continue
-                        self._dispatch(feed, line)
-                        progressed = True
-                        handled += 1
-                        if handled % YIELD_EVERY == 0:
-                            await asyncio.sleep(0)
-                    data = resp.content.read_nowait()  # what arrived meanwhile, if anything
-            finally:
-                burst.end()
+                        return progressed  # the server's timeout: a clean end
+                events = lines.feed(data)
+                burst.read(len(events))
+                for line in events:
+                    if not line.strip():
+                        continue
+                    self._dispatch(feed, line)
+                    progressed = True
+                    handled += 1
+                    if handled % YIELD_EVERY == 0:
+                        await asyncio.sleep(0)
+                data = resp.content.read_nowait()  # what arrived meanwhile, if anything
         finally:
+            burst.end()
             resp.close()
 
     def _dispatch(self, feed: _Feed, line: bytes) -> None:
