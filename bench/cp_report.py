@@ -30,12 +30,12 @@ def percentile(values: list[float], q: float) -> float | None:
     return statistics.quantiles(values, n=100, method="inclusive")[round(q) - 1]
 
 
-def _num(value: Any, digits: int = 2) -> str:
+def fmt_num(value: Any, digits: int = 2) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
 
 
 def _get(source: str, key: str, digits: int = 2) -> Callable[[Entry], str]:
-    return lambda e: _num(e.get(source, {}).get(key), digits)
+    return lambda e: fmt_num(e.get(source, {}).get(key), digits)
 
 
 def _started(source: str, key: str) -> Callable[[Entry], str]:
@@ -63,7 +63,7 @@ def _latency(kind: str) -> Callable[[Entry], str]:
         if not fig:
             return "-"
         ms = fig["ms"]
-        text = f"{_num(percentile(ms, 50), 0)} / {_num(percentile(ms, 99), 0)}"
+        text = f"{fmt_num(percentile(ms, 50), 0)} / {fmt_num(percentile(ms, 99), 0)}"
         lost = fig["timeouts"]
         return f"{text} ({len(ms)} timed, {lost} timed out)" if lost else f"{text} ({len(ms)})"
 

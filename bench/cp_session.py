@@ -56,6 +56,7 @@ from bench.cp_probes import (
     status_mib,
     wait_rules,
 )
+from bench.cp_report import fmt_num
 from bench.procs import Cores, ProcessGroup, cpu_split, listening_ports
 from bench.proctree import CLK_TCK
 from bench.progress import Progress
@@ -331,8 +332,8 @@ def _detail(
     out["bulk_move"] = bulk = _bulk_move(control, proxy_pid, n)
     progress.say(
         f"control plane, every endpoint moved at once ({n:,} watch events): the last service "
-        f"answered from {NEW} after {_num(bulk['last_s'])} s, the control process's CPU "
-        f"{_num(bulk['control_cpu_s'])} s, all of uproxy's {_num(bulk['tree_cpu_s'])} s"
+        f"answered from {NEW} after {fmt_num(bulk['last_s'])} s, the control process's CPU "
+        f"{fmt_num(bulk['control_cpu_s'])} s, all of uproxy's {fmt_num(bulk['tree_cpu_s'])} s"
     )
     # uproxy's own account of its work meanwhile, to read the figures with.
     after = sample_values(scrape(*METRICS)[0].decode(), SYNC_SAMPLES)
@@ -438,10 +439,6 @@ def _own_cpu(pid: int) -> float:
     (s,) = proctree.sample([pid])
     p = s.procs[pid]
     return (p.user + p.system) / CLK_TCK
-
-
-def _num(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
 
 
 def _additions(control: Control, count: int, rng: random.Random) -> dict[str, Any]:
