@@ -29,6 +29,17 @@ machine was shared, so figures move by about +-10 % between runs):
   socket stays blocking and is read with MSG_DONTWAIT (no FIONBIO); a connect is complete
   when its socket reports "writable" without an error (no SO_ERROR); the last direction to
   finish closes both sockets without a shutdown first (close sends that FIN).
+* A FIN that came with the last bytes leaves with them: once a direction's FIN is in, what
+  is left of it is sent with MSG_MORE, and the shutdown (or close) that follows in the same
+  pass puts the FIN on that segment (as HAProxy does). An HTTP server's reply to
+  ``Connection: close`` is then one segment to the client, not two; on loopback each
+  segment the proxy sends is processed to the end (the peer's receive, its ACK, its
+  wake-up) on the proxy's own CPU. ``wrk -c16`` with ``Connection: close``, proxy pinned,
+  4 alternating rounds of 4 s: 58.1 -> 51.7 us per connection (system time 41.1 -> 33.9),
+  16,775 -> 18,622 connections/s. (Saving the handshake's ACK as well, with TCP_QUICKACK
+  off for the dial, cost more than it saved once quick ACKs were turned back on after the
+  first bytes; left on, it delays the first reply of a backend that writes it in two
+  pieces under Nagle by a delayed ACK, 40 ms.)
 * Client bytes that arrive while the dial is in flight stay in the kernel's socket buffer,
   read once the pair is linked: nothing to hold, and every retry still has them all.
 * Kept from the transport relay's setup pass (py-spy profiles): dial deadlines and the
@@ -89,6 +100,11 @@ from uproxy.model import Endpoint, Traffic
 
 _LINGER_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends a RST
 _NOWAIT = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL  # the accepted socket stays blocking
+# A direction whose FIN has arrived sends what is left with MSG_MORE: our shutdown (or
+# close) follows in the same pass, and the kernel puts the FIN on the last data segment
+# instead of sending it alone (see the module docstring).
+_LAST = _NOWAIT | socket.MSG_MORE
+_LAST_SPLICE = SPLICE_FLAGS | os.SPLICE_F_MORE
 _TCP_ESTABLISHED = 1  # linux/tcp_states.h
 # How a relayed socket's error reads in uproxy_connection_errors_total: the peer reset it
 # (a RST; EPIPE is a write after one), nothing answered (keep-alive probes or retransmissions
@@ -251,6 +267,7 @@ class _Side:
         dst = peer.sock
         view = self.poller.buffer
         chunk = self.chunk
+        flags = _LAST if self.rdhup else _NOWAIT  # the FIN is in: all that is left, then ours
         while True:
             if self.until_splice <= 0 and self._start_splice():
                 self.pump_spliced()
@@ -270,7 +287,7 @@ class _Side:
             if n >= _BULK_READ:
                 self.until_splice -= n
             try:
-                sent = dst.send(view[:n], _NOWAIT)
+                sent = dst.send(view[:n], flags)
             except BlockingIOError:
                 sent = 0
             except OSError as exc:
@@ -296,6 +313,7 @@ class _Side:
         if pipe is None or peer is None:
             return
         src, dst = self.fd, peer.fd
+        out_flags = _LAST_SPLICE if self.rdhup else SPLICE_FLAGS
         first = True
         while True:
             try:
@@ -311,7 +329,7 @@ class _Side:
                 return
             self.counter.value += n
             try:
-                sent = os.splice(pipe.r, dst, n, flags=SPLICE_FLAGS)
+                sent = os.splice(pipe.r, dst, n, flags=out_flags)
             except BlockingIOError:
                 sent = 0
             except OSError as exc:
@@ -404,12 +422,13 @@ class _Side:
         pipe = self.pipe
         try:
             if pipe is not None and pipe.held:
-                pipe.held -= os.splice(pipe.r, peer.fd, pipe.held, flags=SPLICE_FLAGS)
+                flags = _LAST_SPLICE if self.rdhup else SPLICE_FLAGS
+                pipe.held -= os.splice(pipe.r, peer.fd, pipe.held, flags=flags)
                 if pipe.held:
                     return
                 self._mute(pipe, False)
             elif self.out is not None:
-                sent = peer.sock.send(self.out, _NOWAIT)
+                sent = peer.sock.send(self.out, _LAST if self.rdhup else _NOWAIT)
                 if sent < len(self.out):
                     self.out = self.out[sent:]
                     return
