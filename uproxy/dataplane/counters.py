@@ -66,10 +66,11 @@ class SlotWriter:
     """The worker's side: hands out slots and names them in the directory."""
 
     def __init__(self, files: CounterFiles) -> None:
-        self._values_map = mmap.mmap(files.values_fd, SLOTS * 8)
+        # float64 slots: ``buffer`` is the mapping (``series.SharedTally`` lays a ctypes
+        # double over a slot of it), ``values`` a view that reads and writes them by index.
+        self.buffer = mmap.mmap(files.values_fd, SLOTS * 8)
         self._directory = mmap.mmap(files.directory_fd, DIRECTORY_BYTES)
-        # float64 slots; a memoryview reads and writes Python floats by index.
-        self.values = cast(MutableSequence[float], memoryview(self._values_map).cast("d"))
+        self.values = cast(MutableSequence[float], memoryview(self.buffer).cast("d"))
         self._slots = 0  # slots handed out
         self._records = 0
         self._used = 0

@@ -9,6 +9,8 @@ here); a family describes itself with prometheus_client's types for the docs onl
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 from abc import ABC, abstractmethod
 from bisect import bisect_left
 from collections.abc import Callable, Collection, Iterator, Mapping, MutableSequence, Sequence
@@ -59,30 +61,24 @@ class Tally:
         self.escaped = escaped
 
 
-class SharedTally:
-    """A worker's label set: its ``value`` lives in a shared-memory slot (see ``share``).
+class SharedTally(ctypes.c_double):
+    """A worker's label set: its ``value`` is a float64 slot of shared memory (see ``share``).
 
-    The property costs ~130 ns more per update than a plain attribute: about 1 us per
-    relayed connection (six or seven updates), well under 1 % of its cost.
+    A ctypes double laid over the slot (``from_buffer``), so reading and writing ``value``
+    are C-level descriptors, not Python frames: ``value += 1`` takes 70 ns against 154 ns
+    for a property over a memoryview (timeit), and a relayed connection makes six or seven
+    updates. An instance is ~490 bytes against ~90 (it holds a view of the mapping), paid
+    only for the label sets of ports that have counted something (``Stats``).
     """
 
-    __slots__ = ("_slot", "_values")
+    __slots__ = ("slot",)
+    slot: int
 
-    def __init__(self, values: MutableSequence[float], slot: int) -> None:
-        self._values = values
-        self._slot = slot
-
-    @property
-    def slot(self) -> int:
-        return self._slot
-
-    @property
-    def value(self) -> float:
-        return float(self._values[self._slot])
-
-    @value.setter
-    def value(self, amount: float) -> None:
-        self._values[self._slot] = amount
+    @classmethod
+    def at(cls, buffer: mmap.mmap, slot: int) -> SharedTally:
+        tally = cls.from_buffer(buffer, slot * 8)
+        tally.slot = slot
+        return tally
 
 
 AnyTally = Tally | SharedTally
@@ -202,7 +198,7 @@ class LabelledFamily(ScrapeFamily):
     def _bind(self, values: tuple[str, ...]) -> AnyTally:
         if _shared is not None:
             try:
-                return SharedTally(_shared.values, _shared.new_slot(self.name, values))
+                return SharedTally.at(_shared.buffer, _shared.new_slot(self.name, values))
             except CountersFull:
                 pass  # counted in this process only: /metrics misses it, nothing breaks
         return self._new_tally(values)
