@@ -89,7 +89,6 @@ from uproxy.dataplane.poller import (
     RDHUP,
     READ_EVENTS,
     EdgePoller,
-    poller_for,
 )
 from uproxy.dataplane.settings import DataplaneSettings
 from uproxy.dataplane.sockets import keep_alive
@@ -105,6 +104,10 @@ _NOWAIT = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL  # the accepted socket stays
 # instead of sending it alone (see the module docstring).
 _LAST = _NOWAIT | socket.MSG_MORE
 _LAST_SPLICE = SPLICE_FLAGS | os.SPLICE_F_MORE
+# Read once per dial as module globals rather than attributes of ``socket``.
+_AF_INET, _AF_INET6 = socket.AF_INET, socket.AF_INET6
+_STREAM_NONBLOCK = socket.SOCK_STREAM | socket.SOCK_NONBLOCK
+_IPPROTO_TCP, _TCP_NODELAY = socket.IPPROTO_TCP, socket.TCP_NODELAY
 _TCP_ESTABLISHED = 1  # linux/tcp_states.h
 # How a relayed socket's error reads in uproxy_connection_errors_total: the peer reset it
 # (a RST; EPIPE is a write after one), nothing answered (keep-alive probes or retransmissions
@@ -143,6 +146,7 @@ class Origin(Protocol):
     """What a connection needs of the listener that accepted it (``tcp.TcpListener``)."""
 
     loop: asyncio.AbstractEventLoop
+    poller: EdgePoller  # the loop's, its buffer at least ``settings.high_water``
     settings: DataplaneSettings
     stats: Stats
     balancer: Balancer
@@ -494,7 +498,8 @@ class _EndpointSide(_Side):
     __slots__ = ("conn",)
 
     def __init__(self, conn: Connection, sock: _socket.socket) -> None:
-        super().__init__(conn.poller, conn.listener.stats.bytes_to_client, conn.chunk)
+        # _Side.__init__ by name: ``super()`` builds a proxy object per call, two per connection.
+        _Side.__init__(self, conn.poller, conn.listener.stats.bytes_to_client, conn.chunk)
         self.conn = conn
         self.sock = sock
         self.fd = sock.fileno()
@@ -538,9 +543,7 @@ class Connection(_Side):
 
     def __init__(self, listener: Origin, client_ip: str, endpoint: Endpoint) -> None:
         settings = listener.settings
-        super().__init__(
-            poller_for(listener.loop), listener.stats.bytes_to_endpoint, settings.high_water
-        )
+        _Side.__init__(self, listener.poller, listener.stats.bytes_to_endpoint, settings.high_water)
         threshold = settings.splice_threshold
         self.until_splice = _NEVER if threshold is None else threshold
         self.listener = listener
@@ -560,7 +563,6 @@ class Connection(_Side):
         self.started = 0.0
         self.undialed = True
         FD_RESERVE.undialed += 1
-        self.poller.reserve(self.chunk)
 
     def _pair(self) -> Connection:
         return self
@@ -606,9 +608,8 @@ class Connection(_Side):
             return
         ep = self.endpoint
         self.started = listener.loop.time()
-        family = socket.AF_INET6 if ":" in ep.ip else socket.AF_INET
         try:
-            sock = _socket.socket(family, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+            sock = _socket.socket(_AF_INET6 if ":" in ep.ip else _AF_INET, _STREAM_NONBLOCK)
         except OSError as exc:
             self.dial_failed(exc.errno)
             return
@@ -616,7 +617,7 @@ class Connection(_Side):
             if settings.dial_mark:
                 # Before connect: the NAT decision is taken on the first packet (the SYN).
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, settings.dial_mark)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(_IPPROTO_TCP, _TCP_NODELAY, 1)
             err = sock.connect_ex((ep.ip, ep.port))
             if err and err != errno.EINPROGRESS:
                 raise OSError(err, os.strerror(err))
@@ -729,7 +730,9 @@ class Connection(_Side):
         # first cancels it in ``finish``, as it would have here. (Linked by the deadline
         # itself, the pair is already that old: see below.)
         self.dialing = None
-        self.dialed()
+        if self.undialed:  # ``dialed()``, inline: this runs for every connection
+            self.undialed = False
+            FD_RESERVE.undialed -= 1
         side.peer = self
         self.peer = side
         self.linked = True
@@ -797,7 +800,7 @@ class Connection(_Side):
             self.task.cancel()
         peer = self.peer
         for side in (self, peer, self.dialing):
-            if side is not None:
+            if side is not None and side.sock is not None:
                 side.close(reset=False)
         self.dialing = None
         if peer is not None:

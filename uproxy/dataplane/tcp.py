@@ -109,6 +109,7 @@ class TcpListener:
         "linger_timers",
         "loop",
         "name",
+        "poller",
         "settings",
         "stats",
         "traffic",
@@ -140,6 +141,10 @@ class TcpListener:
         self.linger_timers = shared_timers(loop, settings.half_close_linger_s)
         self._sock: socket.socket | None = sock
         self._acceptor = read_poller_for(loop)
+        # The relays' epoll set (an fd: made now, not at an fd-starved accept), and its read
+        # buffer made big enough for this port's reads.
+        self.poller = poller_for(loop)
+        self.poller.reserve(settings.high_water)
         self._paused: asyncio.TimerHandle | None = None
         self._starved = False  # paused for lack of fds and not accepted since
         # Created by shutdown() only: an Event per listener was 6 MB at 10,000 ports.
@@ -184,7 +189,6 @@ class TcpListener:
         if loop is None:
             loop = asyncio.get_running_loop()
         sock.setblocking(False)
-        poller_for(loop)  # the relays' epoll set (an fd): made now, not at an fd-starved accept
         self = cls(
             loop=loop,
             sock=sock,
@@ -264,7 +268,7 @@ class TcpListener:
             conn = Connection(self, addr[0], ep)
             self._conns[conn] = None
             conn.start(sock)
-            if fds.full_after(fd):
+            if fds.undialed >= fds.limit - 2 - fd:  # ``fds.full_after(fd)``, inline
                 self.pause("fd_reserve")
                 return
 
