@@ -477,7 +477,8 @@ class _Side:
             return
         conn.half_closed()
 
-    def close(self, *, reset: bool) -> None:
+    def close(self, *, reset: bool = False) -> None:
+        """Close this socket: with a FIN, or with a RST (``reset``)."""
         sock = self.sock
         if sock is None:
             return
@@ -593,12 +594,6 @@ class Connection(_Side):
             if mask & (RDHUP | HUP):
                 self.rdhup = True
 
-    def dialed(self) -> None:
-        """The first dial is over (or will never happen): this pair no longer waits for an fd."""
-        if self.undialed:
-            self.undialed = False
-            FD_RESERVE.undialed -= 1
-
     def dial(self) -> None:
         """Start a non-blocking connect to ``endpoint``, under the attempt's deadline."""
         listener = self.listener
@@ -662,7 +657,7 @@ class Connection(_Side):
         side = self.dialing
         if side is not None:
             self.dialing = None
-            side.close(reset=False)
+            side.close()
         _DIAL_FAILED.value += 1
         if self.closed:
             return
@@ -730,7 +725,7 @@ class Connection(_Side):
         # first cancels it in ``finish``, as it would have here. (Linked by the deadline
         # itself, the pair is already that old: see below.)
         self.dialing = None
-        if self.undialed:  # ``dialed()``, inline: this runs for every connection
+        if self.undialed:  # the first dial is over: this pair no longer waits for an fd
             self.undialed = False
             FD_RESERVE.undialed -= 1
         side.peer = self
@@ -774,10 +769,7 @@ class Connection(_Side):
 
     def close_pair(self) -> None:
         """Close both sockets (a FIN each) and finish."""
-        for side in (self, self.peer, self.dialing):
-            if side is not None:
-                side.close(reset=False)
-        self.finish()
+        self.finish()  # which closes what is still open, with a FIN
 
     def reset(self) -> None:
         """Close both sockets with a RST and finish: one side reset, or a dial gave up."""
@@ -788,24 +780,35 @@ class Connection(_Side):
 
     def finish(self) -> None:
         """Release everything the pair holds (idempotent); any socket still open is closed."""
+        # Written out rather than looped over tuples: this runs for every connection.
         if self.closed:
             return
         self.closed = True
-        self.dialed()
-        for deadline in (self.linger, self.deadline):
-            if deadline is not None:
-                deadline.cancel()
-        self.linger = self.deadline = None
-        if self.task is not None and not self.task.done():
-            self.task.cancel()
+        if self.undialed:
+            self.undialed = False
+            FD_RESERVE.undialed -= 1
+        if self.linger is not None:
+            self.linger.cancel()
+            self.linger = None
+        if self.deadline is not None:
+            self.deadline.cancel()
+            self.deadline = None
+        task = self.task
+        if task is not None and not task.done():
+            task.cancel()
+        if self.sock is not None:
+            self.close()
         peer = self.peer
-        for side in (self, peer, self.dialing):
-            if side is not None and side.sock is not None:
-                side.close(reset=False)
-        self.dialing = None
         if peer is not None:
+            if peer.sock is not None:
+                peer.close()
             peer.peer = None  # no cycle left behind (see _Side)
             self.peer = None
+        dialing = self.dialing
+        if dialing is not None:
+            if dialing.sock is not None:
+                dialing.close()
+            self.dialing = None
         listener = self.listener
         if self.linked:
             listener.stats.live.value -= 1

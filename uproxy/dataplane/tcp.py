@@ -101,6 +101,7 @@ class TcpListener:
         "_address",
         "_conns",
         "_drained",
+        "_family",
         "_paused",
         "_sock",
         "_starved",
@@ -140,6 +141,7 @@ class TcpListener:
         self.dial_timers = _dial_timers(loop, settings.dial_timeouts_s)
         self.linger_timers = shared_timers(loop, settings.half_close_linger_s)
         self._sock: socket.socket | None = sock
+        self._family = sock.family  # read once: socket.family converts to an enum per read
         self._acceptor = read_poller_for(loop)
         # The relays' epoll set (an fd: made now, not at an fd-starved accept), and its read
         # buffer made big enough for this port's reads.
@@ -238,7 +240,7 @@ class TcpListener:
             return
         balancer = self.balancer
         traffic = self.traffic
-        family = lsock.family
+        family = self._family
         fds = FD_RESERVE
         stats = self.stats
         for _ in range(batch):
