@@ -455,13 +455,13 @@ async def test_a_spliced_source_is_not_read_while_its_pipe_is_held(
     they are on again and every byte arrives: the bulk, then a tail that no FIN follows,
     the reply whole, and the half-close after that."""
     mutes: list[bool] = []
-    real = relay._Side._mute
+    real = relay.Connection._mute  # the client's side: the spliced source here
 
-    def recording(side: relay._Side, pipe: splice.Pipe, muted: bool) -> None:
+    def recording(side: relay.Connection, pipe: splice.Pipe, muted: bool) -> None:
         mutes.append(muted)
         real(side, pipe, muted)
 
-    monkeypatch.setattr(relay._Side, "_mute", recording)
+    monkeypatch.setattr(relay.Connection, "_mute", recording)
     bulk, tail, reply = os.urandom(8 * MIB), os.urandom(1000), os.urandom(3 * MIB)
     go = asyncio.Event()
     got_up: list[tuple[int, str]] = []

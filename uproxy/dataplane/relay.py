@@ -75,6 +75,7 @@ import errno
 import os
 import socket
 import struct
+import types
 from typing import Protocol
 
 from uproxy.dataplane import series, splice
@@ -170,6 +171,22 @@ def reset_socket(sock: _socket.socket) -> None:
     sock.close()
 
 
+def _own_copy(func: types.FunctionType) -> types.FunctionType:
+    """``func`` with a code object of its own (see ``_Side``): same behaviour, own caches."""
+    copy = types.FunctionType(
+        func.__code__.replace(),
+        func.__globals__,
+        func.__name__,
+        func.__defaults__,
+        func.__closure__,
+    )
+    copy.__kwdefaults__ = func.__kwdefaults__
+    copy.__qualname__ = func.__qualname__
+    copy.__doc__ = func.__doc__
+    copy.__annotations__ = func.__annotations__
+    return copy
+
+
 class _Side:
     """One socket of a relayed pair, and the direction that reads it: this side to ``peer``.
 
@@ -183,6 +200,13 @@ class _Side:
     two sides forget each other when the pair finishes: a relayed pair leaves no reference
     cycle, so it is freed by reference counting (with cycles, every connection left six
     objects for the cyclic GC: 2.8 % of the proxy's CPU in the connection-rate profile).
+
+    Each subclass runs its own copy of the methods defined here (``__init_subclass__``):
+    CPython 3.11 and later specialize attribute reads and writes in caches that belong to
+    the code object, for one type at a time, and a method shared by both sides (whose
+    ``peer`` is the other type) sees the two in turn and misses them. With a copy of the
+    code per subclass each is monomorphic: 106.8k -> 97.4k user-space instructions per
+    relayed connection (callgrind, ``wrk`` with ``Connection: close``).
     """
 
     __slots__ = (
@@ -202,7 +226,14 @@ class _Side:
         "writes_watched",
     )
 
-    def __init__(self, poller: EdgePoller, counter: series.AnyTally, chunk: int) -> None:
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        for name, attr in vars(_Side).items():
+            if isinstance(attr, types.FunctionType) and name not in vars(cls):
+                setattr(cls, name, _own_copy(attr))
+
+    def _setup(self, poller: EdgePoller, counter: series.AnyTally, chunk: int) -> None:
+        """What both sides start with (each subclass's ``__init__`` calls it first)."""
         self.poller = poller
         self.counter = counter
         self.chunk = chunk  # bytes per read (settings.high_water)
@@ -499,8 +530,7 @@ class _EndpointSide(_Side):
     __slots__ = ("conn",)
 
     def __init__(self, conn: Connection, sock: _socket.socket) -> None:
-        # _Side.__init__ by name: ``super()`` builds a proxy object per call, two per connection.
-        _Side.__init__(self, conn.poller, conn.listener.stats.bytes_to_client, conn.chunk)
+        self._setup(conn.poller, conn.listener.stats.bytes_to_client, conn.chunk)
         self.conn = conn
         self.sock = sock
         self.fd = sock.fileno()
@@ -544,7 +574,7 @@ class Connection(_Side):
 
     def __init__(self, listener: Origin, client_ip: str, endpoint: Endpoint) -> None:
         settings = listener.settings
-        _Side.__init__(self, listener.poller, listener.stats.bytes_to_endpoint, settings.high_water)
+        self._setup(listener.poller, listener.stats.bytes_to_endpoint, settings.high_water)
         threshold = settings.splice_threshold
         self.until_splice = _NEVER if threshold is None else threshold
         self.listener = listener
