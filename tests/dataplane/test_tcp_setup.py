@@ -330,3 +330,20 @@ async def test_relayed_pairs_are_freed_without_the_cyclic_gc(
         gc.garbage.clear()
         gc.enable()
     assert cyclic == []
+
+
+def test_each_side_class_runs_its_own_copy_of_the_shared_methods() -> None:
+    """The client and endpoint sides share their methods' source but not their code
+    objects (CPython's attribute caches are per code object and per type: see
+    ``relay._Side``); a copy behaves as the original, keyword defaults included."""
+    shared = [n for n, f in vars(relay._Side).items() if callable(f) and not n.startswith("__")]
+    assert {"event", "pump", "flush", "close", "_pass_fin"} <= set(shared)
+    for name in shared:
+        if name in ("_pair", "_unlinked_event"):  # each side overrides these
+            continue
+        client = getattr(relay.Connection, name).__code__
+        endpoint = getattr(relay._EndpointSide, name).__code__
+        original = getattr(relay._Side, name).__code__
+        assert client is not endpoint and client is not original, name
+        assert client.co_code == endpoint.co_code == original.co_code, name
+    assert relay.Connection.close.__kwdefaults__ == {"reset": False}
