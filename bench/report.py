@@ -77,6 +77,13 @@ def machine() -> dict[str, Any]:
         mem_gib = kb / (1 << 20)
     except (OSError, ValueError, IndexError):
         pass
+    # New namespaces start with the host's choice; it moves a stream through a proxy on
+    # loopback (bbr's pacing reorders a proxied flow across the two CPUs, which then
+    # retransmits spuriously; one connection on one CPU, kernel DNAT's, does not).
+    try:
+        congestion = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
+    except OSError:
+        congestion = "?"
     import os
 
     try:
@@ -91,6 +98,7 @@ def machine() -> dict[str, Any]:
         "memory_gib": round(mem_gib, 1),
         "os": os_name,
         "kernel": platform.release(),
+        "tcp_congestion_control": congestion,
         "python": platform.python_version(),
         "uvloop": uvloop_version,
         "haproxy": first(["haproxy", "-v"]),
@@ -185,7 +193,9 @@ def _header(results: dict[str, Any]) -> list[str]:
         f"# uproxy benchmark — {meta['date']}{' (quick smoke run)' if meta['quick'] else ''}",
         "",
         f"Machine: {mach['cpu']}, {mach['cpus']} CPUs, {mach['memory_gib']} GiB; {mach['os']}, "
-        f"kernel {mach['kernel']}; Python {mach['python']}, uvloop {mach['uvloop']}.",
+        f"kernel {mach['kernel']} (TCP congestion control "
+        f"{mach.get('tcp_congestion_control', 'not recorded')}); Python {mach['python']}, "
+        f"uvloop {mach['uvloop']}.",
         f"Tools: {mach['haproxy']}; {mach['nginx']}; {mach['socat']}; {mach['iperf3']}; "
         f"{mach['wrk']}; {mach['iptables']}.",
         f"uproxy revision: {meta.get('uproxy_revision', '?')}.",
