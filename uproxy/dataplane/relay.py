@@ -499,7 +499,7 @@ class _Side:
         if peer.done:
             # Both directions are over: close() sends the last FIN, with no shutdown()
             # first (the receive queues are empty, so close does not turn into a RST).
-            conn.close_pair()
+            conn.finish()
             return
         try:
             peer.sock.shutdown(socket.SHUT_WR)
@@ -617,7 +617,7 @@ class Connection(_Side):
         # The client, while we dial. Its bytes wait in its socket until the pair is linked;
         # a FIN is a half-close (the reply is still wanted), a reset ends it all.
         if mask & ERR:
-            self.close_pair()
+            self.finish()
             return
         if mask & _INPUT:
             self.readable = True
@@ -795,11 +795,7 @@ class Connection(_Side):
     def half_closed(self) -> None:
         """One direction is over: the other gets ``half_close_linger_s`` to finish."""
         if self.linger is None and not self.closed:
-            self.linger = self.listener.linger_timers.start(self.close_pair)
-
-    def close_pair(self) -> None:
-        """Close both sockets (a FIN each) and finish."""
-        self.finish()  # which closes what is still open, with a FIN
+            self.linger = self.listener.linger_timers.start(self.finish)
 
     def reset(self) -> None:
         """Close both sockets with a RST and finish: one side reset, or a dial gave up."""
@@ -809,7 +805,8 @@ class Connection(_Side):
         self.finish()
 
     def finish(self) -> None:
-        """Release everything the pair holds (idempotent); any socket still open is closed."""
+        """Release everything the pair holds (idempotent); a socket still open is closed
+        with a FIN (``reset`` closes them with a RST first)."""
         # Written out rather than looped over tuples: this runs for every connection.
         if self.closed:
             return
