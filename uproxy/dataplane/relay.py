@@ -95,7 +95,7 @@ from uproxy.dataplane.settings import DataplaneSettings
 from uproxy.dataplane.sockets import keep_alive
 from uproxy.dataplane.splice import SPLICE_FLAGS, Pipe
 from uproxy.dataplane.stats import Stats
-from uproxy.dataplane.timers import Deadline, FixedDelayTimers
+from uproxy.dataplane.timers import FixedDelayTimers, Timer
 from uproxy.model import Endpoint, Traffic
 
 _LINGER_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends a RST
@@ -152,8 +152,9 @@ class Origin(Protocol):
     stats: Stats
     balancer: Balancer
     traffic: Traffic
-    dial_timers: dict[float, FixedDelayTimers]  # by dial timeout (``settings.dial_timeouts_s``)
-    linger_timers: FixedDelayTimers
+    # By dial timeout (``settings.dial_timeouts_s``); they call ``Connection.dial_expired``.
+    dial_timers: dict[float, FixedDelayTimers[Connection]]
+    linger_timers: FixedDelayTimers[Connection]  # calls ``Connection.finish``
 
     def pause(self, reason: str) -> None:
         """Stop accepting for a while (no fd left for a dial)."""
@@ -585,8 +586,8 @@ class Connection(_Side):
         self.closed = False
         self.linked = False
         self.dialing: _EndpointSide | None = None
-        self.deadline: Deadline | None = None
-        self.linger: Deadline | None = None
+        self.deadline: Timer | None = None
+        self.linger: Timer | None = None
         self.task: asyncio.Task[None] | None = None  # only while a dial waits for an fd
         self.attempt = 0
         self.tried: list[Endpoint] | None = None
@@ -654,9 +655,10 @@ class Connection(_Side):
             return
         self.dialing = side
         timeout = settings.dial_timeouts_s[self.attempt]
-        self.deadline = listener.dial_timers[timeout].start(self._dial_expired)
+        self.deadline = listener.dial_timers[timeout].start(self)
 
-    def _dial_expired(self) -> None:
+    def dial_expired(self) -> None:
+        """The attempt's deadline passed (the dial timers' action)."""
         self.deadline = None
         if self.linked:
             self._keep_alive_endpoint()
@@ -678,7 +680,7 @@ class Connection(_Side):
 
     def _cancel_deadline(self) -> None:
         if self.deadline is not None:
-            self.deadline.cancel()
+            self.deadline.clear()
             self.deadline = None
 
     def dial_failed(self, err: int | None) -> None:
@@ -795,7 +797,7 @@ class Connection(_Side):
     def half_closed(self) -> None:
         """One direction is over: the other gets ``half_close_linger_s`` to finish."""
         if self.linger is None and not self.closed:
-            self.linger = self.listener.linger_timers.start(self.finish)
+            self.linger = self.listener.linger_timers.start(self)
 
     def reset(self) -> None:
         """Close both sockets with a RST and finish: one side reset, or a dial gave up."""
@@ -815,10 +817,10 @@ class Connection(_Side):
             self.undialed = False
             FD_RESERVE.undialed -= 1
         if self.linger is not None:
-            self.linger.cancel()
+            self.linger.clear()  # cancelled (see ``timers.Timer``)
             self.linger = None
         if self.deadline is not None:
-            self.deadline.cancel()
+            self.deadline.clear()
             self.deadline = None
         task = self.task
         if task is not None and not task.done():

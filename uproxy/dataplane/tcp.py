@@ -44,7 +44,7 @@ from uproxy.model import ServicePortName, Traffic
 
 log = logging.getLogger("uproxy.dataplane.tcp")
 
-DialTimers = dict[float, FixedDelayTimers]
+DialTimers = dict[float, FixedDelayTimers[Connection]]
 
 # The dial timers of each loop and schedule (``settings.dial_timeouts_s``), one dict shared
 # by every listener with that schedule: a dict of four per listener was 2 MB at 10,000 ports.
@@ -84,7 +84,9 @@ def _dial_timers(loop: asyncio.AbstractEventLoop, timeouts: tuple[float, ...]) -
     schedules = per_loop(_DIAL_TIMERS, loop, lambda _: {})
     timers = schedules.get(timeouts)
     if timers is None:
-        timers = schedules[timeouts] = {t: shared_timers(loop, t) for t in timeouts}
+        timers = schedules[timeouts] = {
+            t: shared_timers(loop, t, Connection.dial_expired) for t in timeouts
+        }
     return timers
 
 
@@ -141,7 +143,7 @@ class TcpListener:
         # dict is 64 bytes, an empty set 216 (its first table is inline).
         self._conns: dict[Connection, None] = {}
         self.dial_timers = _dial_timers(loop, settings.dial_timeouts_s)
-        self.linger_timers = shared_timers(loop, settings.half_close_linger_s)
+        self.linger_timers = shared_timers(loop, settings.half_close_linger_s, Connection.finish)
         self._sock: socket.socket | None = sock
         self._family = sock.family  # read once: socket.family converts to an enum per read
         self._acceptor = read_poller_for(loop)
