@@ -105,6 +105,26 @@ async def test_a_silent_endpoint_times_out_and_the_dial_moves_on(
     assert good.accepted == 4
 
 
+async def test_dial_durations_are_timed_finer_than_the_loops_millisecond_clock(
+    backends: BackendFactory, tcp_listener: ListenerFactory
+) -> None:
+    """uvloop's ``loop.time()`` counts whole milliseconds: dials timed with it would add up to
+    a whole number of milliseconds, and a loopback dial (well under 1 ms) would read 0."""
+    b = await backends("echo")
+    listener = await tcp_listener(make_balancer(TCP_NAME, [b.endpoint], settings=FAST))
+    dial = metrics.DIAL_DURATION
+    count_before, sum_before = sum(dial.counts), dial.sum
+    for _ in range(40):
+        payload = os.urandom(4096)
+        got = await asyncio.wait_for(echo_through(listener.port, payload), 5)
+        assert digest(got) == digest(payload)
+    await wait_until(lambda: listener.active == 0, what="pairs closed")
+    assert sum(dial.counts) - count_before == 40
+    timed_ms = (dial.sum - sum_before) * 1000
+    assert timed_ms > 0
+    assert abs(timed_ms - round(timed_ms)) > 1e-6, f"{timed_ms} ms: a whole number of ms"
+
+
 async def test_a_dial_that_completes_as_its_deadline_fires_loses_nothing(
     backends: BackendFactory, tcp_listener: ListenerFactory
 ) -> None:
