@@ -323,8 +323,7 @@ class _Side:
                 self.failed(self, exc.errno)
                 return
             if n == 0:
-                self._end()
-                return
+                break
             self.counter.value += n
             if n >= _BULK_READ:
                 self.until_splice -= n
@@ -343,10 +342,15 @@ class _Side:
                 # A short read emptied the receive queue: more input will be a new edge. If
                 # the FIN had arrived by the event, it came after all of that: EOF, without
                 # a read to be told so (nginx's "pending eof").
-                self.readable = False
-                if self.rdhup:
-                    self._end()
-                return
+                if not self.rdhup:
+                    self.readable = False
+                    return
+                break
+        # EOF, and all that was read has been sent (what the peer did not take returned
+        # above): ``_end`` written out, a frame less at each of a connection's two EOFs.
+        self.eof = True
+        self.readable = False
+        self._pass_fin()
 
     def pump_spliced(self) -> None:
         """Move from this socket to the peer's through the pipe until EAGAIN, or EOF."""
