@@ -44,9 +44,9 @@ machine was shared, so figures move by about +-10 % between runs):
   read once the pair is linked: nothing to hold, and every retry still has them all.
 * Kept from the transport relay's setup pass (py-spy profiles): dial deadlines and the
   linger are ``FixedDelayTimers`` (start+cancel 1.3 us against 3.4 us for call_later; since
-  then 0.2 us, see there), a
-  closed pair leaves no reference cycle (``_Side``), and nothing is logged or formatted
-  per connection (metric tallies are bound once per listener, ``Stats``).
+  then 0.2 us, see there), a closed pair leaves no reference cycle (``_Side``), and
+  nothing is logged or formatted per connection (metric tallies are bound once per
+  listener, ``Stats``).
 
 Bulk transfers: once a direction has moved ``splice_threshold`` bytes in reads of at least
 16 KiB it switches to splice(2) through a pipe of its own (``splice``); the pipe is the

@@ -20,6 +20,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
+from uproxy.dataplane.poller import per_loop
+
 _COMPACT_MIN = 1024  # below this many entries, compacting is not worth a pass
 # A loop timer may run up to a millisecond early (libuv counts whole milliseconds; asyncio
 # allows its clock resolution): entries due within this slack fire with it, not after a spin.
@@ -122,12 +124,8 @@ def shared_timers(
 ) -> FixedDelayTimers[_T]:
     """The ``FixedDelayTimers`` of ``delay`` seconds and ``expire`` on ``loop`` (created on
     first use)."""
-    per_loop = _SHARED.get(loop)
-    if per_loop is None:
-        for closed in [other for other in _SHARED if other.is_closed()]:
-            del _SHARED[closed]  # loops come and go in tests; a process has one
-        per_loop = _SHARED[loop] = {}
-    timers: FixedDelayTimers[_T] | None = per_loop.get((delay, expire))
+    of_loop = per_loop(_SHARED, loop, lambda _: {})
+    timers: FixedDelayTimers[_T] | None = of_loop.get((delay, expire))
     if timers is None:
-        timers = per_loop[delay, expire] = FixedDelayTimers(loop, delay, expire)
+        timers = of_loop[delay, expire] = FixedDelayTimers(loop, delay, expire)
     return timers
