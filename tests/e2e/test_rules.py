@@ -42,7 +42,7 @@ from tests.e2e.manifests import (
 )
 from tests.e2e.saved import Tables, save
 from tests.factories import endpoint_slice, service
-from tests.netns.helpers import nft, nft_normalised
+from tests.netns.helpers import STAMP_MASKED, nft, nft_normalised
 
 pytestmark = [pytest.mark.root]
 
@@ -414,7 +414,7 @@ def nft_listing(elements: dict[str, list[str]], chains: str, *, family: int = 4)
             out.append("elements = { " + ", ".join(elements[name]) + " }")
         out.append("}")
     out.append(chains.rstrip("\n"))
-    out.append("}")
+    out += ["chain synced-by {", STAMP_MASKED, "}", "}"]
     return nft_normalised("\n".join(out))
 
 

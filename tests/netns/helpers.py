@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from collections.abc import Collection
 from typing import Any
@@ -102,14 +103,19 @@ def install_foreign(topo: Topology, mode: str) -> None:
     topo.run(topo.node, f"iptables-{mode}-restore", "--noflush", stdin=FOREIGN)
 
 
+# The rule of chain synced-by names the process and commit that wrote the table.
+STAMP = re.compile(r'return comment "uproxy [0-9a-f]+ commit [0-9]+"')
+STAMP_MASKED = 'return comment "uproxy ID commit N"'
+
+
 def nft_normalised(listing: str) -> str:
     """``nft list`` output without layout: stripped lines, no blank ones, and each
     ``elements = { ... }`` block on one line in sorted order (nft lists a hash in its own
-    order), so two listings compare as text."""
+    order), so two listings compare as text; the stamp's process and commit are masked."""
     out: list[str] = []
     pending: list[str] | None = None
     for raw in listing.splitlines():
-        line = raw.strip()
+        line = STAMP.sub(STAMP_MASKED, raw.strip())
         if not line:
             continue
         if pending is None and line.startswith("elements = {"):

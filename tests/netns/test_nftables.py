@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -12,7 +15,16 @@ from typing import Any
 import pytest
 
 from tests.conftest import wait_for_sync
-from tests.netns.helpers import install_foreign, nft, nft_normalised, run_ops, sync_op
+from tests.netns.helpers import (
+    DIAL_MARK,
+    STAMP,
+    STAMP_MASKED,
+    install_foreign,
+    nft,
+    nft_normalised,
+    run_ops,
+    sync_op,
+)
 from tests.netns.test_rules import DNS, PORTALS, WEB
 from tests.netns.topology import Topology
 from uproxy.rules.base import Portal, PortalKind
@@ -95,6 +107,9 @@ fib daddr type local meta l4proto { tcp, udp } dnat to 10.200.3.1:meta l4proto .
 chain node-ports-filter {
 type filter hook input priority filter; policy accept;
 ct state new meta l4proto . th dport @node-port-proxy-ports accept
+}
+chain synced-by {
+return comment "uproxy ID commit N"
 }
 }
 """
@@ -206,8 +221,11 @@ def test_updates_touch_only_the_changed_elements(topo: Topology) -> None:
     full, update = mon.transactions()  # and nothing for the third sync
     assert full[:3] == ["add table ip uproxy", "delete table ip uproxy", "add table ip uproxy"]
     assert sum(line.startswith("add element") for line in full) == 8
-    assert sorted(update) == sorted(
+    masked = (re.sub(r"handle [0-9]+$", "handle H", STAMP.sub(STAMP_MASKED, x)) for x in update)
+    assert sorted(masked) == sorted(
         [
+            "delete rule ip uproxy synced-by handle H",  # the stamp's flush, as monitor says it
+            f"add rule ip uproxy synced-by {STAMP_MASKED}",
             'delete element ip uproxy cluster-ips { 10.96.0.53 . udp . 53 comment "kube-system/dns:dns" : 40003 }',
             'delete element ip uproxy node-ports { tcp . 30080 comment "default/web:http" : 40002 }',
             'delete element ip uproxy node-ports { udp . 30053 comment "kube-system/dns:dns" : 40003 }',
@@ -258,6 +276,35 @@ def test_flushed_map_is_the_cheap_checks_blind_spot(topo: Topology) -> None:
     assert results[3] is True
     assert results[4] == [*results[1], "nft"]
     assert results[5] is False
+
+
+def test_a_table_somebody_else_wrote_is_noticed_and_reloaded(topo: Topology) -> None:
+    # Another uproxy in the node loads its own services into the table and stops without
+    # cleaning up; later the node's ruleset is restored from a file saved before uproxy's last
+    # commit. Both leave the table's structure intact: only the stamp tells them apart.
+    def shell(*argv: str, stdin: str | None = None) -> dict[str, Any]:
+        return {"op": "shell", "argv": list(argv), "stdin": stdin}
+
+    spec = {"name": "nftables", "mode": "nft", "host_ip": [topo.node_ip], "dial_mark": DIAL_MARK}
+    other = json.dumps({"backend": spec, "ops": [sync_op(PORTALS[:1])]})
+    saved = "/run/uproxy-test-saved-ruleset.nft"
+    fewer = [p for p in PORTALS if p.service != DNS]
+    script = [sync_op(PORTALS), {"op": "check"}]
+    script += [shell(sys.executable, "-m", "tests.netns.driver", stdin=other)]
+    script += [{"op": "check"}, {"op": "verify"}, sync_op(PORTALS), {"op": "verify"}]
+    script += [shell("sh", "-c", f"nft list table ip uproxy > {saved}")]
+    script += [sync_op(fewer), {"op": "check"}]
+    script += [shell("sh", "-c", f"(echo 'delete table ip uproxy'; cat {saved}) | nft -f -")]
+    script += [{"op": "check"}, sync_op(fewer), {"op": "check"}, {"op": "verify"}]
+    script += [shell("rm", "-f", saved)]
+    results = ops(topo, script)
+    assert results[1] is True
+    assert results[3:5] == [False, False]  # the other uproxy's elements: noticed
+    assert results[6] is True  # reloaded by the next sync
+    assert results[9] is True
+    assert results[11] is False  # the saved ruleset still has the DNS service
+    assert results[13:15] == [True, True]
+    assert "kube-system/dns" not in nft(topo, "list", "table", "ip", "uproxy")
 
 
 def test_cleanup_restores_the_ruleset_exactly(topo: Topology) -> None:

@@ -185,6 +185,9 @@ chain node-ports-filter {
 type filter hook input priority filter; policy accept;
 ct state new meta l4proto . th dport @node-port-proxy-ports accept
 }
+chain synced-by {
+return comment "uproxy ID commit N"
+}
 }
 """
 

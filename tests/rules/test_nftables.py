@@ -111,8 +111,26 @@ table ip uproxy {
 		type filter hook input priority 0; policy accept;
 		ct state new meta l4proto . th dport @node-port-proxy-ports accept
 	}
+	chain synced-by {
+		return comment "uproxy test commit 1"
+	}
 }
 """
+
+
+STAMP = "uproxy test commit 1"
+
+
+def full(commit: int) -> str:
+    """EXPECTED_FULL as the backend's ``commit``-th transaction writes it."""
+    return EXPECTED_FULL.replace(STAMP, f"uproxy test commit {commit}")
+
+
+def stamped(delta: str, commit: int, table: str = "ip") -> str:
+    """An incremental transaction: ``delta`` and the new stamp."""
+    where = f"{table} uproxy synced-by"
+    rule = f'return comment "uproxy test commit {commit}"'
+    return f"{delta}flush chain {where}\nadd rule {where} {rule}\n"
 
 
 def elements(portals: list[Portal]) -> dict[str, dict[Any, Element]]:
@@ -121,30 +139,31 @@ def elements(portals: list[Portal]) -> dict[str, dict[Any, Element]]:
 
 def test_every_portal_kind_renders_exact_nft() -> None:
     layout = Layout(host_ip=HOST_IP, dial_mark=MARK)
-    assert render_full(layout, elements(PORTALS)) == EXPECTED_FULL
+    assert render_full(layout, elements(PORTALS), stamp=STAMP) == EXPECTED_FULL
 
 
 def test_order_and_duplicates_do_not_change_the_text() -> None:
     layout = Layout(host_ip=HOST_IP, dial_mark=MARK)
     shuffled = [*reversed(PORTALS), PORTALS[0]]
-    assert render_full(layout, elements(shuffled)) == EXPECTED_FULL
+    assert render_full(layout, elements(shuffled), stamp=STAMP) == EXPECTED_FULL
 
 
 def test_listen_address_dnats_from_containers_too() -> None:
-    text = render_table(Layout(host_ip=HOST_IP, listen_ip="192.168.7.2"), elements(PORTALS))
+    layout = Layout(host_ip=HOST_IP, listen_ip="192.168.7.2")
+    text = render_table(layout, elements(PORTALS), stamp=STAMP)
     assert "redirect" not in text
     assert text.count("dnat to 192.168.7.2:") == 10  # 4 container + 6 host rules
     assert HOST_IP not in text  # the host's traffic goes to the listen address as well
 
 
 def test_without_dial_mark_no_return_rule() -> None:
-    text = render_table(Layout(host_ip=HOST_IP), elements(PORTALS))
+    text = render_table(Layout(host_ip=HOST_IP), elements(PORTALS), stamp=STAMP)
     assert "meta mark" not in text
-    assert "return" not in text
+    assert text.count("return") == 1  # the stamp's rule only
 
 
 def test_empty_table_declares_everything_without_elements() -> None:
-    text = render_table(Layout(host_ip=HOST_IP), elements([]))
+    text = render_table(Layout(host_ip=HOST_IP), elements([]), stamp=STAMP)
     assert "elements" not in text
     for name in (CLUSTER_IPS, EXTERNAL_IPS, NODE_PORTS, NODE_PORT_PROXY_PORTS):
         assert f" {name} {{\n" in text
@@ -153,7 +172,7 @@ def test_empty_table_declares_everything_without_elements() -> None:
 def test_ipv6_twin_is_a_parameter() -> None:
     layout = Layout(IPV6, host_ip="fd00::1", dial_mark=MARK)
     portal = Portal(WEB, PortalKind.CLUSTER_IP, "fd00:0:0::a", 80, 40001)
-    text = render_full(layout, ElementBuilder(IPV6).build([portal]))
+    text = render_full(layout, ElementBuilder(IPV6).build([portal]), stamp=STAMP)
     assert text.startswith("add table ip6 uproxy\ndelete table ip6 uproxy\ntable ip6 uproxy {")
     assert "type ipv6_addr . inet_proto . inet_service : inet_service" in text
     assert "fd00::a . tcp . 80" in text
@@ -370,10 +389,10 @@ def nft(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeNft]:
 
 
 def backend(gen: FakeGen, clock: Clock) -> NftablesBackend:
-    return NftablesBackend(host_ip=HOST_IP, dial_mark=MARK, watch=gen, clock=clock)
+    return NftablesBackend(host_ip=HOST_IP, dial_mark=MARK, watch=gen, clock=clock, instance="test")
 
 
-def intact_listing() -> str:
+def intact_listing(commit: int) -> str:
     layout = Layout(host_ip=HOST_IP, dial_mark=MARK)
     objs: list[dict[str, Any]] = [
         {"map": {"name": s.name}} for s in layout.stores if s.kind == "map"
@@ -382,6 +401,9 @@ def intact_listing() -> str:
     for c in layout.chains:
         objs.append({"chain": {"name": c.name, "type": c.type, "hook": c.hook, "prio": c.priority}})
         objs += [{"rule": {"chain": c.name}} for _ in c.rules]
+    objs.append({"chain": {"name": "synced-by"}})
+    stamp = f"uproxy test commit {commit}"
+    objs.append({"rule": {"chain": "synced-by", "comment": stamp, "expr": [{"return": None}]}})
     return json.dumps({"nftables": objs})
 
 
@@ -395,7 +417,8 @@ async def test_first_sync_is_full_then_only_changes_then_nothing(nft: FakeNft) -
         assert await b.check() is True
     assert len(nft.calls) == 1
     await b.sync(PORTALS[:-1])
-    assert nft.loads()[1:] == ["delete element ip uproxy cluster-ips { 10.96.0.53 . udp . 53 }\n"]
+    delta = "delete element ip uproxy cluster-ips { 10.96.0.53 . udp . 53 }\n"
+    assert nft.loads()[1:] == [stamped(delta, 2)]
     assert len(nft.calls) == 2 and b.full_loads == 1
 
 
@@ -407,7 +430,7 @@ async def test_failed_update_is_retried_whole_at_once(nft: FakeNft) -> None:
     await b.sync(PORTALS)
     loads = nft.loads()
     assert loads[1].startswith("add element ip uproxy")
-    assert loads[2] == EXPECTED_FULL
+    assert loads[2] == full(3)
     assert b.full_loads == 2
 
 
@@ -418,7 +441,7 @@ async def test_failed_full_load_is_one_rules_error_and_next_sync_is_full(nft: Fa
     with pytest.raises(RulesError, match=r"^cannot load table ip uproxy: nft failed: second"):
         await b.sync(PORTALS)
     await b.sync(PORTALS)
-    assert nft.loads()[-1] == EXPECTED_FULL
+    assert nft.loads()[-1] == full(4)
 
 
 async def test_check_lists_the_table_only_after_a_foreign_commit(nft: FakeNft) -> None:
@@ -428,7 +451,7 @@ async def test_check_lists_the_table_only_after_a_foreign_commit(nft: FakeNft) -
     assert await b.check() is True
     assert len(nft.calls) == 1
     gen.gen += 1  # somebody committed something
-    nft.listing = intact_listing()
+    nft.listing = intact_listing(1)
     assert await b.check() is True
     assert nft.calls[-1][0] == ["nft", "-t", "-j", "list", "table", "ip", "uproxy"]
     assert await b.check() is True  # marked: free again
@@ -440,11 +463,11 @@ async def test_damage_found_by_check_makes_the_next_sync_full(nft: FakeNft) -> N
     b = backend(gen, clock)
     await b.sync(PORTALS)
     gen.gen += 1
-    nft.listing = intact_listing().replace('"rule": {"chain": "portals-host"}', '"x": {}', 1)
+    nft.listing = intact_listing(1).replace('"rule": {"chain": "portals-host"}', '"x": {}', 1)
     assert await b.check() is False
     assert await b.check() is False  # still damaged until a sync
     await b.sync(PORTALS)
-    assert nft.loads()[-1] == EXPECTED_FULL
+    assert nft.loads()[-1] == full(2)
     assert await b.check() is True
 
 
@@ -455,7 +478,7 @@ async def test_sync_notices_damage_without_a_check(nft: FakeNft) -> None:
     gen.gen += 1
     nft.listing = "{}"  # the table is gone
     await b.sync(PORTALS)
-    assert nft.loads()[-1] == EXPECTED_FULL
+    assert nft.loads()[-1] == full(2)
 
 
 async def test_full_load_at_least_hourly(nft: FakeNft) -> None:
@@ -467,7 +490,7 @@ async def test_full_load_at_least_hourly(nft: FakeNft) -> None:
     assert b.full_loads == 1
     clock.now += 1
     await b.sync(PORTALS)
-    assert b.full_loads == 2 and nft.loads()[-1] == EXPECTED_FULL
+    assert b.full_loads == 2 and nft.loads()[-1] == full(2)
 
 
 async def test_invalid_portal_is_rules_error(nft: FakeNft) -> None:
@@ -652,7 +675,9 @@ async def test_both_families_in_one_transaction_and_deltas_per_table(nft: FakeNf
     from tests.rules.test_portals import HOST6, SIX
 
     gen, clock = FakeGen(), Clock()
-    b = NftablesBackend(host_ip=[HOST_IP, HOST6], dial_mark=MARK, watch=gen, clock=clock)
+    b = NftablesBackend(
+        host_ip=[HOST_IP, HOST6], dial_mark=MARK, watch=gen, clock=clock, instance="test"
+    )
     await b.sync([*PORTALS, *SIX])
     (load,) = nft.loads()  # one nft process, one generation step for both tables
     assert load.startswith(EXPECTED_FULL)
@@ -662,5 +687,39 @@ async def test_both_families_in_one_transaction_and_deltas_per_table(nft: FakeNf
     await b.sync([*PORTALS, *SIX])
     assert len(nft.calls) == 1  # nothing changed: nothing run
     await b.sync([*PORTALS, *SIX[1:]])
-    assert nft.loads()[1:] == ["delete element ip6 uproxy cluster-ips { fd00:96::10 . tcp . 80 }\n"]
+    delta = "delete element ip6 uproxy cluster-ips { fd00:96::10 . tcp . 80 }\n"
+    assert nft.loads()[1:] == [stamped(delta, 2) + stamped("", 2, "ip6")]
     assert b.families == (IPFamily.V4, IPFamily.V6)
+
+
+async def test_a_strangers_stamp_is_damage_logged_once(
+    nft: FakeNft, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Another uproxy (or a restored file) wrote the table: same structure, other stamp.
+    gen, clock = FakeGen(), Clock()
+    b = backend(gen, clock)
+    await b.sync(PORTALS)
+    gen.gen += 1
+    nft.listing = intact_listing(1).replace("uproxy test commit 1", "uproxy 0badf00d commit 9")
+    with caplog.at_level("WARNING", logger="uproxy.rules.nftables"):
+        assert await b.check() is False
+        await b.sync(PORTALS)
+        assert nft.loads()[-1] == full(2)
+        gen.gen += 1
+        assert await b.check() is False  # the listing still shows the stranger
+    warned = [r for r in caplog.records if "written by somebody else" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].kv["found"] == "uproxy 0badf00d commit 9"  # type: ignore[attr-defined]
+    nft.listing = intact_listing(1)  # uproxy's own older stamp: a ruleset restored from a file
+    gen.gen += 1
+    await b.sync(PORTALS)
+    assert nft.loads()[-1] == full(3)
+
+
+def test_stamp_is_read_from_its_chain_only() -> None:
+    listing = intact_listing(4)
+    assert nftables.parse_stamp(listing) == "uproxy test commit 4"
+    assert parse_skeleton(listing) == Layout(host_ip=HOST_IP, dial_mark=MARK).skeleton()
+    doubled = json.loads(listing)
+    doubled["nftables"].append(doubled["nftables"][-1])
+    assert nftables.parse_stamp(json.dumps(doubled)) is None
+    assert nftables.parse_stamp("{}") is None

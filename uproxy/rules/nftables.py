@@ -31,6 +31,7 @@ The IPv4 table (the IPv6 one has ``ipv6_addr`` and ``ip6 daddr/saddr`` where thi
       chain node-ports-container  nat prerouting, priority dstnat + 1 (-99)
       chain node-ports-host       nat output, priority -99; uproxy's dials return first
       chain node-ports-filter     filter input, priority filter
+      chain synced-by             no hook: its rule's comment stamps uproxy's last commit
     }
 
 The rules mean what the iptables portals mean (see ``portals``): traffic from pods and other
@@ -79,8 +80,15 @@ table in one transaction, so it is replaced atomically) on the first sync, after
 transaction (an incremental failure is retried at once as a full load), after a check found
 damage, and at least once an hour (kube-proxy's full-sync period). ``check`` costs a generation
 read (see ``watch``) unless somebody committed a change; then it lists the table without its
-elements (``nft -t``, cheap at any size) and compares chains, rule counts and maps. It cannot
-see a flushed map or a rule replaced in place: the hourly full load repairs those.
+elements (``nft -t``: a tenth of the full listing at 10,000 services) and compares chains, rule
+counts, maps and the *stamp*: chain ``synced-by``, which nothing jumps to, holds one ``return``
+rule whose comment names uproxy's last commit (a random instance id and a commit number), and
+every transaction of uproxy's rewrites it. A table another uproxy loaded, or one restored from a
+file saved before uproxy's last commit, has elements uproxy did not write, and another stamp:
+the check fails and the next sync loads the table whole. Two uproxy processes in one network
+namespace therefore keep reloading each other's table (logged once per stranger's stamp).
+What the stamp cannot see is a map flushed (``nft flush map``) or a rule replaced in place by
+hand: the hourly full load repairs those.
 
 Elements carry ``ns/name:port`` comments (nft allows 128 characters; longer ones are cut). Two
 portals wanting the same key (two services claiming one externalIP and port) cannot both be in
@@ -94,6 +102,7 @@ import asyncio
 import ipaddress
 import json
 import logging
+import secrets
 import shutil
 import socket
 import time
@@ -128,6 +137,7 @@ from uproxy.rules.watch import FULL_SYNC_PERIOD_S, GenerationWatch, Token, Watch
 log = logging.getLogger("uproxy.rules.nftables")
 
 TABLE = "uproxy"
+STAMP_CHAIN = "synced-by"  # its one rule's comment names the last commit (see ``_intact``)
 COMMENT_MAX = 128  # nft refuses longer comments
 _ELEMENTS_PER_STATEMENT = 1000
 
@@ -531,8 +541,19 @@ def render_delta(
     return "".join(line + "\n" for line in lines)
 
 
-def render_table(layout: Layout, elements: Elements) -> str:
-    """The table definition, ``table ip uproxy { ... }``, with every element."""
+def stamp_rule(stamp: str) -> str:
+    """The one rule of the stamp chain: nothing jumps to it, its comment names the commit."""
+    return f'return comment "{element_comment(stamp)}"'
+
+
+def render_stamp(family: Family, stamp: str) -> str:
+    """The lines replacing the stamp in an incremental transaction."""
+    where = f"{family.table} {TABLE} {STAMP_CHAIN}"
+    return f"flush chain {where}\nadd rule {where} {stamp_rule(stamp)}\n"
+
+
+def render_table(layout: Layout, elements: Elements, *, stamp: str) -> str:
+    """The table definition, ``table ip uproxy { ... }``, with every element and the stamp."""
     lines = [f"table {layout.family.table} {TABLE} {{"]
     for store in layout.stores:
         lines += [f"\t{store.kind} {store.name} {{", f"\t\ttype {store.type}"]
@@ -547,14 +568,16 @@ def render_table(layout: Layout, elements: Elements) -> str:
         lines += [f"\tchain {chain.name} {{", f"\t\t{chain.header()}"]
         lines += [f"\t\t{rule}" for rule in chain.rules]
         lines.append("\t}")
-    lines.append("}")
+    lines += [f"\tchain {STAMP_CHAIN} {{", f"\t\t{stamp_rule(stamp)}", "\t}", "}"]
     return "\n".join(lines) + "\n"
 
 
-def render_full(layout: Layout, elements: Elements) -> str:
+def render_full(layout: Layout, elements: Elements, *, stamp: str) -> str:
     """One transaction replacing the table whole: create it if missing, delete it, load it."""
     where = f"{layout.family.table} {TABLE}"
-    return f"add table {where}\ndelete table {where}\n" + render_table(layout, elements)
+    return f"add table {where}\ndelete table {where}\n" + render_table(
+        layout, elements, stamp=stamp
+    )
 
 
 # ----- nft output -------------------------------------------------------------------------------
@@ -578,16 +601,26 @@ def parse_skeleton(listing: str) -> Skeleton:
         for kind in ("map", "set"):
             if kind in obj:
                 stores.add((kind, str(obj[kind].get("name"))))
-        if "chain" in obj:
+        if "chain" in obj and obj["chain"].get("name") != STAMP_CHAIN:
             c = obj["chain"]
             chains[str(c.get("name"))] = (str(c.get("type")), str(c.get("hook")), c.get("prio"))
-        if "rule" in obj:
+        if "rule" in obj and obj["rule"].get("chain") != STAMP_CHAIN:
             name = str(obj["rule"].get("chain"))
             counts[name] = counts.get(name, 0) + 1
     return Skeleton(
         frozenset(stores),
         frozenset((n, t, h, p, counts.get(n, 0)) for n, (t, h, p) in chains.items()),
     )
+
+
+def parse_stamp(listing: str) -> str | None:
+    """The comment of the stamp chain's one rule; None without that chain or that one rule."""
+    rules = [o["rule"] for o in _objects(listing) if "rule" in o]
+    found = [r for r in rules if isinstance(r, dict) and r.get("chain") == STAMP_CHAIN]
+    if len(found) != 1 or found[0].get("expr") != [{"return": None}]:
+        return None
+    comment = found[0].get("comment")
+    return comment if isinstance(comment, str) else None
 
 
 def _element(item: Any, is_map: bool) -> Element:
@@ -686,6 +719,7 @@ class NftablesBackend:
         local: LocalTraffic = NO_LOCAL_TRAFFIC,
         watch: Watch | None = None,
         clock: Callable[[], float] = time.monotonic,
+        instance: str | None = None,
     ) -> None:
         self._options: dict[str, Any] = {
             "dial_mark": dial_mark,
@@ -708,6 +742,11 @@ class NftablesBackend:
         self._conflicts: frozenset[str] = frozenset()
         self.transactions = 0  # nft -f runs, failed ones included
         self.full_loads = 0
+        # Every commit of ours writes a new stamp; a table holding another one was written by
+        # somebody else since (another uproxy, a ruleset restored from a file).
+        self._instance = instance if instance is not None else secrets.token_hex(4)
+        self._stamp: str | None = None  # the last one committed
+        self._foreign: str | None = None  # the last stranger's stamp reported
 
     @property
     def families(self) -> tuple[IPFamily, ...]:
@@ -756,8 +795,10 @@ class NftablesBackend:
                 )
                 if not text:
                     return
+                stamp = self._next_stamp()
+                text += "".join(render_stamp(t.family, stamp) for t in self._tables.values())
                 try:
-                    await self._commit(text, before=self._watch.marked)
+                    await self._commit(text, before=self._watch.marked, stamp=stamp)
                 except RulesError as exc:
                     log.info(
                         "Updating the nft tables failed, loading them whole",
@@ -779,13 +820,17 @@ class NftablesBackend:
             return True
         return self._watch.changed() and not await self._intact()
 
-    def _render_full(self, want: Mapping[IPFamily, Elements]) -> str:
-        return "".join(render_full(t.layout, want[f]) for f, t in self._tables.items())
+    def _next_stamp(self) -> str:
+        return f"uproxy {self._instance} commit {self.transactions + 1}"
+
+    def _render_full(self, want: Mapping[IPFamily, Elements], stamp: str) -> str:
+        return "".join(render_full(t.layout, want[f], stamp=stamp) for f, t in self._tables.items())
 
     async def _load(self, want: Mapping[IPFamily, Elements]) -> None:
         try:
-            text = await asyncio.to_thread(self._render_full, want)
-            await self._commit(text, before=self._watch.read())
+            stamp = self._next_stamp()
+            text = await asyncio.to_thread(self._render_full, want, stamp)
+            await self._commit(text, before=self._watch.read(), stamp=stamp)
         except RulesError as exc:
             self._set_installed(None)
             raise RulesError(f"cannot load table {self._where}: {exc}") from None
@@ -796,17 +841,19 @@ class NftablesBackend:
         self._last_full = self._clock()
         self.full_loads += 1
 
-    async def _commit(self, text: str, *, before: Token | None) -> None:
+    async def _commit(self, text: str, *, before: Token | None, stamp: str) -> None:
         self.transactions += 1
         try:
             await command.run(["nft", "-f", "-"], stdin=text)
         except RulesError:
             self._watch.forget()
             raise
+        self._stamp = stamp
         self._watch.mark_after_commit(before, commits=1)
 
     async def _intact(self) -> bool:
-        """The real check: chains, their rule counts, maps and sets, without elements."""
+        """The real check: chains, their rule counts, maps and sets, without elements, and the
+        stamp of uproxy's last commit."""
         token = self._watch.read()
         ok = True
         for table in self._tables.values():
@@ -814,12 +861,26 @@ class NftablesBackend:
             done = await command.run(argv, check=False)
             ok = ok and done.returncode == 0
             ok = ok and parse_skeleton(done.stdout) == table.layout.skeleton()
+            ok = ok and self._stamp_holds(table, parse_stamp(done.stdout))
         if ok:
             self._watch.mark(token)
         else:
             self._damaged = True
             self._watch.forget()
         return ok
+
+    def _stamp_holds(self, table: _Table, found: str | None) -> bool:
+        """Whether ``found`` is the last stamp uproxy committed; a stranger's is logged once."""
+        if found == self._stamp:
+            return True
+        if found is not None and found != self._foreign:
+            self._foreign = found
+            log.warning(
+                "The nft table was written by somebody else since uproxy's last commit "
+                "(another uproxy, or a ruleset restored from a file): reloading it",
+                extra={"kv": {"table": table.where, "found": found, "want": self._stamp}},
+            )
+        return False
 
     def _report_conflicts(self) -> None:
         conflicts = frozenset(c for t in self._tables.values() for c in t.builder.conflicts)
@@ -849,6 +910,8 @@ class NftablesBackend:
                 if done.returncode != 0:
                     return False
                 if parse_skeleton(done.stdout) != table.layout.skeleton():
+                    return False
+                if parse_stamp(done.stdout) != self._stamp:
                     return False
                 if parse_elements(done.stdout) != table.installed:
                     return False

@@ -27,8 +27,9 @@ always "changed": the backend then does the real check, as it did before this ex
 What the cheap check cannot see, and what repairs it: a legacy rule rewritten in place with one
 of the same size (``iptables -R``) leaves the table's shape unchanged; in nf_tables every change
 bumps the generation, but uproxy's real check for its nft table lists it without set elements
-(``nft -t``), so a flushed map passes. Backends therefore still do a full sync at least once an
-hour (kube-proxy's full-sync period), which rewrites everything.
+(``nft -t``, with the stamp of uproxy's last commit), so a map flushed by hand passes.
+Backends therefore still do a full sync at least once an hour (kube-proxy's full-sync period),
+which rewrites everything.
 
 After its own commit uproxy marks the token only when it can tell nobody else committed in
 between: with a generation, when it moved by exactly uproxy's commits; otherwise the mark is
