@@ -501,6 +501,7 @@ class WorkerPool:
             receive_buffer=self._settings.udp_receive_buffer,
             steer_by_client=False,
             keepalive=self._settings.tcp_keepalive_s,
+            join=True,
         )
         listener.socks = [first, *more]
         try:

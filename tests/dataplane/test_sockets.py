@@ -119,3 +119,52 @@ def test_a_taken_port_fails_whole_and_leaves_nothing_open() -> None:
         assert len(os.listdir("/proc/self/fd")) == fds
     finally:
         holder.close()
+
+
+@pytest.mark.parametrize("protocol", [Protocol.TCP, Protocol.UDP])
+def test_a_port_another_group_holds_fails_instead_of_joining_it(protocol: Protocol) -> None:
+    # Another process of the same user (another uproxy) holds the port in a SO_REUSEPORT
+    # group: binding with SO_REUSEPORT would join it and split its traffic with ours.
+    def group(port: int, *, join: bool = False) -> list[socket.socket]:
+        return bind_group(
+            protocol, "127.0.0.1", port, 2, backlog=16, receive_buffer=0,
+            steer_by_client=False, join=join,
+        )  # fmt: skip
+
+    theirs = group(0)
+    port = theirs[0].getsockname()[1]
+    fds = len(os.listdir("/proc/self/fd"))
+    try:
+        with pytest.raises(OSError) as err:
+            group(port)
+        assert err.value.errno == errno.EADDRINUSE
+        assert len(os.listdir("/proc/self/fd")) == fds
+        more = group(port, join=True)  # joining a group of one's own is what join says
+        for s in more:
+            s.close()
+    finally:
+        for s in theirs:
+            s.close()
+
+
+def test_udp_group_spreads_datagrams_from_its_first_socket_on() -> None:
+    group = bind_group(
+        Protocol.UDP, "127.0.0.1", 0, 2, backlog=0, receive_buffer=0, steer_by_client=False
+    )
+    port = group[0].getsockname()[1]
+    counts: Counter[int] = Counter()
+    try:
+        for _ in range(200):  # each from a new source port: the group's hash picks a socket
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as c:
+                c.sendto(b"x", ("127.0.0.1", port))
+                for index, sock in enumerate(group):
+                    try:
+                        sock.recv(8)
+                    except BlockingIOError:
+                        continue
+                    counts[index] += 1
+        assert sum(counts.values()) == 200
+        assert all(0.3 <= counts[i] / 200 <= 0.7 for i in (0, 1)), counts
+    finally:
+        for s in group:
+            s.close()

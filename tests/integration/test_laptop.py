@@ -128,10 +128,12 @@ async def test_laptop_listens_on_the_service_port_when_free(
     assert rows[0].service == "default/web:http" and str(unused_tcp_port) in rows[0].listen
 
 
+@pytest.mark.parametrize("reuse_port", [False, True], ids=["plain", "reuseport-group"])
 async def test_service_port_taken_falls_back_to_an_os_port(
-    tmp_path: Path, backends: list[NamedBackend], proxy_for: Proxy
+    tmp_path: Path, backends: list[NamedBackend], proxy_for: Proxy, reuse_port: bool
 ) -> None:
-    blocker = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    # A SO_REUSEPORT holder (another uproxy) too: joining its group would split the traffic.
+    blocker = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0, reuse_port=reuse_port)
     taken = blocker.sockets[0].getsockname()[1]
     try:
         path = Path(proxy_for.settings.services or "")

@@ -64,17 +64,24 @@ def keep_alive(sock: _socket.socket, seconds: int) -> None:
 
 
 def bind_tcp(
-    host: str, port: int, *, backlog: int, reuseport: bool = False, keepalive: int = 0
+    host: str,
+    port: int,
+    *,
+    backlog: int,
+    reuseport: bool = False,
+    lead: bool = False,
+    keepalive: int = 0,
 ) -> socket.socket:
     """A non-blocking listening TCP socket; raises OSError (EADDRINUSE, EACCES...).
 
-    ``keepalive``: see ``keep_alive``; accepted sockets inherit it."""
+    ``reuseport``: the socket joins the port's SO_REUSEPORT group; with ``lead`` it starts
+    one (see ``bind_group``). ``keepalive``: see ``keep_alive``; accepted sockets inherit it."""
     family = family_of(host)
     # Non-blocking from the start: no fcntl/ioctl afterwards (10,000 of them at a cold start).
     sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if reuseport:
+        if reuseport and not lead:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         if family == socket.AF_INET6:
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
@@ -84,6 +91,8 @@ def bind_tcp(
         # Keep-alive too (the flag and both intervals): none of it costs a connection.
         keep_alive(sock, keepalive)
         sock.bind((host, port))
+        if reuseport and lead:  # before listen(), which puts the socket in its group
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.listen(backlog)
     except OSError:
         sock.close()
@@ -92,17 +101,21 @@ def bind_tcp(
 
 
 def bind_udp(
-    host: str, port: int, *, receive_buffer: int, reuseport: bool = False
+    host: str, port: int, *, receive_buffer: int, reuseport: bool = False, lead: bool = False
 ) -> socket.socket:
-    """A non-blocking bound UDP socket with room for bursts; raises OSError."""
+    """A non-blocking bound UDP socket with room for bursts; raises OSError.
+
+    ``reuseport`` and ``lead``: as for ``bind_tcp``."""
     family = family_of(host)
     sock = socket.socket(family, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK)
     try:
-        if reuseport:
+        if reuseport and not lead:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         if family == socket.AF_INET6:
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
         sock.bind((host, port))
+        if reuseport and lead:  # the next socket bound with SO_REUSEPORT joins this one
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         set_receive_buffer(sock, receive_buffer)
     except OSError:
         sock.close()
@@ -130,20 +143,30 @@ def bind_group(
     receive_buffer: int,
     steer_by_client: bool,
     keepalive: int = 0,
+    join: bool = False,
 ) -> list[socket.socket]:
     """``count`` sockets on one address in a SO_REUSEPORT group, in the group's order.
 
-    The first bind decides whether the port is free (OSError otherwise, nothing left open);
-    later ones join its group. With ``steer_by_client`` the group picks sockets by client
-    address (see the module docstring).
+    The first bind decides whether the port is free (OSError otherwise, nothing left open):
+    it binds without SO_REUSEPORT and turns it on once bound, so a port that anybody holds
+    fails, even one that another process of the same user holds in a SO_REUSEPORT group of
+    its own (another uproxy), which a bind with SO_REUSEPORT would silently join, splitting
+    the connections between the two. Later sockets join the group; with ``join`` the first
+    one does too (the port is a group of uproxy's already). With ``steer_by_client`` the
+    group picks sockets by client address (see the module docstring).
     """
     socks: list[socket.socket] = []
     try:
-        for _ in range(count):
+        for i in range(count):
+            lead = i == 0 and not join
             if protocol is Protocol.TCP:
-                sock = bind_tcp(host, port, backlog=backlog, reuseport=True, keepalive=keepalive)
+                sock = bind_tcp(
+                    host, port, backlog=backlog, reuseport=True, lead=lead, keepalive=keepalive
+                )
             else:
-                sock = bind_udp(host, port, receive_buffer=receive_buffer, reuseport=True)
+                sock = bind_udp(
+                    host, port, receive_buffer=receive_buffer, reuseport=True, lead=lead
+                )
             socks.append(sock)
             if not port:  # the rest join the port the kernel gave the first
                 port = sock.getsockname()[1]
