@@ -144,6 +144,7 @@ class Proxy:
         self.metrics_server = self._metrics_server()
         self.file_source = FileSource(path=s.services, tracker=self.tracker) if s.services else None
         self._endpoints_queued = False
+        self._retry_timer: asyncio.TimerHandle | None = None  # a sync to retry what failed
         # Health-check node ports: per service, the ports that ask for one and, per family,
         # the addresses of their ready local endpoints.
         self._hc_ports: dict[tuple[str, str], dict[ServicePortName, tuple[int, LocalIps]]] = {}
@@ -207,6 +208,8 @@ class Proxy:
 
     async def stop(self) -> None:
         self._stopped.set()
+        if self._retry_timer is not None:
+            self._retry_timer.cancel()
         if self._prepare is not None:
             self._prepare.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -447,6 +450,12 @@ class Proxy:
         # No await between these two: the sync takes exactly the changes queued so far.
         self.health.started()
         await self.syncer.sync()
+        delay = self.syncer.retry_after()
+        if self._retry_timer is not None:
+            self._retry_timer.cancel()
+        self._retry_timer = None
+        if delay is not None and not self._stopped.is_set():
+            self._retry_timer = asyncio.get_running_loop().call_later(delay, self._queue_sync)
 
     def _synced(self) -> None:
         self.health.updated()

@@ -30,6 +30,7 @@ from typing import Protocol as TypingProtocol
 from uproxy import heap, metrics
 from uproxy.dataplane.balancer import Balancer
 from uproxy.dataplane.settings import DataplaneSettings
+from uproxy.dataplane.sockets import port_free
 from uproxy.dataplane.tcp import TcpListener
 from uproxy.dataplane.udp import UdpListener
 from uproxy.log import V2, kv
@@ -56,6 +57,9 @@ log = logging.getLogger("uproxy.syncer")
 
 # Most ports tried for one listener in one sync: keeps a sync bounded when a range is busy.
 _MAX_BIND_TRIES = 64
+# What failed (a listener, a node port, a laptop listener off its service's port) is tried
+# again after this, then twice as long after each sync it still fails, up to the sync period.
+RETRY_FIRST_S = 1.0
 
 
 class Listener(TypingProtocol):
@@ -254,6 +258,7 @@ class Syncer:
         self._force_rules = False
         self._failed: dict[tuple[ServicePortName, Traffic, IPFamily], str] = {}
         self._retry: set[ServicePortName] = set()  # a listener or node port to try again
+        self._retry_delay = 0.0  # 0: nothing failed at the last sync
         self._rows: dict[ServicePortName, TableRow] = {}
         self._nodeport_errors: dict[tuple[ServicePortName, IPFamily], str] = {}
         self._unserved: set[ServicePortName] = set()  # reported: no family of ours
@@ -293,6 +298,13 @@ class Syncer:
                 elif spn in self.ports:
                     closed += await self._remove(spn)
                 await ts.tick()
+            # Then what moves: a port one of them frees (a laptop listener's service port, a
+            # node port) is free before another one of this sync claims it.
+            for spn, state, _families in keep:
+                pp = self.ports.get(spn)
+                if pp is not None:
+                    self._follow(spn, pp, state.port)
+                    pp.port = state.port
             for spn, state, families in keep:
                 opened += await self._ensure(spn, state, families)
                 await ts.tick()
@@ -302,6 +314,7 @@ class Syncer:
         for hook in self.options.extra_hooks:
             await hook(self.ports, todo)
         self._emit_table(todo)
+        self._retry_delay = self._next_retry_delay()
         self.syncs += 1
         self.last_changed = len(todo)
         done = time.time()
@@ -312,6 +325,19 @@ class Syncer:
         self._observe_programming(changes.trigger_times)
         if self.options.on_synced is not None:
             self.options.on_synced()
+
+    def _next_retry_delay(self) -> float:
+        if not self._retry:
+            return 0.0
+        period = self.options.settings.iptables_sync_period
+        return min(max(2 * self._retry_delay, RETRY_FIRST_S), period)
+
+    def retry_after(self) -> float | None:
+        """How soon a sync should retry what the last one could not do; None: nothing failed.
+
+        Without it a port taken by someone else (an old uproxy still holding a node port, a
+        program on a laptop service's port) waited for the periodic sync."""
+        return self._retry_delay or None
 
     def apply_endpoints(self) -> frozenset[ServicePortName]:
         """Hand endpoint-only changes to the balancers now; returns the ports touched.
@@ -429,6 +455,8 @@ class Syncer:
         for fp in pp.families.values():
             if fp.cluster is None or (needs_external and fp.external is None):
                 self._retry.add(spn)
+            elif self.laptop and fp.cluster.port != pp.port.port:
+                self._retry.add(spn)  # off its service's port: move when that is free
         return opened
 
     def _balancer(self, spn: ServicePortName) -> Balancer:
@@ -463,6 +491,8 @@ class Syncer:
         if fp.cluster is None:
             fp.cluster = await self._open_listener(spn, pp, fp, Traffic.CLUSTER)
             opened += fp.cluster is not None
+        elif self.laptop and fp.cluster.port != pp.port.port:
+            await self._move_home(spn, pp, fp)
         if state.port.needs_external_listener:
             if fp.external is None:
                 fp.external = await self._open_listener(spn, pp, fp, Traffic.EXTERNAL)
@@ -535,6 +565,23 @@ class Syncer:
             self._allocators[(protocol, family)] = alloc
         return alloc
 
+    async def _move_home(self, spn: ServicePortName, pp: ProxiedPort, fp: FamilyPort) -> None:
+        """A laptop listener that opened elsewhere because its service's port was taken
+        moves there once that port is free. (Listeners are known by service, traffic and
+        family, so the old one closes first; its connections go as at a port change.)"""
+        alloc = self._allocator(spn.protocol, fp.family)
+        want, old = pp.port.port, fp.cluster
+        host = self.hosts[fp.family]
+        if old is None or want in alloc.in_use or not port_free(spn.protocol, host, want):
+            return  # still taken: the next retry looks again
+        self._close_listener(spn, fp, old)
+        fp.cluster = await self._open_listener(spn, pp, fp, Traffic.CLUSTER)
+        if fp.cluster is not None:
+            log.info(
+                "Proxy port moved to the service's port",
+                extra=kv(service=str(spn), address=_hostport(fp.cluster), was=old.port),
+            )
+
     def _close_listener(self, spn: ServicePortName, fp: FamilyPort, lst: Listener) -> None:
         if log.isEnabledFor(V2):
             log.log(V2, "Closing proxy port", extra=kv(service=str(spn), port=lst.port))
@@ -546,11 +593,10 @@ class Syncer:
     ) -> Listener | None:
         alloc = self._allocator(spn.protocol, fp.family)
         if self.laptop and traffic is Traffic.CLUSTER:
-            # The service's own port, unless another of our listeners has it: with workers
-            # every listener is a SO_REUSEPORT group, and a second group bound to the same
-            # port would silently join the first rather than fail.
-            # Otherwise a port of uproxy's own choosing, as on a node: binding port 0 makes
-            # the kernel search for a free port, which grows with every port already bound.
+            # The service's own port, unless another of our listeners has it (that bind
+            # would fail: a group's first socket binds without SO_REUSEPORT). Otherwise a
+            # port of uproxy's own choosing, as on a node: binding port 0 makes the kernel
+            # search for a free port, which grows with every port already bound.
             own = () if pp.port.port in alloc.in_use else (pp.port.port,)
             candidates: Iterable[int] = itertools.chain(own, alloc.candidates(_MAX_BIND_TRIES))
         else:

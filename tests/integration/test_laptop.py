@@ -8,6 +8,7 @@ import logging
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -146,3 +147,52 @@ async def test_service_port_taken_falls_back_to_an_os_port(
         assert await greet("127.0.0.1", lst.port) == "b1"
     finally:
         blocker.close()
+    await blocker.wait_closed()
+    # Freed: the listener moves to the service's port at a retry, not at the periodic sync.
+    syncer = proxy_for.syncer
+    assert syncer is not None and syncer.options.settings.iptables_sync_period >= 30
+    await wait_for(
+        lambda: (c := syncer.ports[WEB].cluster) is not None and c.port == taken, timeout=5
+    )
+    assert await greet("127.0.0.1", taken) == "b1"
+
+
+def two_services(path: Path, ports: dict[str, int], backends: list[NamedBackend]) -> None:
+    """Services ``a`` and ``b`` on the given ports, one backend each."""
+    docs = []
+    for (name, port), b in zip(sorted(ports.items()), backends, strict=False):
+        docs.append(service(name, ports=[{"name": "http", "port": port, "protocol": "TCP"}]))
+        docs.append(
+            endpoint_slice(
+                f"{name}-0",
+                name,
+                endpoints=[endpoint(b.host)],
+                ports=[{"name": "http", "port": b.port, "protocol": "TCP"}],
+            )
+        )
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump_all(docs))
+    os.replace(tmp, path)
+
+
+async def test_one_save_that_swaps_two_services_ports_ends_on_both(
+    tmp_path: Path, backends: list[NamedBackend], proxy_for: Proxy, unused_tcp_port_factory: Any
+) -> None:
+    p, q = unused_tcp_port_factory(), unused_tcp_port_factory()
+    path = Path(proxy_for.settings.services or "")
+    two_services(path, {"a": p, "b": q}, backends)
+    await proxy_for.start()
+    await asyncio.wait_for(proxy_for.synced.wait(), 5)
+    assert (await greet("127.0.0.1", p), await greet("127.0.0.1", q)) == ("b1", "b2")
+    two_services(path, {"a": q, "b": p}, backends)  # a takes b's port, b takes a's
+    syncer = proxy_for.syncer
+    assert syncer is not None
+    a = ServicePortName("default", "a", "http", Protocol.TCP)
+    b = ServicePortName("default", "b", "http", Protocol.TCP)
+
+    def home() -> bool:
+        la, lb = syncer.ports[a].cluster, syncer.ports[b].cluster
+        return la is not None and lb is not None and (la.port, lb.port) == (q, p)
+
+    await wait_for(home, timeout=5)
+    assert (await greet("127.0.0.1", q), await greet("127.0.0.1", p)) == ("b1", "b2")

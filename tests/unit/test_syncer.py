@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import socket
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -27,8 +28,9 @@ from uproxy.model import (
     Traffic,
 )
 from uproxy.rules.base import LocalTraffic, Portal, PortalKind, RulesError
+from uproxy.rules.nodeports import NodePortReservations
 from uproxy.settings import Settings
-from uproxy.syncer import Syncer, SyncerOptions, TableRow
+from uproxy.syncer import RETRY_FIRST_S, Syncer, SyncerOptions, TableRow
 from uproxy.tracker import Kind, Tracker
 
 
@@ -185,6 +187,68 @@ async def test_a_listener_that_could_not_open_is_retried_by_the_next_sync() -> N
     await syncer.sync()  # nothing changed in the tracker: the retry alone brings it up
     assert syncer.ports[spn("s1")].cluster is not None
     assert spn("s1") in {p.service for p in rules.syncs[-1]}
+
+
+async def test_what_failed_asks_for_a_retry_backing_off_to_the_sync_period() -> None:
+    _, syncer, factory, _ = make(2)
+    factory.refuse.add(spn("s1"))
+    delays = []
+    for _ in range(14):
+        await syncer.sync()
+        delays.append(syncer.retry_after())
+    assert delays[:6] == [RETRY_FIRST_S * 2**i for i in range(6)]
+    assert delays[-1] == 3600  # the sync period bounds it
+    factory.refuse.clear()
+    await syncer.sync()
+    assert syncer.retry_after() is None and syncer.ports[spn("s1")].cluster is not None
+
+
+def node_port_service(name: str, node_port: int) -> dict[str, Any]:
+    ports = [{"name": "http", "port": 80, "protocol": "TCP", "nodePort": node_port}]
+    return service(
+        name, type="NodePort", ports=ports, cluster_ip="10.96.0.1" if name == "a" else "10.96.0.2"
+    )
+
+
+async def test_a_node_port_somebody_holds_is_retried_soon_and_then_served(
+    unused_tcp_port_factory: Any,
+) -> None:
+    # An old uproxy pod still holds the node port: no portal for it, a retry in a second
+    # (not at the sync period), and the port is reserved and served once it is free.
+    port = unused_tcp_port_factory()
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", port))
+    holder.listen(1)
+    tracker = Tracker()
+    tracker.replace(Kind.SERVICE, [node_port_service("a", port)])
+    tracker.replace(Kind.ENDPOINT_SLICE, [])
+    held = NodePortReservations(bind_ips=("127.0.0.1",))
+    syncer = Syncer(
+        tracker=tracker,
+        rules=RecordingRules(),
+        listener_factory=Factory(),
+        options=SyncerOptions(
+            settings=Settings(rules="iptables-restore", proxy_port_range="40000-59999"),
+            dataplane=DataplaneSettings(node_name="node-a"),
+            listen_hosts=("0.0.0.0",),
+            nodeports=held,
+        ),
+    )
+
+    def node_ports() -> set[int]:
+        return {p.port for p in syncer.portals() if p.kind is PortalKind.NODE_PORT}
+
+    try:
+        await syncer.sync()
+        assert node_ports() == set() and held.owner(Protocol.TCP, port) is None
+        assert syncer.retry_after() == RETRY_FIRST_S
+        holder.close()
+        await syncer.sync()  # nothing changed in the tracker: the retry alone reserves it
+        assert held.owner(Protocol.TCP, port) == spn("a") and node_ports() == {port}
+        assert syncer.retry_after() is None
+    finally:
+        holder.close()
+        held.close()
 
 
 def gauge(name: str, **labels: str) -> float:

@@ -133,6 +133,26 @@ def set_receive_buffer(sock: socket.socket, size: int) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, size)
 
 
+def port_free(protocol: Protocol, host: str, port: int) -> bool:
+    """Whether nobody holds ``host:port`` (a bind without SO_REUSEPORT, closed at once)."""
+    try:
+        if protocol is Protocol.TCP:
+            probe = socket.socket(family_of(host), socket.SOCK_STREAM)
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as bind_tcp
+        else:
+            probe = socket.socket(family_of(host), socket.SOCK_DGRAM)
+    except OSError:
+        return False
+    with probe:
+        try:
+            if probe.family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def bind_group(
     protocol: Protocol,
     host: str,
