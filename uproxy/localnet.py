@@ -55,12 +55,13 @@ LOOPBACK = {IPFamily.V4: "127.0.0.1", IPFamily.V6: "::1"}
 
 
 def stacks_at_start(
-    settings: Settings, *, rules_support: Callable[[IPFamily], bool] = lambda f: True
+    settings: Settings, *, rules_support: Callable[[IPFamily], str | None] = lambda f: None
 ) -> tuple[Stack, ...]:
     """The IP families this node serves, the primary first; ValueError when none can be.
 
-    ``rules_support`` says whether the rules backend can program a family (a host without
-    ``ip6tables-restore`` serves IPv4 only, and says so).
+    ``rules_support`` says why the rules backend cannot program a family (None: it can): a
+    host without ``ip6tables-restore`` serves IPv4 only, and says so; a host where it can
+    program none of the families with an address fails, naming the missing program.
     """
     bind = settings.bind_address
     if settings.laptop:
@@ -75,20 +76,35 @@ def stacks_at_start(
                 "node's own service traffic to the proxy ports on this address, which must be "
                 "one the node routes; set it to the node's address, or use --rules none"
             )
+        why = rules_support(ip_family(bind))
+        if why is not None:
+            raise ValueError(
+                f"--rules {settings.rules_backend} cannot program rules here: {why}; "
+                "install it, or choose another --rules"
+            )
         return (Stack(ip_family(bind), bind, bind),)
     wanted = [ip_family(bind)] if bind else list(IPFamily)
     out: list[Stack] = []
+    unsupported: list[str] = []
     for family in wanted:
         host = primary_address(family)
         if host is None:
             continue
-        if not rules_support(family):
+        why = rules_support(family)
+        if why is not None:
+            unsupported.append(why)
             log.warning(
                 "Not serving an IP family: the rules backend cannot program it here",
-                extra=kv(family=family.label, rules=settings.rules_backend),
+                extra=kv(family=family.label, rules=settings.rules_backend, reason=why),
             )
             continue
         out.append(Stack(family, host, ANY[family]))
+    if not out and unsupported:
+        reasons = "; ".join(dict.fromkeys(unsupported))
+        raise ValueError(
+            f"--rules {settings.rules_backend} cannot program rules here: {reasons}; "
+            "install it, or choose another --rules"
+        )
     if not out:
         which = wanted[0].label if len(wanted) == 1 else "IPv4 or IPv6"
         raise ValueError(

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -95,7 +96,7 @@ class Proxy:
         )
         try:  # the IP families served, --nodeport-addresses and --detect-local-mode, here
             self.stacks = localnet.stacks_at_start(
-                s, rules_support=lambda f: rules is not None or _rules_support(s, f)
+                s, rules_support=lambda f: None if rules is not None else _rules_support(s, f)
             )
             self.nodeport_addresses = localnet.nodeport_addresses_at_start(s, self.stacks)
             self.local_traffic = localnet.local_traffic_at_start(s)
@@ -544,14 +545,21 @@ def install_signal_handlers(stop: Callable[[], None]) -> None:
             loop.add_signal_handler(sig, stop)
 
 
-def _rules_support(settings: Settings, family: IPFamily) -> bool:
-    """Whether ``--rules`` can program ``family`` on this host (iptables-restore needs the
-    family's restore program; the other backends bring what they need)."""
-    if settings.rules_backend not in ("auto", "iptables-restore"):
-        return True
-    from uproxy.rules.restore import supports
+def _rules_support(settings: Settings, family: IPFamily) -> str | None:
+    """Why ``--rules`` cannot program ``family`` on this host (None: it can). iptables-restore
+    needs the family's restore program, nftables the ``nft`` program; python-iptables brings
+    its library."""
+    backend = settings.rules_backend
+    if backend == "nftables":
+        return None if shutil.which("nft") else "nft is not installed (the nftables package)"
+    if backend not in ("auto", "iptables-restore"):
+        return None
+    from uproxy.rules.restore import MODES, program, supports
 
-    return supports(family)
+    if supports(family):
+        return None
+    names = " nor ".join(program(family, mode, "-restore") for mode in MODES)
+    return f"neither {names} is installed (the iptables package)"
 
 
 def running_as_root() -> bool:

@@ -512,11 +512,17 @@ async def test_cleanup_deletes_only_uproxys_tables(
     assert len(nft.loads()) == 1
 
 
-async def test_cleanup_without_nft_installed_does_nothing(
+async def test_cleanup_without_nft_installed_looks_over_netlink(
     nft: FakeNft, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.setattr(nftables, "nft_tables", lambda: frozenset({(1, "other")}))
     assert await nftables.cleanup_tables() is False
+    assert nft.calls == []
+    # Without nft, a table of uproxy's that the kernel has (netlink says) is an error.
+    monkeypatch.setattr(nftables, "nft_tables", lambda: frozenset({(10, "uproxy"), (2, "x")}))
+    with pytest.raises(RulesError, match=r"^nft not found: cannot remove table ip6 uproxy;"):
+        await nftables.cleanup_tables()
     assert nft.calls == []
 
 

@@ -19,8 +19,10 @@ from uproxy.rules.watch import (
     LegacyWatch,
     Watch,
     getgen_request,
+    gettable_dump_request,
     parse_generation,
     parse_getinfo,
+    parse_tables,
     read_generation,
 )
 
@@ -60,6 +62,23 @@ def nlmsg(msg_type: int, body: bytes) -> bytes:
 )
 def test_unexpected_replies_read_as_unknown(reply: bytes) -> None:
     assert parse_generation(reply) is None
+
+
+def table_msg(family: int, name: bytes) -> bytes:
+    """An NFT_MSG_NEWTABLE as the kernel dumps it: nfgenmsg, NFTA_TABLE_NAME, NFTA_TABLE_FLAGS."""
+    raw = name + b"\0"
+    attr = struct.pack("=HH", 4 + len(raw), 1) + raw + bytes(-len(raw) % 4)
+    flags = struct.pack("=HH", 8, 2) + bytes(4)
+    return nlmsg(0x0A00, struct.pack("=BBH", family, 0, 0) + attr + flags)
+
+
+def test_tables_from_a_dump_in_parts() -> None:
+    first = table_msg(1, b"other") + table_msg(2, b"uproxy")
+    assert parse_tables(first) == ([(1, "other"), (2, "uproxy")], False)
+    assert parse_tables(table_msg(10, b"nat") + nlmsg(3, bytes(4))) == ([(10, "nat")], True)
+    assert parse_tables(nlmsg(2, struct.pack("=i", -1) + bytes(16))) is None  # EPERM
+    assert parse_tables(table_msg(2, b"uproxy")[:-9]) is None  # cut short
+    assert gettable_dump_request(5) == struct.pack("=IHHII", 20, 0x0A01, 0x301, 5, 0) + bytes(4)
 
 
 def test_reading_the_generation_never_raises() -> None:

@@ -288,7 +288,22 @@ def test_families_served(monkeypatch: pytest.MonkeyPatch) -> None:
         Stack(V6, "fd00:200:3::1", "::"),
     )
     # The rules cannot program IPv6 here (no ip6tables-restore): IPv4 alone.
-    assert [s.family for s in stacks_at_start(node, rules_support=lambda f: f is V4)] == [V4]
+    no_ip6 = "neither ip6tables-nft-restore nor ip6tables-legacy-restore is installed"
+    only4 = stacks_at_start(node, rules_support=lambda f: None if f is V4 else no_ip6)
+    assert [s.family for s in only4] == [V4]
+    # Nothing it can program: the missing program is the error (once), not the address.
+    missing = "nft is not installed (the nftables package)"
+    with pytest.raises(ValueError) as err:
+        stacks_at_start(Settings(rules="nftables"), rules_support=lambda f: missing)
+    assert str(err.value) == (
+        f"--rules nftables cannot program rules here: {missing}; "
+        "install it, or choose another --rules"
+    )
+    with pytest.raises(ValueError, match="nft is not installed"):
+        stacks_at_start(
+            Settings(rules="nftables", bind_address="10.200.3.1"),
+            rules_support=lambda f: "nft is not installed (the nftables package)",
+        )
     # --bind-address: its family alone; an unspecified one takes the node's address of it.
     assert stacks_at_start(Settings(rules="nftables", bind_address="::")) == (
         Stack(V6, "fd00:200:3::1", "::"),

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 from collections.abc import Collection, Sequence
@@ -122,15 +123,25 @@ async def cleanup_all() -> bool:
     iptables and ip6tables.
 
     The python-iptables backend writes the legacy tables, so the legacy pass removes its rules
-    too. Returns whether anything was removed; succeeds when nothing is installed.
+    too. Returns whether anything was removed; succeeds when nothing is installed. What
+    could not be removed (a program missing where the kernel has tables it would read, no
+    permission) is one RulesError for all, raised after everything else was removed.
     """
     from uproxy.rules.nftables import cleanup_tables
     from uproxy.rules.restore import FAMILIES, MODES, cleanup_mode
 
-    removed = await cleanup_tables()
-    for mode in MODES:
-        for family in FAMILIES:
-            removed = await cleanup_mode(mode, family) or removed
+    removed = False
+    problems: list[str] = []
+    steps = [cleanup_tables] + [
+        functools.partial(cleanup_mode, mode, family) for mode in MODES for family in FAMILIES
+    ]
+    for step in steps:  # each on its own: one that fails leaves the others to do theirs
+        try:
+            removed = await step() or removed
+        except RulesError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise RulesError("; ".join(problems))
     if not removed:
         log.info("No rules to remove")
     return removed

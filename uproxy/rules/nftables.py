@@ -132,7 +132,7 @@ from uproxy.rules.portals import (
     stacks,
 )
 from uproxy.rules.restore import MODES, cleanup_mode
-from uproxy.rules.watch import FULL_SYNC_PERIOD_S, GenerationWatch, Token, Watch
+from uproxy.rules.watch import FULL_SYNC_PERIOD_S, GenerationWatch, Token, Watch, nft_tables
 
 log = logging.getLogger("uproxy.rules.nftables")
 
@@ -659,8 +659,20 @@ def parse_elements(listing: str) -> Elements:
 
 
 async def table_families() -> set[str]:
-    """The families in which a ``uproxy`` table exists (nothing when nft is not installed)."""
+    """The families in which a ``uproxy`` table exists. Without the ``nft`` program the
+    kernel is asked over netlink: RulesError naming the program when a table is there."""
     if shutil.which("nft") is None:
+        names = {f.version: f.table for f in FAMILIES}
+        missing = sorted(
+            f"{names[4 if nfproto == 2 else 6]} {TABLE}"
+            for nfproto, name in nft_tables() or ()
+            if name == TABLE and nfproto in (2, 10)
+        )
+        if missing:
+            raise RulesError(
+                f"nft not found: cannot remove table {', '.join(missing)}; "
+                "install the nftables package"
+            )
         return set()
     done = await command.run(["nft", "list", "tables"], check=False)
     if done.returncode != 0:

@@ -78,7 +78,16 @@ from uproxy.rules.saved import (
     parse_save,
     stale_jumps,
 )
-from uproxy.rules.watch import FULL_SYNC_PERIOD_S, Token, Watch, watch_for
+from uproxy.rules.watch import (
+    FULL_SYNC_PERIOD_S,
+    LEGACY_TABLE_NAMES,
+    LEGACY_TABLE_NAMES6,
+    Token,
+    Watch,
+    legacy_table_names,
+    nft_tables,
+    watch_for,
+)
 
 log = logging.getLogger("uproxy.rules.restore")
 
@@ -181,10 +190,36 @@ async def restore(mode: str, payload: str, family: IPFamily = IPFamily.V4) -> No
     await command.run(argv, stdin=payload)
 
 
+# The tables uproxy writes its chains and jumps into.
+_OUR_TABLES = frozenset({"nat", "filter"})
+_NFPROTO = {IPFamily.V4: 2, IPFamily.V6: 10}  # nf_tables' family numbers: ip, ip6
+_LEGACY_NAMES = {IPFamily.V4: LEGACY_TABLE_NAMES, IPFamily.V6: LEGACY_TABLE_NAMES6}
+
+
+def _may_hold_ours(mode: str, family: IPFamily) -> bool | None:
+    """Whether the kernel has a nat or filter table of this variant and family, without its
+    programs: legacy from /proc, nft over netlink. None: it cannot tell."""
+    if mode == "legacy":
+        names = legacy_table_names(_LEGACY_NAMES[family])
+        return None if names is None else bool(names & _OUR_TABLES)
+    tables = nft_tables()
+    if tables is None:
+        return None
+    return any(f == _NFPROTO[family] and name in _OUR_TABLES for f, name in tables)
+
+
 async def cleanup_mode(mode: str, family: IPFamily = IPFamily.V4) -> bool:
     """Remove uproxy's jumps and chains from one variant of one family; False when nothing
-    was installed (or the family's programs are missing)."""
-    if not shutil.which(program(family, mode, "-save")):
+    was installed. Without the family's programs that is False when the kernel has no table
+    they could be in, else RulesError naming the missing program."""
+    save_program = program(family, mode, "-save")
+    if not shutil.which(save_program):
+        if _may_hold_ours(mode, family):
+            tables = "legacy" if mode == "legacy" else "nft"
+            raise RulesError(
+                f"{save_program} not found: cannot remove uproxy's rules from the {tables} "
+                f"{family.label} nat and filter tables; install the iptables package"
+            )
         return False
     parsed = parse_save(await save(mode, family))
     payload = cleanup_payload(parsed, delete_emptied_builtins=mode == "nft")

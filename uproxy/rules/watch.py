@@ -49,11 +49,16 @@ log = logging.getLogger("uproxy.rules.watch")
 # NETLINK_NETFILTER, and nf_tables' messages on it (linux/netfilter/nfnetlink.h, nf_tables.h).
 NETLINK_NETFILTER = 12
 NFNL_SUBSYS_NFTABLES = 10
+NFT_MSG_NEWTABLE = 0
+NFT_MSG_GETTABLE = 1
+NFTA_TABLE_NAME = 1
 NFT_MSG_NEWGEN = 15
 NFT_MSG_GETGEN = 16
 NFTA_GEN_ID = 1
 NLMSG_ERROR = 2
+NLMSG_DONE = 3
 NLM_F_REQUEST = 1
+NLM_F_DUMP = 0x300
 _NLMSG = struct.Struct("=IHHII")  # len, type, flags, seq, pid (host order)
 _NFGENMSG = struct.Struct("=BBH")  # family, version, res_id (big-endian, unused here)
 _NLATTR = struct.Struct("=HH")  # len, type
@@ -126,6 +131,76 @@ def read_generation(seq: int = 1) -> int | None:
             sock.settimeout(1.0)
             sock.send(getgen_request(seq))
             return parse_generation(sock.recv(8192))
+    except OSError:
+        return None
+
+
+def gettable_dump_request(seq: int) -> bytes:
+    """NFT_MSG_GETTABLE as a dump of every table of every family."""
+    body = _NFGENMSG.pack(socket.AF_UNSPEC, 0, 0)
+    msg_type = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETTABLE
+    flags = NLM_F_REQUEST | NLM_F_DUMP
+    return _NLMSG.pack(_NLMSG.size + len(body), msg_type, flags, seq, 0) + body
+
+
+def parse_tables(data: bytes) -> tuple[list[tuple[int, str]], bool] | None:
+    """The (nfproto family, name) of each NFT_MSG_NEWTABLE in ``data``, and whether the dump
+    ended (NLMSG_DONE); None for an error reply or anything malformed."""
+    found: list[tuple[int, str]] = []
+    offset = 0
+    while offset + _NLMSG.size <= len(data):
+        length, msg_type, _flags, _seq, _pid = _NLMSG.unpack_from(data, offset)
+        if length < _NLMSG.size or offset + length > len(data):
+            return None
+        if msg_type == NLMSG_DONE:
+            return found, True
+        if msg_type == NLMSG_ERROR:
+            return None
+        if msg_type == (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWTABLE:
+            start = offset + _NLMSG.size
+            family = data[start]
+            name = _string_attribute(
+                data[start + _NFGENMSG.size : offset + length], NFTA_TABLE_NAME
+            )
+            if name is None:
+                return None
+            found.append((family, name))
+        offset += _align4(length)
+    return found, False
+
+
+def _string_attribute(attrs: bytes, wanted: int) -> str | None:
+    offset = 0
+    while offset + _NLATTR.size <= len(attrs):
+        length, attr_type = _NLATTR.unpack_from(attrs, offset)
+        if length < _NLATTR.size or offset + length > len(attrs):
+            return None
+        if attr_type & _NLA_TYPE_MASK == wanted:
+            raw = attrs[offset + _NLATTR.size : offset + length]
+            return raw.split(b"\0", 1)[0].decode("ascii", "replace")
+        offset += _align4(length)
+    return None
+
+
+def nft_tables(seq: int = 1) -> frozenset[tuple[int, str]] | None:
+    """Every nf_tables table of this network namespace as (NFPROTO family, name), read over
+    netlink without the ``nft`` program; None when that cannot be read (no permission, no
+    nf_tables). Families: 2 ip, 10 ip6, 1 inet (``socket.AF_INET``... values)."""
+    try:
+        with socket.socket(
+            socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, NETLINK_NETFILTER
+        ) as sock:
+            sock.settimeout(1.0)
+            sock.send(gettable_dump_request(seq))
+            out: set[tuple[int, str]] = set()
+            while True:
+                parsed = parse_tables(sock.recv(65536))
+                if parsed is None:
+                    return None
+                found, done = parsed
+                out.update(found)
+                if done:
+                    return frozenset(out)
     except OSError:
         return None
 
