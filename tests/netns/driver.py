@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import sys
 from typing import Any
 
@@ -87,12 +88,31 @@ SPAWNS = SpawnCounter()
 command.run = SPAWNS.run
 
 
+class Said(logging.Handler):
+    """Every log line of uproxy's (INFO and above), for the ``said`` operation."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        kv = getattr(record, "kv", {})
+        self.lines.append(" ".join([record.getMessage(), *(f"{k}={v}" for k, v in kv.items())]))
+
+
+SAID = Said()
+logging.getLogger("uproxy").addHandler(SAID)
+logging.getLogger("uproxy").setLevel(logging.INFO)
+
+
 async def _op(backend: RulesBackend, op: dict[str, Any]) -> Any:
     kind = op["op"]
     if kind == "sync":
         portals = [portal_from_json(p) for p in op["portals"]]
         await backend.sync(portals + many_portals(op.get("many", 0), op.get("moved", 0)))
         return None
+    if kind == "said":
+        return SAID.lines
     if kind == "spawns":
         return [argv[0] for argv in SPAWNS.argvs]
     if kind == "attr":

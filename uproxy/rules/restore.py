@@ -370,6 +370,8 @@ class RestoreBackend:
                 jumps, editable = await self._look(mode, rulesets, before)
                 if before is None or watch.read() != before:
                     editable = {}  # somebody may have committed while we read: rewrite
+                else:
+                    self._report_foreign_changes(editable)
                 for family, tables in editable.items():
                     if family not in changed and tables == frozenset(TABLES):
                         del jumps[family]  # exactly in place already: nothing to write
@@ -380,6 +382,21 @@ class RestoreBackend:
                 self._repair = False  # rewritten, or edits on chains known to be ours
             if full:
                 self._last_full = self._clock()
+
+    def _report_foreign_changes(self, editable: Mapping[IPFamily, frozenset[str]]) -> None:
+        """One line per sync that found uproxy's chains (or their jumps) not as it left them."""
+        changed = [
+            f"{family.label} {table}"
+            for family, fam in self._families.items()
+            if fam.installed is not None and family in editable
+            for table in TABLES
+            if table not in editable[family]
+        ]
+        if changed:
+            log.info(
+                "Rules changed by someone else, rewriting them",
+                extra=kv(tables=",".join(changed)),
+            )
 
     async def _look(
         self, mode: str, rulesets: dict[IPFamily, RuleSet], token: Token | None
