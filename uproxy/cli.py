@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 
 from uproxy import __version__, heap
 from uproxy.eventloop import run_loop
-from uproxy.log import setup as setup_logging
+from uproxy.log import Held, setup as setup_logging
 from uproxy.settings import Settings, SettingsError, convert, setting_fields, validate
 
 EXIT_USAGE = 2
@@ -118,12 +118,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from uproxy.demo import demo_main
 
         return demo_main(args[1:])
-    try:
-        settings, ns = parse_settings(args)
-    except SettingsError as e:
-        print(f"uproxy: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    setup_logging(verbosity=settings.verbosity, fmt=settings.logging_format)
+    with Held() as held:  # --config's warnings, logged once logging is set up as it says
+        try:
+            settings, ns = parse_settings(args)
+        except SettingsError as e:
+            print(f"uproxy: error: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        setup_logging(verbosity=settings.verbosity, fmt=settings.logging_format)
+    held.replay()
     write_to = getattr(ns, "write_config_to", None)
     if write_to:
         from uproxy.configfile import write_config

@@ -91,3 +91,37 @@ def setup(*, verbosity: int = 0, fmt: str = "text") -> None:
     root.handlers[:] = [handler]
     root.setLevel(level)
     root.propagate = False
+
+
+class Held(logging.Handler):
+    """Holds what the ``uproxy`` loggers say before ``setup`` (reading ``--config`` comes
+    first, since it decides verbosity and format); ``replay`` then logs it as configured."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def __enter__(self) -> Held:
+        root = logging.getLogger("uproxy")
+        self._saved = (root.handlers[:], root.level, root.propagate)
+        root.handlers[:] = [self]
+        root.setLevel(1)
+        root.propagate = False
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        root = logging.getLogger("uproxy")
+        if root.handlers == [self]:  # setup() did not run: put things back
+            root.handlers[:], level, root.propagate = self._saved
+            root.setLevel(level)
+
+    def replay(self) -> None:
+        """Log the held records through the handlers ``setup`` installed, at its level."""
+        held, self.records = self.records, []
+        for record in held:
+            logger = logging.getLogger(record.name)
+            if logger.isEnabledFor(record.levelno):
+                logger.handle(record)

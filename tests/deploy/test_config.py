@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import subprocess
 import sys
@@ -119,6 +120,30 @@ def test_an_unknown_field_warns_and_loads(tmp_path: Path, caplog: pytest.LogCapt
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert [r.getMessage() for r in warnings] == ["Unknown configuration field"]
     assert warnings[0].kv["field"] == "udpIdleTimout"  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_the_unknown_field_warning_is_one_line_in_the_configured_format(
+    tmp_path: Path, fmt: str
+) -> None:
+    # Read before logging is set up (the file decides the format): held, then logged as set.
+    doc = _configmap_config()
+    doc["udpIdleTimout"] = "1s"
+    doc["logging"] = {"format": fmt}
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(doc))
+    argv = [sys.executable, "-m", "uproxy.cli", f"--config={config}"]
+    argv += [f"--write-config-to={tmp_path / 'out.yaml'}"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    (line,) = done.stderr.splitlines()
+    if fmt == "json":
+        said = json.loads(line)
+        assert (said["level"], said["msg"]) == ("warning", "Unknown configuration field")
+        assert (said["file"], said["field"]) == (str(config), "udpIdleTimout")
+    else:
+        assert line.startswith("W") and '"Unknown configuration field"' in line
+        assert f'file="{config}" field="udpIdleTimout"' in line
 
 
 def test_linux_fields_of_newer_kube_proxy_configurations_mean_the_same(
