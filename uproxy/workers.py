@@ -552,6 +552,10 @@ class WorkerPool:
                 *(["--nice", str(self.lowered.worker_nice)] if self.lowered else []),
                 pass_fds=(theirs.fileno(), files.values_fd, files.directory_fd),
                 stdin=asyncio.subprocess.DEVNULL,
+                # A process group (and session) of its own: Ctrl-C in a terminal signals the
+                # foreground group, which would reach a worker still importing (a traceback
+                # each). uvloop takes start_new_session, not process_group.
+                start_new_session=True,
             )
         except BaseException:
             ours.close()

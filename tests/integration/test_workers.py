@@ -695,6 +695,38 @@ def test_a_stop_signal_while_uproxy_starts_stops_it_with_its_line(tmp_path: Path
     wait_for_sync(lambda: not children(proc.pid), timeout=5, message="the worker gone")
 
 
+def test_ctrl_c_while_the_workers_import_reaches_the_control_process_only(
+    tmp_path: Path,
+) -> None:
+    """Ctrl-C in a terminal signals the foreground process group. Right after the workers
+    were started (still importing, before they could ignore SIGINT), it used to end each in
+    a KeyboardInterrupt traceback; now they are in groups of their own."""
+    path = tmp_path / "services.yaml"
+    path.write_text("")
+    argv = [
+        sys.executable, "-m", "uproxy.cli", "--services", str(path), "--rules", "none",
+        "--workers", "2", "--healthz-bind-address", "", "--metrics-bind-address", "",
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while len(children(proc.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        workers = children(proc.pid)
+        assert len(workers) == 2, "the workers did not start"
+        os.killpg(proc.pid, signal.SIGINT)  # what the terminal does: the whole group
+        _out, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert proc.returncode == 0, err
+    wait_for_sync(lambda: not children(proc.pid), timeout=5, message="the workers gone")
+
+
 def test_a_stop_drains_every_listener_at_once_and_a_second_signal_exits_now(
     tmp_path: Path,
 ) -> None:
