@@ -157,8 +157,8 @@ class Settings:
         config="uproxy.workers",
         kind="int",
         help="Data-plane worker processes that accept, dial and relay (the control process "
-        "does everything else); 0 relays in the control process; default: the CPUs this "
-        "process may use (affinity mask and cgroup quota), 1 with --rules none",
+        "does everything else), at most 256; 0 relays in the control process; default: the "
+        "CPUs this process may use (affinity mask and cgroup quota), 1 with --rules none",
     )
     control_nice: int = opt(
         10,
@@ -494,12 +494,19 @@ def _parse_mark(value: Any) -> int:
     return mark
 
 
+MAX_WORKERS = 256  # worker processes; each holds a copy of every listening socket
+
+
 def _parse_cidrs(value: Any, *, primary: bool) -> tuple[str, ...]:
     """A list of CIDRs (a comma-separated string, or a list); ``primary`` alone if allowed."""
     items = value.split(",") if isinstance(value, str) else value
     if not isinstance(items, list):
         raise ValueError(f"expected a list of CIDRs, got {value!r}")
-    texts = [str(c).strip() for c in items if str(c).strip()]
+    texts = [str(c).strip() for c in items]
+    if texts in ([], [""]):
+        return ()  # "" or []: none
+    if not all(texts):
+        raise ValueError(f"an empty entry in {value!r}")
     if primary and PRIMARY in texts:
         if texts != [PRIMARY]:
             raise ValueError(f"'{PRIMARY}' cannot be combined with CIDRs, got {value!r}")
@@ -507,9 +514,12 @@ def _parse_cidrs(value: Any, *, primary: bool) -> tuple[str, ...]:
     out: list[str] = []
     for text in texts:
         try:
-            out.append(str(ipaddress.ip_network(text, strict=False)))
+            net = ipaddress.ip_network(text, strict=False)
         except ValueError:
             raise ValueError(f"not a CIDR: {text!r}") from None
+        if "/" not in text:  # kube-proxy wants the prefix length, even for one address
+            raise ValueError(f"not a CIDR: {text!r} (one address is {text}/{net.max_prefixlen})")
+        out.append(str(net))
     return tuple(out)
 
 
@@ -564,8 +574,8 @@ def validate(s: Settings) -> None:
         parse_port_range(s.proxy_port_range)
     except ValueError as e:
         raise SettingsError(f"invalid --proxy-port-range: {e}") from None
-    if s.workers is not None and s.workers < 0:
-        raise SettingsError("invalid --workers: must be 0 or more")
+    if s.workers is not None and not 0 <= s.workers <= MAX_WORKERS:
+        raise SettingsError(f"invalid --workers: must be 0 to {MAX_WORKERS}, got {s.workers}")
     if not 0 <= s.control_nice <= 19:
         raise SettingsError("invalid --control-nice: must be 0 to 19")
     if s.udp_receive_buffer < 0:

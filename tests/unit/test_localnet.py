@@ -66,6 +66,12 @@ def test_flags_and_defaults() -> None:
     [
         (["--nodeport-addresses", "primary,10.0.0.0/8"], "'primary' cannot be combined"),
         (["--nodeport-addresses", "10.0.0.0/33"], "not a CIDR: '10.0.0.0/33'"),
+        (["--nodeport-addresses", "10.0.0.7"], r"not a CIDR: '10.0.0.7' \(one address is 10"),
+        (["--nodeport-addresses", ","], "an empty entry in ','"),
+        (["--nodeport-addresses", "10.0.0.0/8,,fd00::/8"], "an empty entry"),
+        (["--cluster-cidr", "fd00::1"], r"\(one address is fd00::1/128\)"),
+        (["--workers", "257"], "invalid --workers: must be 0 to 256, got 257"),
+        (["--workers", "-1"], "invalid --workers: must be 0 to 256"),
         (["--cluster-cidr", "10.244.0.0/16,10.245.0.0/16"], "at most one CIDR per IP family"),
         (["--cluster-cidr", "pods"], "invalid --cluster-cidr"),
         (["--detect-local-mode", "PodCIDR"], "must be one of ClusterCIDR, NodeCIDR"),
