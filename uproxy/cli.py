@@ -19,6 +19,7 @@ from uproxy.settings import Settings, SettingsError, convert, setting_fields, va
 
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
+LAPTOP_HEALTHZ = "127.0.0.1:10256"  # --healthz-bind-address's default with --rules none
 
 
 class _Parser(argparse.ArgumentParser):
@@ -100,14 +101,20 @@ def parse_settings(argv: Sequence[str]) -> tuple[Settings, argparse.Namespace]:
     """Settings from the command line (and --config); raises SettingsError."""
     ns = build_parser().parse_args(list(argv))
     settings = Settings()
+    given: set[str] = set()
     config = getattr(ns, "config", None)
     if config:
         from uproxy.configfile import load_config
 
-        load_config(config, settings)
+        load_config(config, settings, given)
     for f in setting_fields():
         if f.metadata["flag"] and hasattr(ns, f.name):
             setattr(settings, f.name, convert(f, getattr(ns, f.name)))
+            given.add(f.name)
+    if settings.laptop and "healthz_bind_address" not in given:
+        # kube-proxy's 0.0.0.0 is for the kubelet and load balancers to reach; a laptop
+        # proxy listens on loopback only, /healthz included.
+        settings.healthz_bind_address = LAPTOP_HEALTHZ
     validate(settings)
     return settings, ns
 

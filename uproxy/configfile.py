@@ -108,8 +108,9 @@ def write_config(path: str, settings: Settings) -> None:
         raise SettingsError(f"--write-config-to {path}: {e.strerror or e}") from None
 
 
-def load_config(path: str, settings: Settings) -> Settings:
-    """Apply the file's values to ``settings``; raises SettingsError with one clear line."""
+def load_config(path: str, settings: Settings, given: set[str] | None = None) -> Settings:
+    """Apply the file's values to ``settings``; raises SettingsError with one clear line.
+    ``given`` collects the names of the settings the file sets."""
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -122,7 +123,7 @@ def load_config(path: str, settings: Settings) -> Settings:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
         raise SettingsError(f"--config {path}:{where}: not valid YAML") from None
-    settings = apply_config(doc, settings, source=path)
+    settings = apply_config(doc, settings, source=path, given=given)
     settings.config_file = path
     settings.config_digest = hashlib.sha256(data).digest()
     return settings
@@ -169,7 +170,9 @@ def _identity(path: str) -> tuple[int, ...] | None:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-def apply_config(doc: Any, settings: Settings, *, source: str = "--config") -> Settings:
+def apply_config(
+    doc: Any, settings: Settings, *, source: str = "--config", given: set[str] | None = None
+) -> Settings:
     if not isinstance(doc, Mapping):
         raise SettingsError(f"{source}: expected a {KIND} mapping")
     if doc.get("kind") != KIND or doc.get("apiVersion") != API_VERSION:
@@ -191,6 +194,8 @@ def apply_config(doc: Any, settings: Settings, *, source: str = "--config") -> S
                 continue
             try:
                 setattr(settings, f.name, convert(f, value))
+                if given is not None:
+                    given.add(f.name)
             except SettingsError as e:
                 raise SettingsError(
                     f"{source}: {path}: {e}".replace(f"invalid {f.metadata['flag']}: ", "")

@@ -333,7 +333,8 @@ class Settings:
         flag="--healthz-bind-address",
         config="healthzBindAddress",
         kind="hostport",
-        help="Address of /healthz and /livez; empty disables",
+        help="Address of /healthz and /livez (127.0.0.1:10256 by default with --rules "
+        "none); empty disables",
     )
     metrics_bind_address: str = opt(
         "127.0.0.1:10249",

@@ -290,3 +290,16 @@ def test_rules_programmed_by_default_as_root_are_announced(
     announce_rules(Settings(rules=""))
     [record] = caplog.records
     assert "until 'uproxy --cleanup'" in record.getMessage()
+
+
+def test_laptop_health_listens_on_loopback_unless_told(tmp_path: Path) -> None:
+    assert parse_settings(["--rules", "none"])[0].healthz_bind_address == "127.0.0.1:10256"
+    assert parse_settings(["--rules", "auto"])[0].healthz_bind_address == "0.0.0.0:10256"
+    told = ["--rules", "none", "--healthz-bind-address", "0.0.0.0:10256"]
+    assert parse_settings(told)[0].healthz_bind_address == "0.0.0.0:10256"
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n"
+        "healthzBindAddress: 0.0.0.0:10356\nuproxy:\n  rules: none\n"
+    )
+    assert parse_settings([f"--config={config}"])[0].healthz_bind_address == "0.0.0.0:10356"
