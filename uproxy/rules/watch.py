@@ -109,26 +109,41 @@ def parse_generation(data: bytes) -> int | None:
     return None
 
 
-def _gen_attribute(attrs: bytes) -> int | None:
+def _attribute(attrs: bytes, wanted: int) -> bytes | None:
+    """The payload of the first netlink attribute of type ``wanted``; None when absent or
+    when the attributes are malformed."""
     offset = 0
     while offset + _NLATTR.size <= len(attrs):
         length, attr_type = _NLATTR.unpack_from(attrs, offset)
         if length < _NLATTR.size or offset + length > len(attrs):
             return None
-        if attr_type & _NLA_TYPE_MASK == NFTA_GEN_ID and length == _NLATTR.size + 4:
-            value: int = struct.unpack_from(">I", attrs, offset + _NLATTR.size)[0]
-            return value
+        if attr_type & _NLA_TYPE_MASK == wanted:
+            return attrs[offset + _NLATTR.size : offset + length]
         offset += _align4(length)
     return None
+
+
+def _gen_attribute(attrs: bytes) -> int | None:
+    raw = _attribute(attrs, NFTA_GEN_ID)
+    if raw is None or len(raw) != 4:
+        return None
+    value: int = struct.unpack(">I", raw)[0]
+    return value
+
+
+def _netfilter_socket() -> socket.socket:
+    """A NETLINK_NETFILTER socket whose reads give up after a second."""
+    sock = socket.socket(
+        socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, NETLINK_NETFILTER
+    )
+    sock.settimeout(1.0)
+    return sock
 
 
 def read_generation(seq: int = 1) -> int | None:
     """The nf_tables ruleset generation of this network namespace, or None if unreadable."""
     try:
-        with socket.socket(
-            socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, NETLINK_NETFILTER
-        ) as sock:
-            sock.settimeout(1.0)
+        with _netfilter_socket() as sock:
             sock.send(getgen_request(seq))
             return parse_generation(sock.recv(8192))
     except OSError:
@@ -170,16 +185,8 @@ def parse_tables(data: bytes) -> tuple[list[tuple[int, str]], bool] | None:
 
 
 def _string_attribute(attrs: bytes, wanted: int) -> str | None:
-    offset = 0
-    while offset + _NLATTR.size <= len(attrs):
-        length, attr_type = _NLATTR.unpack_from(attrs, offset)
-        if length < _NLATTR.size or offset + length > len(attrs):
-            return None
-        if attr_type & _NLA_TYPE_MASK == wanted:
-            raw = attrs[offset + _NLATTR.size : offset + length]
-            return raw.split(b"\0", 1)[0].decode("ascii", "replace")
-        offset += _align4(length)
-    return None
+    raw = _attribute(attrs, wanted)
+    return None if raw is None else raw.split(b"\0", 1)[0].decode("ascii", "replace")
 
 
 def nft_tables(seq: int = 1) -> frozenset[tuple[int, str]] | None:
@@ -187,10 +194,7 @@ def nft_tables(seq: int = 1) -> frozenset[tuple[int, str]] | None:
     netlink without the ``nft`` program; None when that cannot be read (no permission, no
     nf_tables). Families: 2 ip, 10 ip6, 1 inet (``socket.AF_INET``... values)."""
     try:
-        with socket.socket(
-            socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, NETLINK_NETFILTER
-        ) as sock:
-            sock.settimeout(1.0)
+        with _netfilter_socket() as sock:
             sock.send(gettable_dump_request(seq))
             out: set[tuple[int, str]] = set()
             while True:
