@@ -790,7 +790,11 @@ class NftablesBackend:
         return {f: t.builder.build(split[f]) for f, t in self._tables.items()}
 
     async def prepare(self) -> None:
-        return None  # nothing to probe: ``nft`` is the one tool, and a table is ours or not
+        """Remove what the iptables backends left (both variants, both families); nothing
+        to probe: ``nft`` is the one tool, and a table is ours or not."""
+        from uproxy.rules.leftovers import remove_leftovers
+
+        await remove_leftovers(nft_tables=False, iptables_modes=MODES)
 
     async def sync(self, portals: Collection[Portal]) -> None:
         async with self._lock:

@@ -448,7 +448,10 @@ class IptcBackend:
         return {f: b.build(split[f]) for f, b in self._builders.items()}
 
     async def prepare(self) -> None:
-        return None
+        """Remove what other backends left: nft tables, iptables-nft chains."""
+        from uproxy.rules.leftovers import remove_leftovers
+
+        await remove_leftovers(nft_tables=True, iptables_modes=["nft"])
 
     async def sync(self, portals: Collection[Portal]) -> None:
         """Edit the chains by difference; nothing at all when neither the portals nor the

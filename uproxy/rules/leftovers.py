@@ -1,0 +1,59 @@
+"""What other rules backends left: removed when a backend starts, as kube-proxy removes the
+rules of its other proxy modes at start.
+
+Switching ``--rules`` (or ``--iptables-mode``) between runs would otherwise leave the last
+run's portals in place, pointing at proxy ports nobody listens on any more: uproxy's nft
+table runs before the iptables nat chains (priority -101), so after a switch from nftables
+to iptables-restore its stale maps would still catch every ClusterIP first; the other way
+round, services gone since the switch would still be redirected by the old chains. Only
+uproxy's own tables, chains and jumps are touched, exactly as ``--cleanup`` removes them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from uproxy.log import kv
+from uproxy.model import IPFamily
+from uproxy.rules.base import RulesError
+
+log = logging.getLogger("uproxy.rules")
+
+
+async def remove_leftovers(*, nft_tables: bool, iptables_modes: Iterable[str]) -> bool:
+    """Remove uproxy's nft tables (``nft_tables``) and its chains and jumps in the given
+    iptables variants, both families. A failure is one warning (the start goes on: the
+    leftovers only matter where they exist). Whether anything was removed."""
+    from uproxy.rules.nftables import TABLE, cleanup_tables
+    from uproxy.rules.restore import FAMILIES, cleanup_mode, may_hold_ours
+    from uproxy.rules.watch import nft_tables as kernel_tables
+
+    removed = False
+    steps: list[tuple[str, str, IPFamily | None]] = [("nftables", "", None)] if nft_tables else []
+    steps += [("iptables", mode, family) for mode in iptables_modes for family in FAMILIES]
+    for kind, mode, family in steps:
+        # Asked of the kernel first (netlink, /proc): usually nothing is there to read, and
+        # a start then runs no program for it.
+        if family is None:
+            tables = kernel_tables()
+            if tables is not None and not any(name == TABLE for _, name in tables):
+                continue
+        elif may_hold_ours(mode, family) is False:
+            continue
+        try:
+            done = await (cleanup_tables() if family is None else cleanup_mode(mode, family))
+        except RulesError as exc:
+            log.warning(
+                "Cannot look for rules another rules backend left",
+                extra=kv(rules=kind, mode=mode, err=exc),
+            )
+            continue
+        if done:
+            removed = True
+            log.info(
+                "Removed the rules another rules backend left (a run with other --rules "
+                "or --iptables-mode)",
+                extra=kv(rules=kind, mode=mode, family=family.label if family else ""),
+            )
+    return removed
