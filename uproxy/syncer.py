@@ -285,7 +285,7 @@ class Syncer:
         opened = closed = 0
         ts = TimeSlice()
         with heap.bulk(len(todo)):
-            keep: list[tuple[ServicePortName, ServiceState, tuple[IPFamily, ...]]] = []
+            keep: list[ServicePortName] = []
             # Removals first: their listeners close before new ones open, so a sync that
             # replaces many services never holds both sets of sockets.
             for spn in sorted(todo, key=spn_order):
@@ -294,19 +294,26 @@ class Syncer:
                     self._unserved.discard(spn)
                 families = self._families_of(spn, state.port) if state is not None else ()
                 if state is not None and families:
-                    keep.append((spn, state, families))
+                    keep.append(spn)
                 elif spn in self.ports:
                     closed += await self._remove(spn)
                 await ts.tick()
             # Then what moves: a port one of them frees (a laptop listener's service port, a
             # node port) is free before another one of this sync claims it.
-            for spn, state, _families in keep:
-                pp = self.ports.get(spn)
-                if pp is not None:
+            for spn in keep:
+                pp, state = self.ports.get(spn), self.tracker.state(spn)
+                if pp is not None and state is not None:
                     self._follow(spn, pp, state.port)
                     pp.port = state.port
-            for spn, state, families in keep:
-                opened += await self._ensure(spn, state, families)
+            for spn in keep:
+                # Each port's state as it is now, never as it was when the sync began: the
+                # loop turns (``ts.tick``) let endpoint changes in, which ``apply_endpoints``
+                # hands to the balancers at once (or skips, for a port not made yet). An
+                # older state must not be written over them.
+                state = self.tracker.state(spn)
+                families = self._families_of(spn, state.port) if state is not None else ()
+                if state is not None and families:  # else changed again: the next sync
+                    opened += await self._ensure(spn, state, families)
                 await ts.tick()
         if opened or closed:
             log.info("Proxy ports changed", extra=kv(opened=opened, closed=closed))
@@ -451,6 +458,11 @@ class Syncer:
         self._note_no_local(spn, pp, state)
         self._reserve_nodeport(spn, pp)
         self._set_portals(spn, self._portals_of(spn, pp))
+        fresh = self.tracker.state(spn)
+        if fresh is not None and fresh is not state:
+            # Its endpoints changed while a listener opened: the balancers get the newest.
+            for fp in pp.families.values():
+                self._update_balancer(spn, fp, fresh)
         needs_external = state.port.needs_external_listener
         for fp in pp.families.values():
             if fp.cluster is None or (needs_external and fp.external is None):

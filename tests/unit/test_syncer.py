@@ -177,6 +177,51 @@ async def test_a_long_sync_gives_the_loop_turns() -> None:
     assert turns > 1  # callbacks ran while the 5,000 ports were being set up
 
 
+async def sync_with_a_change_midway(syncer: Syncer, change: Callable[[], None]) -> None:
+    """Run a sync; at its first turn of the loop make ``change``, and hand the endpoint
+    changes over as the proxy does (``Proxy._apply_endpoints``, on the next loop pass)."""
+    loop = asyncio.get_running_loop()
+
+    def midway() -> None:
+        change()
+        loop.call_soon(syncer.apply_endpoints)
+
+    loop.call_soon(midway)
+    await syncer.sync()
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["ports-being-made", "ports-changing"])
+async def test_an_endpoint_change_during_a_long_sync_is_not_lost_or_undone(first: bool) -> None:
+    tracker, syncer, _, _ = make(3000)
+    if not first:
+        await syncer.sync()
+        # Every Service changes (a new port number): the next sync goes through all 3,000.
+        tracker.replace(
+            Kind.SERVICE,
+            [
+                service(
+                    f"s{i}",
+                    cluster_ip=f"10.96.{i // 250}.{i % 250}",
+                    ports=[{"name": "http", "port": 8080, "protocol": "TCP"}],
+                )
+                for i in range(3000)
+            ],
+        )
+    moved = [
+        endpoint_slice(f"s{i}-1", f"s{i}", endpoints=[endpoint("10.1.0.7")]) for i in (0, 2999)
+    ]
+
+    def move() -> None:
+        for s in moved:
+            tracker.upsert(Kind.ENDPOINT_SLICE, s)
+
+    await sync_with_a_change_midway(syncer, move)
+    assert syncer.last_changed == 3000
+    assert eps(syncer, "s0") == eps(syncer, "s2999") == ["10.1.0.7"]
+    await syncer.sync()  # and nothing left behind for the next sync to put back
+    assert eps(syncer, "s0") == eps(syncer, "s2999") == ["10.1.0.7"]
+
+
 async def test_a_listener_that_could_not_open_is_retried_by_the_next_sync() -> None:
     _, syncer, factory, rules = make(3)
     factory.refuse.add(spn("s1"))
