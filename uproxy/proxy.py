@@ -133,6 +133,7 @@ class Proxy:
                 on_synced=self._synced,
                 extra_hooks=[self._sync_healthchecks],
                 link=self.workers,
+                clear_conntrack=not s.laptop,
             ),
         )
         self.runner = BoundedFrequencyRunner(

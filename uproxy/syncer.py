@@ -19,6 +19,7 @@ service port stays one ``ServicePortName`` (metrics, logs, the laptop table).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import itertools
 import logging
@@ -216,6 +217,9 @@ class SyncerOptions:
     extra_hooks: list[Hook] = field(default_factory=list)
     # Data-plane workers (None: the listeners run in this process).
     link: DataplaneLink | None = None
+    # Delete stale UDP conntrack entries (the conntrack tool) as portals come and go: on a
+    # node with kernel rules; never in laptop mode or for a syncer under test.
+    clear_conntrack: bool = False
 
 
 class Syncer:
@@ -259,6 +263,10 @@ class Syncer:
         self._failed: dict[tuple[ServicePortName, Traffic, IPFamily], str] = {}
         self._retry: set[ServicePortName] = set()  # a listener or node port to try again
         self._retry_delay = 0.0  # 0: nothing failed at the last sync
+        # UDP portals not yet in the kernel's rules, and the task forgetting the conntrack
+        # entries of those that just got there (``_forget_unnated``).
+        self._udp_added: set[Portal] = set()
+        self._forgetting: asyncio.Task[None] | None = None
         self._rows: dict[ServicePortName, TableRow] = {}
         self._nodeport_errors: dict[tuple[ServicePortName, IPFamily], str] = {}
         self._unserved: set[ServicePortName] = set()  # reported: no family of ours
@@ -399,6 +407,8 @@ class Syncer:
 
     async def close(self, *, drain: bool = True) -> None:
         """Close every listener; with ``drain``, give connections time to finish."""
+        if self._forgetting is not None:
+            self._forgetting.cancel()
         listeners = [lst for pp in self.ports.values() for lst in pp.listeners]
         for lst in listeners:
             lst.close()
@@ -564,7 +574,7 @@ class Syncer:
         self._set_portals(spn, frozenset())
         self._note_no_local(spn, None, None)
         metrics.forget_service(str(spn))  # its series go (workers forget theirs on Forget)
-        if spn.protocol is Protocol.UDP and not self.laptop:
+        if spn.protocol is Protocol.UDP and self.options.clear_conntrack:
             await _clear_conntrack(pp.port, tuple(pp.families))
         if log.isEnabledFor(V2):
             log.log(V2, "Removed service port", extra=kv(service=str(spn)))
@@ -697,6 +707,9 @@ class Syncer:
         else:
             self._portals.pop(spn, None)
         self._rules_dirty = True
+        if spn.protocol is Protocol.UDP and self.options.clear_conntrack:
+            self._udp_added.difference_update(old)
+            self._udp_added.update(portals.difference(old))
 
     def _portals_of(self, spn: ServicePortName, pp: ProxiedPort) -> frozenset[Portal]:
         """One service port's portals, in each family it is proxied in.
@@ -777,6 +790,11 @@ class Syncer:
             raise RulesError(f"programming rules with {self.rules.name} failed: {e}") from e
         self._rules_dirty = self._force_rules = False
         self._last_rules_sync = now
+        if self._udp_added:
+            added, self._udp_added = self._udp_added, set()
+            self._forgetting = asyncio.create_task(
+                _forget_unnated(added, self._forgetting), name="udp-conntrack"
+            )
         return full
 
     # ----- the laptop table -----
@@ -830,6 +848,35 @@ def _programmed_now(trigger_times: Iterable[float]) -> None:
 def _hostport(lst: Listener) -> str:
     host = f"[{lst.host}]" if ":" in lst.host else lst.host
     return f"{host}:{lst.port}"
+
+
+async def _forget_unnated(portals: Collection[Portal], before: asyncio.Task[None] | None) -> None:
+    """Delete the UDP conntrack entries to portals that just reached the rules.
+
+    A UDP client that sent to a service address before its rule existed (a service added, an
+    address given to it, uproxy restarted onto new proxy ports) has a conntrack entry without
+    the translation, or with the old one, and keeps it while it keeps sending: its datagrams
+    never reach the proxy port. kube-proxy deletes such entries for services that became
+    active. Off the sync (one ``conntrack`` process per address); after the previous batch.
+    """
+    from uproxy.rules.conntrack import clear_udp, clear_udp_node_port
+
+    if before is not None:
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await before
+    for portal in sorted(portals):
+        try:
+            if portal.kind is PortalKind.NODE_PORT:
+                ipv6 = portal.node_family is IPFamily.V6
+                await clear_udp_node_port(portal.port, ipv6=ipv6)
+            elif portal.ip is not None:
+                await clear_udp(portal.ip, portal.port)
+        except RulesError as exc:
+            log.warning(
+                "Cannot forget the UDP conntrack entries of a new service address",
+                extra=kv(service=str(portal.service), port=portal.port, err=exc),
+            )
+            return  # the next ones would fail the same way (no conntrack, no permission)
 
 
 async def _clear_conntrack(sp: ServicePort, families: tuple[IPFamily, ...]) -> None:
