@@ -319,18 +319,30 @@ async def test_a_flow_out_of_fds_drops_counts_logs_once_and_recovers(
             c.close()
 
 
-async def test_flows_persist_across_endpoint_updates(
+async def test_flows_to_endpoints_that_stay_persist_and_those_to_removed_ones_move(
     udp_backends: UdpBackendFactory, udp_listener: UdpListenerFactory
 ) -> None:
-    (old, _), (new, _) = await udp_backends("o"), await udp_backends("n")
-    balancer = make_balancer(UDP_NAME, [old], settings=DataplaneSettings(udp_timeout_s=5))
+    # kube-proxy deletes the conntrack entries of removed UDP endpoints: a client that keeps
+    # sending moves to a current endpoint instead of staying on a gone pod.
+    (a, _), (b, _), (n, _) = (
+        await udp_backends("a"),
+        await udp_backends("b"),
+        await udp_backends("n"),
+    )
+    balancer = make_balancer(UDP_NAME, [a, b], settings=DataplaneSettings(udp_timeout_s=5))
     listener = await udp_listener(balancer)
     to = ("127.0.0.1", listener.port)
     with client_socket() as c1, client_socket() as c2:
-        assert (await exchange(c1, b"x", to))[:1] == b"o"
-        balancer.update(ServicePort(name=UDP_NAME, port=53), [new])
-        assert (await exchange(c2, b"x", to))[:1] == b"n"
-        assert (await exchange(c1, b"y", to))[:1] == b"o"
+        first = {(await exchange(c1, b"x", to))[:1], (await exchange(c2, b"x", to))[:1]}
+        assert first == {b"a", b"b"}  # round robin: one client on each
+        on_b = c1 if (await exchange(c1, b"y", to))[:1] == b"b" else c2
+        on_a = c2 if on_b is c1 else c1
+        balancer.update(ServicePort(name=UDP_NAME, port=53), [b, n])  # a goes, n comes
+        assert listener.active == 1  # a's flow went with it
+        for i in range(3):
+            assert (await exchange(on_b, b"z%d" % i, to))[:1] == b"b"  # still its flow
+        assert (await exchange(on_a, b"w", to))[:1] in {b"b", b"n"}  # a current endpoint
+        assert listener.active == 2
 
 
 async def test_least_connections_counts_open_flows_until_they_expire(

@@ -132,6 +132,7 @@ class Balancer:
         "_local_ips",
         "_rng",
         "_settings",
+        "_watchers",
         "_zone",
         "counting",
         "name",
@@ -164,6 +165,9 @@ class Balancer:
         self._affinity: OrderedDict[str, tuple[Endpoint, float]] | None = None
         # Endpoints whose last dials failed; None while none has (see the module docstring).
         self._failing: dict[Endpoint, _Failing] | None = None
+        # Called after every update that changed something: UDP listeners drop their flows
+        # to endpoints that went (``UdpListener``). A tuple: most balancers have none.
+        self._watchers: tuple[Callable[[], None], ...] = ()
         # Least-connections only: the connections (UDP flows) open per endpoint address (IP
         # and port: on a laptop, endpoints differ by port alone), only those above zero; None
         # for the other algorithms.
@@ -228,6 +232,15 @@ class Balancer:
             ]
             for ip in stale:
                 del table[ip]
+        for watcher in self._watchers:
+            watcher()
+
+    def watch(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` after each update that changed the endpoints or their choice."""
+        self._watchers = (*self._watchers, callback)
+
+    def unwatch(self, callback: Callable[[], None]) -> None:
+        self._watchers = tuple(w for w in self._watchers if w != callback)
 
     def _unchanged(
         self,

@@ -241,7 +241,22 @@ class UdpListener:
             address=(host, port),
         )
         self.poller.watch(sock.fileno(), self)
+        balancer.watch(self._endpoints_changed)
         return self
+
+    def _endpoints_changed(self) -> None:
+        """Drop the flows whose endpoint this traffic class can no longer pick (removed from
+        the EndpointSlice, or no longer chosen by the policy): the client's next datagram
+        picks a current one, as kube-proxy deletes the conntrack entries of removed UDP
+        endpoints. Without it a client that keeps sending stays on a gone pod for good."""
+        if not self.flows:
+            return
+        live = {(ep.ip, ep.port) for ep in self.balancer.endpoints(self.traffic)}
+        gone = [f for f in self.flows.values() if (f.endpoint.ip, f.endpoint.port) not in live]
+        for flow in gone:
+            self.drop_flow(flow)
+        if gone:
+            self._count_flows()
 
     @property
     def socket(self) -> socket.socket | None:
@@ -417,6 +432,7 @@ class UdpListener:
         if sock is None:
             return
         self.sock = None
+        self.balancer.unwatch(self._endpoints_changed)
         self.poller.unwatch(sock.fileno())
         sock.close()
         if self._sweeper is not None:
