@@ -9,12 +9,14 @@ object uproxy does not proxy by design (headless, ExternalName) converts to noth
 from __future__ import annotations
 
 import ipaddress
+import logging
 import socket
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from uproxy.log import kv
 from uproxy.model import (
     DEFAULT_AFFINITY_TIMEOUT_S,
     Endpoint,
@@ -24,6 +26,8 @@ from uproxy.model import (
     ServicePort,
     ServicePortName,
 )
+
+log = logging.getLogger("uproxy.objects")
 
 LB_ALGORITHM_ANNOTATION = "uproxy.io/lb-algorithm"
 HEADLESS_LABEL = "service.kubernetes.io/headless"
@@ -389,8 +393,13 @@ def endpoint_slice(obj: Obj) -> EndpointSliceInfo | None:
         p = c.mapping(raw, "ports[{}]", i, required=True)
         port_name = c.string(p.get("name"), "ports[{}].name", i)
         protocol = c.protocol(p.get("protocol"), "ports[{}].protocol", i)
-        port = c.port(p.get("port"), "ports[{}].port", i)
+        port = c.port(p.get("port"), "ports[{}].port", i, allow_zero=True)
         if protocol is None:
+            continue
+        if not port:
+            # The API allows a port without a number; kube-proxy ignores that port alone
+            # ("Ignoring invalid endpoint port"), and so does uproxy: the others still serve.
+            _report_portless(namespace, name, i, port_name)
             continue
         if (port_name, protocol) in seen:
             raise c.fail(f"ports[{i}].name", f"duplicate port {port_name!r}/{protocol}")
@@ -408,6 +417,24 @@ def endpoint_slice(obj: Obj) -> EndpointSliceInfo | None:
         ports=tuple(ports),
         endpoints=tuple(endpoints),
         trigger_time=trigger if isinstance(trigger, str) else None,
+    )
+
+
+_PORTLESS_REPORTED: set[tuple[str, str, int, str]] = set()
+
+
+def _report_portless(namespace: str, name: str, index: int, port_name: str) -> None:
+    """One warning per slice port without a number (slices are parsed again at every event
+    and relist); the memory of what was said is bounded."""
+    key = (namespace, name, index, port_name)
+    if key in _PORTLESS_REPORTED:
+        return
+    if len(_PORTLESS_REPORTED) >= 10_000:
+        _PORTLESS_REPORTED.clear()
+    _PORTLESS_REPORTED.add(key)
+    log.warning(
+        "Ignoring an EndpointSlice port without a port number",
+        extra=kv(object=f"{namespace}/{name}", field=f"ports[{index}].port", name=port_name),
     )
 
 

@@ -196,6 +196,24 @@ def test_slice_topology_hints_are_kept() -> None:
     assert eps[0].port == 8080
 
 
+def test_a_slice_port_without_a_number_is_skipped_alone(caplog: pytest.LogCaptureFixture) -> None:
+    # The API allows it; kube-proxy ignores that port and keeps the others.
+    ports = [
+        {"name": "http", "port": 8080, "protocol": "TCP"},
+        {"name": "metrics", "protocol": "TCP"},
+        {"name": "zero", "port": 0, "protocol": "TCP"},
+    ]
+    obj = endpoint_slice("x", endpoints=[endpoint("10.1.0.1")], ports=ports)
+    with caplog.at_level("WARNING", logger="uproxy.objects"):
+        info = convert_slice(obj)
+        convert_slice(obj)  # parsed again (an event, a relist): said once
+    assert info is not None and [(p.name, p.port) for p in info.ports] == [("http", 8080)]
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["Ignoring an EndpointSlice port without a port number"] * 2  # two ports
+    with pytest.raises(InvalidObject, match="ports.0..port"):
+        convert_slice(endpoint_slice("x", endpoints=[], ports=[{"name": "a", "port": "80"}]))
+
+
 def test_fqdn_slices_are_ignored() -> None:
     obj = endpoint_slice("x", endpoints=[{"addresses": ["a.example"]}], address_type="FQDN")
     assert convert_slice(obj) is None
@@ -221,8 +239,8 @@ BAD_SLICES: list[tuple[str, dict[str, Any], str]] = [
         "endpoints[0].addresses[1]",
     ),
     (
-        "port-zero",
-        endpoint_slice("x", endpoints=[], ports=[{"name": "a", "port": 0}]),
+        "port-negative",
+        endpoint_slice("x", endpoints=[], ports=[{"name": "a", "port": -1}]),
         "ports[0].port",
     ),
     (
