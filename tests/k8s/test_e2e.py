@@ -492,7 +492,7 @@ def malformed_objects(backend_port: int) -> list[tuple[str, dict[str, Any]]]:
             ),
         )
     )
-    out.append((EPS, bad_slice("bad-slice-port", ports=[{"name": "http", "port": 0}])))
+    out.append((EPS, bad_slice("bad-slice-port", ports=[{"name": "http", "port": 65536}])))
     out.append((EPS, bad_slice("bad-endpoints-not-list", endpoints={"a": 1})))
     no_label = bad_slice("bad-no-service-label")
     no_label["metadata"]["labels"] = {}
