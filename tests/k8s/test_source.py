@@ -82,8 +82,12 @@ async def test_lists_then_follows_changes(
     assert tracker.node is not None
     assert tracker.node.deleting and tracker.node.addresses == ("192.0.2.20",)
     assert tracker.node.taints == ("node.kubernetes.io/unschedulable:NoSchedule",)
-    apiserver.delete("Node", node(NODE))
-    await wait_for(lambda: tracker.node is None)
+    apiserver.update("Node", node(NODE, zone="zone-c"))  # back in service
+    await wait_for(lambda: tracker.node is not None and tracker.node.eligible)
+    apiserver.delete("Node", node(NODE, zone="zone-c"))
+    # Deleted, it stays as being deleted: not eligible for load balancers' traffic.
+    await wait_for(lambda: tracker.node is not None and not tracker.node.eligible)
+    assert tracker.node is not None and tracker.node.deleting and tracker.node.zone == "zone-c"
     assert apiserver.list_count(SVC) == 1
     assert apiserver.list_count(EPS) == 1
     # The watch starts from the list's version and asks for bookmarks.

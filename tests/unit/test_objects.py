@@ -198,7 +198,7 @@ def test_slice_topology_hints_are_kept() -> None:
 
 def test_a_slice_port_without_a_number_is_skipped_alone(caplog: pytest.LogCaptureFixture) -> None:
     # The API allows it; kube-proxy ignores that port and keeps the others.
-    ports = [
+    ports: list[dict[str, Any]] = [
         {"name": "http", "port": 8080, "protocol": "TCP"},
         {"name": "metrics", "protocol": "TCP"},
         {"name": "zero", "port": 0, "protocol": "TCP"},

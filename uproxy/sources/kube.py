@@ -31,6 +31,7 @@ lines and ``json.loads`` 0.17 s, network included.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -532,10 +533,13 @@ class KubeSource:
     def _node_listed(self, objs: list[Obj]) -> None:
         mine = [o for o in objs if _name(o) == self.node_name]
         if not mine:
-            if self.tracker.node is not None or not self._node_missing_reported:
+            known = self.tracker.node
+            if known is not None and not known.deleting:
+                log.warning("This node was deleted", extra=kv(node=self.node_name))
+                self.tracker.set_node(dataclasses.replace(known, deleting=True))
+            elif known is None and not self._node_missing_reported:
                 log.warning("This node is not in the API", extra=kv(node=self.node_name))
                 self._node_missing_reported = True
-            self.tracker.set_node(None)
             return
         self._set_node(mine[0])
 
@@ -544,11 +548,14 @@ class KubeSource:
             return
         if event == "DELETED":
             log.warning("This node was deleted", extra=kv(node=self.node_name))
-            self.tracker.set_node(None)
+            self._set_node(obj, deleted=True)
         else:
             self._set_node(obj)
 
-    def _set_node(self, obj: Obj) -> None:
+    def _set_node(self, obj: Obj, *, deleted: bool = False) -> None:
+        """The node as the API has it. A deleted node keeps its last state, as being deleted:
+        load balancers must not send it traffic (kube-proxy's /healthz judges the deleted
+        object too), not go back to it because it is no longer there to say so."""
         try:
             info = node_info(obj)
         except InvalidObject as exc:
@@ -556,8 +563,10 @@ class KubeSource:
                 "Skipping invalid object",
                 extra=kv(kind="Node", object=exc.key, field=exc.field, reason=exc.reason),
             )
+            if deleted and self.tracker.node is not None:
+                self.tracker.set_node(dataclasses.replace(self.tracker.node, deleting=True))
             return
-        self.tracker.set_node(info)
+        self.tracker.set_node(dataclasses.replace(info, deleting=True) if deleted else info)
 
 
 class _Lines:
