@@ -210,7 +210,7 @@ def test_a_slice_port_without_a_number_is_skipped_alone(caplog: pytest.LogCaptur
     assert info is not None and [(p.name, p.port) for p in info.ports] == [("http", 8080)]
     said = [r.getMessage() for r in caplog.records]
     assert said == ["Ignoring an EndpointSlice port without a port number"] * 2  # two ports
-    with pytest.raises(InvalidObject, match="ports.0..port"):
+    with pytest.raises(InvalidObject, match=r"ports\[0\]\.port"):
         convert_slice(endpoint_slice("x", endpoints=[], ports=[{"name": "a", "port": "80"}]))
 
 
