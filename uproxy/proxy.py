@@ -32,7 +32,7 @@ from uproxy.httpserver import HttpServer
 from uproxy.log import V2, V3, kv
 from uproxy.metrics_server import MetricsServer
 from uproxy.model import IPFamily, ServicePortName
-from uproxy.rules.base import RulesBackend
+from uproxy.rules.base import RulesBackend, RulesError
 from uproxy.rules.nodeports import NodePortReservations
 from uproxy.runner import BoundedFrequencyRunner
 from uproxy.settings import Settings, parse_hostport
@@ -230,15 +230,19 @@ class Proxy:
         for server in (self.healthz, self.metrics_server):
             if server is not None:
                 await server.close()
-        if self.settings.cleanup_on_exit:
-            await self.rules.cleanup()
+        # A normal shutdown only: one for a changed --config (or a failure) is a restart, and
+        # removing the rules then would cut every service until the next start.
+        if self.settings.cleanup_on_exit and self.failure is None:
+            try:
+                await self.rules.cleanup()
+            except RulesError as exc:
+                log.error("Cannot remove the rules on exit", extra=kv(err=exc))
         await self.rules.close()
 
     # ----- pieces -----
 
     def _make_rules(self) -> RulesBackend:
         from uproxy.rules import make_backend
-        from uproxy.rules.base import RulesError
 
         s = self.settings
         if s.laptop:

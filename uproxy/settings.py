@@ -265,7 +265,8 @@ class Settings:
         flag="--cleanup-on-exit",
         config="uproxy.cleanupOnExit",
         kind="bool",
-        help="Remove the rules on a normal shutdown (by default they stay, as kube-proxy's do)",
+        help="Remove the rules on a normal shutdown, SIGTERM or SIGINT (by default they stay, "
+        "as kube-proxy's do; they stay too when uproxy stops for a changed --config)",
     )
     # --- the node (not in laptop mode) ---
     conntrack_max_per_core: int = opt(

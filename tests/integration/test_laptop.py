@@ -18,6 +18,7 @@ from tests.factories import endpoint, endpoint_slice, service
 from tests.integration.backends import NamedBackend, greet
 from uproxy.model import Protocol, ServicePortName
 from uproxy.proxy import Proxy
+from uproxy.rules import NoRules, RulesError
 from uproxy.settings import Settings
 
 WEB = ServicePortName("default", "web", "http", Protocol.TCP)
@@ -196,3 +197,53 @@ async def test_one_save_that_swaps_two_services_ports_ends_on_both(
 
     await wait_for(home, timeout=5)
     assert (await greet("127.0.0.1", q), await greet("127.0.0.1", p)) == ("b1", "b2")
+
+
+class CleanupRecorder(NoRules):
+    """A rules backend that records its clean-ups (and can fail them)."""
+
+    def __init__(self, fail: bool = False) -> None:
+        super().__init__()
+        self.cleanups = 0
+        self.fail = fail
+
+    async def cleanup(self) -> None:
+        self.cleanups += 1
+        if self.fail:
+            raise RulesError("iptables-nft-save: permission denied")
+
+
+@pytest.mark.parametrize("why", [None, "the content of --config f changed"])
+async def test_cleanup_on_exit_is_for_a_normal_stop_only(tmp_path: Path, why: str | None) -> None:
+    # A stop for a changed --config (or a failure) is a restart: the rules must stay.
+    path = tmp_path / "services.yaml"
+    path.write_text("")
+    settings = Settings(
+        services=str(path), rules="none", cleanup_on_exit=True, workers=0,
+        healthz_bind_address="", metrics_bind_address="",
+    )  # fmt: skip
+    rules = CleanupRecorder()
+    proxy = Proxy(settings, rules=rules)
+    await proxy.start()
+    await asyncio.wait_for(proxy.synced.wait(), 5)
+    proxy.failure = why
+    await proxy.stop()
+    assert rules.cleanups == (1 if why is None else 0)
+
+
+async def test_a_failing_cleanup_on_exit_is_one_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "services.yaml"
+    path.write_text("")
+    settings = Settings(
+        services=str(path), rules="none", cleanup_on_exit=True, workers=0,
+        healthz_bind_address="", metrics_bind_address="",
+    )  # fmt: skip
+    proxy = Proxy(settings, rules=CleanupRecorder(fail=True))
+    await proxy.start()
+    await asyncio.wait_for(proxy.synced.wait(), 5)
+    with caplog.at_level(logging.ERROR, logger="uproxy"):
+        await proxy.stop()  # does not raise
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert said == ["Cannot remove the rules on exit"]
