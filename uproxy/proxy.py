@@ -247,6 +247,11 @@ class Proxy:
         s = self.settings
         if s.laptop:
             return make_backend("none", host_ip=())
+        from uproxy.rules.command import missing_permission
+
+        missing = missing_permission(s.rules_backend)
+        if missing is not None:
+            raise StartupError(missing)
         announce_rules(s)
         try:
             return make_backend(

@@ -131,3 +131,28 @@ def test_a_start_without_the_rules_program_stops_with_one_line_naming_it(
         f"uproxy: error: --rules {rules} cannot program rules here: {reason}; "
         "install it, or choose another --rules"
     ]
+
+
+@pytest.mark.parametrize("rules", ["iptables-restore", "nftables", "iptables"])
+def test_a_start_without_net_admin_stops_with_one_line(
+    topo: Topology, tmp_path: Path, rules: str
+) -> None:
+    # Every rules program needs CAP_NET_ADMIN: without it uproxy used to retry for ever.
+    services = tmp_path / "services.yaml"
+    services.write_text("")
+    drop = ["setpriv", "--bounding-set", "-net_admin", "--inh-caps", "-net_admin"]
+    argv = [*drop, sys.executable, "-m", "uproxy.cli", "--services", str(services)]
+    argv += ["--rules", rules, "--healthz-bind-address", "", "--metrics-bind-address", ""]
+    done = subprocess.run(
+        topo.exec_argv(topo.node, *argv),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert done.returncode == 1, done.stderr
+    assert errors(done) == [
+        f"uproxy: error: --rules {rules} needs CAP_NET_ADMIN, which this process lacks; run as "
+        "root or with CAP_NET_ADMIN (and CAP_NET_RAW for legacy iptables), or use --rules none"
+    ]

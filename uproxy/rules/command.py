@@ -39,6 +39,29 @@ class Completed:
         return text.splitlines()[0] if text else f"exit code {self.returncode}"
 
 
+CAP_NET_ADMIN = 12  # linux/capability.h
+
+
+def has_net_admin(status: str = "/proc/self/status") -> bool | None:
+    """Whether this process holds CAP_NET_ADMIN (its effective set); None if unknown."""
+    try:
+        with open(status, encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> CAP_NET_ADMIN & 1)
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def missing_permission(backend: str) -> str | None:
+    """Why ``--rules backend`` cannot program anything here, checked before the start (every
+    rules program needs CAP_NET_ADMIN); None when it can, or when that cannot be told."""
+    if has_net_admin() is False:
+        return f"--rules {backend} needs CAP_NET_ADMIN, which this process lacks; {_FIX}"
+    return None
+
+
 def permission_error(program: str) -> RulesError:
     return RulesError(f"{program}: permission denied; {_FIX}")
 
