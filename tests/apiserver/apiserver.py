@@ -192,6 +192,8 @@ class ApiServerDouble:
         self._continuations: dict[str, tuple[str, int, list[Obj]]] = {}
         self._watchers: set[_Watcher] = set()
         self._held: dict[str, asyncio.Event] = {}
+        self._swallowing: set[str] = set()  # kinds whose new watches get no answer
+        self._swallowed: dict[str, int] = {}
         self._runner: web.AppRunner | None = None
         self._dir: Path | None = None
 
@@ -402,6 +404,19 @@ class ApiServerDouble:
         if ev is not None:
             ev.set()
 
+    def swallow_watches(self, kind: str) -> None:
+        """Leave new watches of ``kind`` unanswered, no headers ever (a dead peer behind a
+        pooled connection, a stuck load balancer), until ``answer_watches``."""
+        self._swallowing.add(str(kind))
+
+    def answer_watches(self, kind: str) -> None:
+        """Answer new watches of ``kind`` again (those swallowed stay unanswered)."""
+        self._swallowing.discard(str(kind))
+
+    def swallowed(self, kind: str) -> int:
+        """Watches of ``kind`` left unanswered so far."""
+        return self._swallowed.get(str(kind), 0)
+
     def open_watches(self, kind: str) -> int:
         return sum(1 for w in self._watchers if w.kind == str(kind))
 
@@ -515,6 +530,9 @@ class ApiServerDouble:
         return _json_response(body)
 
     async def _watch(self, request: web.Request, kind: str, flt: Filter) -> web.StreamResponse:
+        if kind in self._swallowing:
+            self._swallowed[kind] = self._swallowed.get(kind, 0) + 1
+            await asyncio.Event().wait()  # until the client gives up (or the server stops)
         q = request.query
         res = _RESOURCES[kind]
         rv_text = q.get("resourceVersion", "")

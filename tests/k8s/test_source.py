@@ -20,6 +20,7 @@ from tests.apiserver import ApiServerDouble
 from tests.conftest import wait_for
 from uproxy import heap
 from uproxy.model import Protocol, ServicePortName
+from uproxy.sources import kube
 from uproxy.sources.kube import (
     MAX_EVENT_BYTES,
     KubeConfigError,
@@ -286,6 +287,28 @@ async def test_bookmark_advances_the_remembered_version(
     apiserver.create(SVC, service("b"))
     await wait_for(lambda: names(tracker) == {"a", "b"})
     assert apiserver.list_count(SVC) == 1
+
+
+async def test_a_watch_never_answered_is_given_up_and_retried(
+    apiserver: ApiServerDouble,
+    start_source: SourceFactory,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # No headers ever (a dead peer behind a pooled connection): the feed used to hang there
+    # for good, its relists too. Now the request is given up and made again.
+    monkeypatch.setattr(kube, "WATCH_HEADERS_TIMEOUT_S", 0.3)
+    apiserver.create(SVC, service("a"))
+    tracker, _ = await start_source()
+    await wait_for(lambda: tracker.synced and apiserver.open_watches(SVC) == 1)
+    apiserver.swallow_watches(SVC)
+    apiserver.drop_watches()
+    await wait_for(lambda: apiserver.swallowed(SVC) >= 2, timeout=5)  # given up, asked again
+    apiserver.answer_watches(SVC)
+    apiserver.create(SVC, service("b"))
+    await wait_for(lambda: names(tracker) == {"a", "b"}, timeout=5)
+    failed = [r.kv for r in caplog.records if r.getMessage() == "Watch failed; retrying"]  # type: ignore[attr-defined]
+    assert any(kv["resource"] == "Service" and "Timeout" in kv["error"] for kv in failed), failed
 
 
 async def test_silent_stream_is_restarted(

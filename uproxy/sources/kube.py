@@ -8,8 +8,9 @@ streams, so each resource is followed by one loop shaped like client-go's reflec
       - every event and bookmark advances the remembered resourceVersion;
       - a clean end of stream (server timeout) -> watch again from it;
       - a dropped stream or refused connection -> capped backoff, watch again from it;
-      - a stream silent past the inactivity timeout -> watch again from it (a dead TCP peer
-        would otherwise hang the read forever: the client sets no read timeout);
+      - a stream silent past the inactivity timeout, or a watch not answered within 30 s
+        -> watch again from it (a dead TCP peer would otherwise hang the read forever: the
+        client sets no read timeout);
       - 410 Gone (history compacted) or 504 "Too large resource version" (the server is behind
         us: a restored etcd) -> relist; every ``config_sync_period_s`` -> relist.
 
@@ -70,6 +71,8 @@ IN_CLUSTER_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
 LIST_PAGE_SIZE = 500  # kube-apiserver's and client-go's default page size
 LIST_TIMEOUT_S = 60.0  # per page
 CONNECT_TIMEOUT_S = 10.0
+WATCH_HEADERS_TIMEOUT_S = 30.0  # a watch's answer, before its stream (see ``_watch``)
+WATCH_STEADY_S = 10.0  # a watch open this long counts as a success for the backoff
 # The server ends each watch after a random 5-10 minutes (client-go's reflector does the
 # same) so that watches of many nodes do not all reconnect at once after an outage.
 WATCH_TIMEOUT_RANGE_S = (300.0, 600.0)
@@ -327,6 +330,7 @@ class KubeSource:
                     continue
                 backoff.reset()
                 relist_at = loop.time() + self.config_sync_period_s
+            opened = loop.time()
             try:
                 progressed = await self._watch(feed, relist_at - loop.time())
             except _Gone as gone:
@@ -353,8 +357,11 @@ class KubeSource:
                 await asyncio.sleep(delay)
                 continue
             if progressed:
-                backoff.reset()
                 gone_in_a_row = 0
+            # A watch that delivered, or stayed open a while (a quiet resource), worked: the
+            # next failure starts the backoff over (client-go resets it likewise).
+            if progressed or loop.time() - opened >= WATCH_STEADY_S:
+                backoff.reset()
 
     async def _list(self, feed: _Feed) -> str:
         """A complete, consistent listing, handed to the tracker page by page (see
@@ -443,15 +450,18 @@ class KubeSource:
         timeout = aiohttp.ClientTimeout(
             total=None, connect=CONNECT_TIMEOUT_S, sock_connect=CONNECT_TIMEOUT_S
         )
-        resp = await feed.list_fn(
-            **feed.selector,
-            watch=True,
-            resource_version=feed.rv,
-            allow_watch_bookmarks=True,
-            timeout_seconds=max(1, int(server_timeout)),
-            _preload_content=False,
-            _request_timeout=timeout,
-        )
+        # Until the response's headers: a server (or a pooled connection to a dead peer, a
+        # stuck load balancer) that never answers would hold this feed, its relists too.
+        async with asyncio.timeout(WATCH_HEADERS_TIMEOUT_S):
+            resp = await feed.list_fn(
+                **feed.selector,
+                watch=True,
+                resource_version=feed.rv,
+                allow_watch_bookmarks=True,
+                timeout_seconds=max(1, int(server_timeout)),
+                _preload_content=False,
+                _request_timeout=timeout,
+            )
         progressed = False
         lines, burst = _Lines(), _Burst()
         try:
