@@ -8,6 +8,7 @@ re-watch (not relist) after a dropped or silent stream, periodic relist, filteri
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 from collections.abc import Iterable
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import cast
 
 import pytest
+import yaml
 
 from tests.apiserver import ApiServerDouble
 from tests.conftest import wait_for
@@ -24,6 +26,7 @@ from uproxy.sources import kube
 from uproxy.sources.kube import (
     MAX_EVENT_BYTES,
     KubeConfigError,
+    KubeSource,
     Listing,
     Obj,
     _Lines,
@@ -309,6 +312,41 @@ async def test_a_watch_never_answered_is_given_up_and_retried(
     await wait_for(lambda: names(tracker) == {"a", "b"}, timeout=5)
     failed = [r.kv for r in caplog.records if r.getMessage() == "Watch failed; retrying"]  # type: ignore[attr-defined]
     assert any(kv["resource"] == "Service" and "Timeout" in kv["error"] for kv in failed), failed
+
+
+async def test_a_rotated_token_file_is_read_again(
+    apiserver: ApiServerDouble, tmp_path: Path
+) -> None:
+    # kubeadm's kube-proxy kubeconfig names the projected service-account token, which the
+    # kubelet rotates: a token read once turned into 401s for ever.
+    token = tmp_path / "token"
+    token.write_text(apiserver.token)
+    config = yaml.safe_load(apiserver.write_kubeconfig(tmp_path / "kubeconfig").read_text())
+    config["users"][0]["user"] = {"tokenFile": "token"}  # relative to the kubeconfig
+    (tmp_path / "kubeconfig").write_text(yaml.safe_dump(config))
+    apiserver.create(SVC, service("a"))
+    client = await make_api_client(kubeconfig=str(tmp_path / "kubeconfig"), master=None)
+    tracker = Tracker()
+    source = KubeSource(
+        tracker=tracker,
+        api_client=client,
+        node_name=NODE,
+        service_proxy_name=None,
+        backoff_max_s=0.5,
+    )
+    task = asyncio.create_task(source.run())
+    try:
+        await wait_for(lambda: tracker.synced and names(tracker) == {"a"}, timeout=5)
+        apiserver.token = "rotated-" + apiserver.token
+        token.write_text(apiserver.token)
+        apiserver.drop_watches()
+        apiserver.create(SVC, service("b"))
+        await wait_for(lambda: names(tracker) == {"a", "b"}, timeout=5)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await client.close()
 
 
 async def test_silent_stream_is_restarted(

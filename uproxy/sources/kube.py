@@ -37,11 +37,13 @@ import json
 import logging
 import os
 import random
+import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol as TypingProtocol
 
 import aiohttp
+import yaml
 
 from uproxy import heap
 from uproxy.log import V2, kv
@@ -71,6 +73,7 @@ IN_CLUSTER_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
 LIST_PAGE_SIZE = 500  # kube-apiserver's and client-go's default page size
 LIST_TIMEOUT_S = 60.0  # per page
 CONNECT_TIMEOUT_S = 10.0
+TOKEN_FILE_PERIOD_S = 60.0  # a kubeconfig's tokenFile is read again at least this often
 WATCH_HEADERS_TIMEOUT_S = 30.0  # a watch's answer, before its stream (see ``_watch``)
 WATCH_STEADY_S = 10.0  # a watch open this long counts as a success for the backoff
 # The server ends each watch after a random 5-10 minutes (client-go's reflector does the
@@ -103,6 +106,7 @@ async def make_api_client(*, kubeconfig: str | None, master: str | None) -> ApiC
             _load_incluster_config(client_configuration=cfg)
         elif source is not None:
             await load_kube_config(config_file=source, client_configuration=cfg)
+            _follow_token_file(cfg, source)
     except ConfigException as exc:
         raise KubeConfigError(f"cannot load Kubernetes configuration {source}: {exc}") from None
     except OSError as exc:
@@ -113,6 +117,55 @@ async def make_api_client(*, kubeconfig: str | None, master: str | None) -> ApiC
 
 
 _load_incluster_config: Callable[..., None] = load_incluster_config
+
+
+def _token_file(kubeconfig: str) -> str | None:
+    """The ``tokenFile`` of the current context's user in ``kubeconfig``, if it has one
+    (a relative path is relative to the kubeconfig's directory)."""
+    with open(kubeconfig, encoding="utf-8") as fh:
+        doc = yaml.safe_load(fh)
+    if not isinstance(doc, dict):
+        return None
+    current = doc.get("current-context")
+    contexts = {c.get("name"): c.get("context") or {} for c in doc.get("contexts") or []}
+    user_name = (contexts.get(current) or {}).get("user")
+    users = {u.get("name"): u.get("user") or {} for u in doc.get("users") or []}
+    path = (users.get(user_name) or {}).get("tokenFile")
+    if not isinstance(path, str) or not path:
+        return None
+    return os.path.join(os.path.dirname(os.path.abspath(kubeconfig)), path)
+
+
+def _follow_token_file(cfg: Configuration, kubeconfig: str) -> None:
+    """Read a kubeconfig's ``tokenFile`` again when it changes, and at least every minute.
+
+    kubernetes_asyncio reads it once; a projected service-account token (kubeadm's
+    kube-proxy kubeconfig names one) is rotated, and with the first token uproxy would get
+    401s for ever while serving what it last knew. client-go caches the file for a minute.
+    """
+    path = _token_file(kubeconfig)
+    if path is None:
+        return
+    seen: dict[str, float] = {"mtime": -1.0, "read_at": float("-inf")}
+
+    def refresh(configuration: Configuration, *args: object) -> None:
+        try:
+            mtime = os.stat(path).st_mtime
+        except OSError:
+            return  # keep the token known until the file is back
+        now = time.monotonic()
+        if mtime == seen["mtime"] and now - seen["read_at"] < TOKEN_FILE_PERIOD_S:
+            return
+        try:
+            with open(path, encoding="utf-8") as fh:
+                token = fh.read().strip()
+        except OSError:
+            return
+        seen["mtime"], seen["read_at"] = mtime, now
+        if token:
+            configuration.api_key["BearerToken"] = f"Bearer {token}"
+
+    cfg.refresh_api_key_hook = refresh
 
 
 def _config_source(*, kubeconfig: str | None, master: str | None) -> str | None:
