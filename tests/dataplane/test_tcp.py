@@ -5,9 +5,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import fcntl
+import functools
 import logging
 import os
 import socket
+import struct
+import threading
+import time
 from collections import Counter
 
 import pytest
@@ -457,3 +462,91 @@ def _gone(sock: socket.socket) -> bool:
         return False
     except ConnectionResetError:
         return True
+
+
+class _ReplyThenReset:
+    """An endpoint that answers each connection with ``size`` bytes and then resets it: at
+    once after an abortive close once the bytes are acknowledged (``abort``), or as a
+    server does that replies and closes with the request unread (the kernel resets)."""
+
+    def __init__(self, size: int, *, abort: bool) -> None:
+        self.payload = os.urandom(size)
+        self.abort = abort
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.resets = 0
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                if not self.abort:
+                    time.sleep(0.05)  # the request has arrived, unread
+                conn.sendall(self.payload)
+                deadline = time.monotonic() + 5
+                while _outq(conn) and time.monotonic() < deadline:  # all of it acknowledged
+                    time.sleep(0.001)
+                if self.abort:
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.resets += 1
+
+    def reset_past(self, count: int) -> bool:
+        return self.resets > count
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _outq(sock: socket.socket) -> int:
+    raw = fcntl.ioctl(sock.fileno(), 0x5411, b"\0\0\0\0")  # SIOCOUTQ
+    value: int = struct.unpack("i", raw)[0]
+    return value
+
+
+@pytest.mark.parametrize(
+    ("size", "abort"),
+    [(1000, False), (200_000, True), (4 << 20, True)],
+    ids=["reply-then-close-unread", "200k-then-rst", "4m-then-rst"],
+)
+async def test_bytes_before_a_reset_reach_the_client_and_then_the_reset(
+    tcp_listener: ListenerFactory, size: int, abort: bool
+) -> None:
+    # Reached directly, the client reads every byte the endpoint sent before its reset, then
+    # the reset. A proxy that resets its client at once throws those bytes away.
+    server = _ReplyThenReset(size, abort=abort)
+    loop = asyncio.get_running_loop()
+    endpoint = Endpoint("127.0.0.1", server.port, NODE)
+    listener = await tcp_listener(make_balancer(TCP_NAME, [endpoint], settings=DataplaneSettings()))
+    try:
+        for attempt in range(10 if size < 1 << 20 else 3):
+            client = socket.socket()
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+            client.setblocking(False)
+            with client:
+                await loop.sock_connect(client, ("127.0.0.1", listener.port))
+                await loop.sock_sendall(client, b"x" * 5000)  # a request the server never reads
+                await wait_until(functools.partial(server.reset_past, attempt), what="reset")
+                got = bytearray()
+                reset = False
+                deadline = loop.time() + 10
+                while loop.time() < deadline:
+                    try:
+                        chunk = await asyncio.wait_for(loop.sock_recv(client, 1 << 20), 5)
+                    except ConnectionResetError:
+                        reset = True
+                        break
+                    if not chunk:
+                        break
+                    got += chunk
+                assert digest(bytes(got)) == digest(server.payload), f"attempt {attempt}"
+                assert reset, "the end was not a reset"
+        await wait_until(lambda: listener.active == 0, what="pairs closed")
+    finally:
+        server.close()

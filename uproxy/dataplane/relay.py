@@ -73,6 +73,7 @@ import _socket
 import asyncio
 import contextlib
 import errno
+import fcntl
 import os
 import socket
 import struct
@@ -124,6 +125,23 @@ _ERROR_NAMES = {
     errno.EHOSTDOWN: "unreachable",
 }
 _NEVER = 1 << 62  # bytes to go before splicing, when it is off or was tried
+# What a side that was reset still held is passed on before the reset (``deliver_then_reset``):
+# at most this much (a receive queue's worth), while the reader takes some of it at least
+# every this long, checked this often.
+_SALVAGE_MAX = 8 << 20
+_FLUSH_BEFORE_RESET_S = 1.0
+_FLUSH_POLL_S = 0.005
+_SIOCOUTQ = 0x5411  # TIOCOUTQ: bytes in a TCP socket's send queue, unsent or unacknowledged
+
+
+def _unsent(sock: _socket.socket) -> int:
+    """Bytes ``sock`` has not had acknowledged yet (0 when that cannot be read)."""
+    try:
+        raw = fcntl.ioctl(sock.fileno(), _SIOCOUTQ, b"\0\0\0\0")
+    except OSError:
+        return 0
+    value: int = struct.unpack("i", raw)[0]
+    return value
 # A read (or a wake-up's first splice) of at least this much is a bulk transfer's: only
 # those count toward ``splice_threshold``, and a spliced direction whose wake-up brings
 # less goes back to copying. Small messages on a long keep-alive connection cost three
@@ -276,6 +294,8 @@ class _Side:
             "client" if side is conn else "endpoint",
             _ERROR_NAMES.get(err or 0, "other"),
         ).value += 1
+        if err == errno.ECONNRESET and conn.deliver_then_reset(side):
+            return
         conn.reset()
 
     def event(self, mask: int) -> None:
@@ -519,6 +539,37 @@ class _Side:
             return
         conn.half_closed()
 
+    def flush_or_reset(self, before: int = -1) -> None:
+        """After ``Connection.deliver_then_reset`` (on the side that was reset): write what
+        it held to the other socket; once that socket has sent everything (its send queue
+        is empty), or at the deadline, reset the pair. Polled every few ms: this is rare."""
+        conn = self._pair()
+        other = self.peer
+        if conn.closed:
+            return
+        if other is None or other.sock is None:
+            conn.reset()
+            return
+        out = self.out
+        if out is not None:
+            try:
+                sent = other.sock.send(out, _NOWAIT)
+            except BlockingIOError:
+                sent = 0
+            except OSError:
+                conn.reset()
+                return
+            self.out = out[sent:] if sent < len(out) else None
+        loop = asyncio.get_running_loop()
+        left = _unsent(other.sock) + (len(self.out) if self.out is not None else 0)
+        now = loop.time()
+        if left == 0 or now >= conn.flushing:
+            conn.reset()
+            return
+        if 0 <= left < before:
+            conn.flushing = now + _FLUSH_BEFORE_RESET_S  # it moves: the reader gets its time
+        loop.call_later(_FLUSH_POLL_S, self.flush_or_reset, left)
+
     def close(self, *, reset: bool = False) -> None:
         """Close this socket: with a FIN, or with a RST (``reset``)."""
         sock = self.sock
@@ -573,6 +624,7 @@ class Connection(_Side):
         "dialing",
         "endpoint",
         "fd_deadline",
+        "flushing",
         "held",
         "linger",
         "linked",
@@ -604,6 +656,7 @@ class Connection(_Side):
         self.fd_deadline: float | None = None  # until when a dial may wait for a free fd
         self.started = 0.0
         self.undialed = True
+        self.flushing = 0.0  # while handing over the last bytes before a reset: until when
         FD_RESERVE.undialed += 1
 
     def _pair(self) -> Connection:
@@ -808,6 +861,43 @@ class Connection(_Side):
         """One direction is over: the other gets ``half_close_linger_s`` to finish."""
         if self.linger is None and not self.closed:
             self.linger = self.listener.linger_timers.start(self)
+
+    def deliver_then_reset(self, dead: _Side) -> bool:
+        """``dead`` was reset by its peer: pass on what it still holds, then the reset.
+
+        A reset says nothing of the bytes before it: its socket still holds what arrived
+        first (a server that replies and closes with the request unread resets, and its
+        client, reached directly, reads the whole reply before the reset). Those bytes are
+        read now and written to the other socket, whose reset waits until they have left it
+        (while its reader takes some every second): a RST at once would throw away both.
+        Returns False when that cannot be done (the caller resets the pair at once).
+        """
+        other = self.peer if dead is self else self
+        if other is None or other.sock is None or dead.sock is None or self.flushing:
+            return False
+        held = bytearray()
+        if dead.out is not None:
+            held += dead.out
+        if dead.pipe is not None and dead.pipe.held:
+            return False  # spliced bytes in a pipe: not worth the copy back, reset
+        view = dead.poller.buffer
+        while len(held) < _SALVAGE_MAX:
+            try:
+                n = dead.sock.recv_into(view, len(view), _NOWAIT)
+            except OSError:
+                break  # the reset itself, once the queue is empty (or nothing queued)
+            if n == 0:
+                break
+            dead.counter.value += n
+            held += view[:n]
+        dead.close()  # no RST to send back: its peer reset it
+        dead.out = memoryview(bytes(held)) if held else None
+        # From here the timer below writes and watches: the other socket's events (input
+        # for a side that is gone, room) would only start the usual relaying again.
+        other.poller.forget(other.fd)
+        self.flushing = asyncio.get_running_loop().time() + _FLUSH_BEFORE_RESET_S
+        dead.flush_or_reset()
+        return True
 
     def reset(self) -> None:
         """Close both sockets with a RST and finish: one side reset, or a dial gave up."""
