@@ -550,3 +550,46 @@ async def test_bytes_before_a_reset_reach_the_client_and_then_the_reset(
         await wait_until(lambda: listener.active == 0, what="pairs closed")
     finally:
         server.close()
+
+
+async def test_a_half_closed_pair_still_moving_bytes_is_not_cut(
+    tcp_listener: ListenerFactory,
+) -> None:
+    # The client sends its request and its FIN, then reads a long reply slowly: the half-close
+    # bound is for idle pairs. Cut, the download would end with a clean FIN, taken for whole.
+    payload = os.urandom(4 << 20)
+
+    async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await r.read()  # the request, up to its FIN
+        w.write(payload)
+        await w.drain()
+        w.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        ep = Endpoint("127.0.0.1", server.sockets[0].getsockname()[1], node_name=NODE)
+        settings = DataplaneSettings(half_close_linger_s=0.2)
+        listener = await tcp_listener(
+            make_balancer(TCP_NAME, [ep], settings=settings), settings=settings
+        )
+        loop = asyncio.get_running_loop()
+        client = socket.socket()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 * 1024)
+        client.setblocking(False)
+        with client:
+            await loop.sock_connect(client, ("127.0.0.1", listener.port))
+            await loop.sock_sendall(client, b"GET")
+            client.shutdown(socket.SHUT_WR)
+            got = bytearray()
+            started = loop.time()
+            while loop.time() - started < 20:  # 32 KiB every 10 ms: over a second, 5x the bound
+                chunk = await asyncio.wait_for(loop.sock_recv(client, 32 * 1024), 5)
+                if not chunk:
+                    break
+                got += chunk
+                await asyncio.sleep(0.01)
+            assert loop.time() - started > 5 * settings.half_close_linger_s
+        assert digest(bytes(got)) == digest(payload)
+    finally:
+        server.close()
+        await server.wait_closed()

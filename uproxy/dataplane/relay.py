@@ -132,6 +132,17 @@ _SALVAGE_MAX = 8 << 20
 _FLUSH_BEFORE_RESET_S = 1.0
 _FLUSH_POLL_S = 0.005
 _SIOCOUTQ = 0x5411  # TIOCOUTQ: bytes in a TCP socket's send queue, unsent or unacknowledged
+_SIOCINQ = 0x541B  # FIONREAD: bytes in its receive queue
+
+
+def _unread(sock: _socket.socket) -> int:
+    """Bytes waiting in ``sock``'s receive queue (0 when that cannot be read)."""
+    try:
+        raw = fcntl.ioctl(sock.fileno(), _SIOCINQ, b"\0\0\0\0")
+    except OSError:
+        return 0
+    value: int = struct.unpack("i", raw)[0]
+    return value
 
 
 def _unsent(sock: _socket.socket) -> int:
@@ -178,7 +189,7 @@ class Origin(Protocol):
     traffic: Traffic
     # By dial timeout (``settings.dial_timeouts_s``); they call ``Connection.dial_expired``.
     dial_timers: dict[float, FixedDelayTimers[Connection]]
-    linger_timers: FixedDelayTimers[Connection]  # calls ``Connection.finish``
+    linger_timers: FixedDelayTimers[Connection]  # calls ``Connection.linger_expired``
 
     def pause(self, reason: str) -> None:
         """Stop accepting for a while (no fd left for a dial)."""
@@ -858,9 +869,33 @@ class Connection(_Side):
             keep_alive(peer.sock, seconds)
 
     def half_closed(self) -> None:
-        """One direction is over: the other gets ``half_close_linger_s`` to finish."""
+        """One direction is over: the other gets ``half_close_linger_s`` without progress
+        to finish (``linger_expired``)."""
         if self.linger is None and not self.closed:
             self.linger = self.listener.linger_timers.start(self)
+
+    def linger_expired(self) -> None:
+        """The half-close bound has passed. A pair still moving bytes (a slow reader of a
+        long download after its request's FIN) gets another one: what is queued in its
+        sockets or held here says so. Only one that is idle is closed; cut, an active
+        transfer would end with a clean FIN, taken for a complete one."""
+        self.linger = None
+        if self.closed:
+            return
+        if self._moving():
+            self.linger = self.listener.linger_timers.start(self)
+            return
+        self.finish()
+
+    def _moving(self) -> bool:
+        for side in (self, self.peer):
+            if side is None:
+                continue
+            if side.out is not None or (side.pipe is not None and side.pipe.held):
+                return True
+            if side.sock is not None and (_unsent(side.sock) or _unread(side.sock)):
+                return True
+        return False
 
     def deliver_then_reset(self, dead: _Side) -> bool:
         """``dead`` was reset by its peer: pass on what it still holds, then the reset.
