@@ -153,6 +153,8 @@ def _unsent(sock: _socket.socket) -> int:
         return 0
     value: int = struct.unpack("i", raw)[0]
     return value
+
+
 # A read (or a wake-up's first splice) of at least this much is a bulk transfer's: only
 # those count toward ``splice_threshold``, and a spliced direction whose wake-up brings
 # less goes back to copying. Small messages on a long keep-alive connection cost three
