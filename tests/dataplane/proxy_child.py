@@ -2,7 +2,7 @@
 
 Usage: python -m tests.dataplane.proxy_child --backend HOST:PORT [--nofile N] [--extra-fds N]
 Prints ``PORT <n> NOFILE <n>`` once listening. Each line on stdin is answered with one JSON
-line: ``stats`` (active connections, accept pauses, VmRSS in KiB), ``hog`` (open files until
+line: ``stats`` (active connections, accept pauses, VmRSS in KiB, failed dials), ``hog`` (open files until
 the fd table is full; how many), ``unhog N`` (close N of those). EOF on stdin shuts the
 listener down and exits. ``--extra-fds`` opens that many files first, to move where the fd
 limit falls.
@@ -76,7 +76,12 @@ async def main(backend: str, nofile: int | None, extra_fds: int) -> None:
     while line := await reader.readline():
         cmd, *args = line.split()
         if cmd == b"stats":
-            stats = {"active": listener.active, "paused": accept_pauses(), "rss_kib": rss_kib()}
+            stats = {
+                "active": listener.active,
+                "paused": accept_pauses(),
+                "rss_kib": rss_kib(),
+                "dials_failed": metrics.DIAL_ATTEMPTS.labels("failed").value,
+            }
             print(json.dumps(stats), flush=True)
         elif cmd == b"hog":
             hog(hogged)

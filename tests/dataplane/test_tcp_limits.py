@@ -306,6 +306,8 @@ async def test_a_dial_out_of_fds_waits_for_a_pair_to_close(
         holder.close()  # its pair closes and frees two fds: the waiting dial goes ahead
         got = await receive(client, len(payload), 5)
         assert digest(got) == digest(payload)
+        # No endpoint failed: a dial without an fd is no attempt (it was counted as one).
+        assert (await child.stats())["dials_failed"] == 0
     finally:
         client.close()
         holder.close()

@@ -766,11 +766,13 @@ class Connection(_Side):
         if side is not None:
             self.dialing = None
             side.close()
+        if err is not None and err in RESOURCE_ERRNOS:
+            # No socket for it (out of fds): no attempt reached the endpoint, none is counted.
+            if not self.closed:
+                self._wait_for_fd(RESOURCE_ERRNOS[err])
+            return
         _DIAL_FAILED.value += 1
         if self.closed:
-            return
-        if err is not None and err in RESOURCE_ERRNOS:
-            self._wait_for_fd(RESOURCE_ERRNOS[err])
             return
         listener = self.listener
         balancer = listener.balancer
