@@ -57,6 +57,7 @@ class ProxyHealth:
         "_node_eligible",
         "_oldest_queued",
         "_oldest_taken",
+        "_stopping",
         "_timeout_s",
     )
 
@@ -70,6 +71,7 @@ class ProxyHealth:
         self._node_eligible = True
         # The oldest request the running sync (or a failed one before it) took.
         self._oldest_taken: float | None = None
+        self._stopping = False
 
     @property
     def timeout_s(self) -> float:
@@ -111,6 +113,18 @@ class ProxyHealth:
             log.info("Node eligibility changed", extra={"kv": {"eligible": eligible}})
         self._node_eligible = eligible
 
+    def set_stopping(self) -> None:
+        """uproxy is stopping (draining): load balancers should send nothing new here."""
+        self._stopping = True
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    def serving(self) -> bool:
+        """Live and not stopping: what health-check node ports answer for the proxy."""
+        return not self._stopping and self.live()
+
     def _fresh(self, now: float) -> bool:
         # Taken before queued, so when both are set the taken one is the older.
         oldest = self._oldest_taken if self._oldest_taken is not None else self._oldest_queued
@@ -121,8 +135,8 @@ class ProxyHealth:
         return self._fresh(self._clock())
 
     def healthy(self) -> bool:
-        """Live, and this node is not being deleted."""
-        return self._node_eligible and self.live()
+        """Live, this node is not being deleted, and uproxy is not stopping."""
+        return self._node_eligible and not self._stopping and self.live()
 
     def report(self, *, include_node: bool) -> tuple[bool, dict[str, object]]:
         """The verdict and the JSON body of ``/healthz`` (include_node) or ``/livez``.
@@ -135,7 +149,7 @@ class ProxyHealth:
         ok = self._fresh(now)
         eligible = self._node_eligible
         if include_node:
-            ok = ok and eligible
+            ok = ok and eligible and not self._stopping
         if ok:
             last = rfc3339(now)
         elif self._last_updated is None:

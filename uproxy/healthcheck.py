@@ -220,7 +220,7 @@ class HealthCheckServers:
             count = (self._counts6 if _over_ipv6(request) else self._counts).get(key, 0)
             # The proxy's own health: a node being drained still answers for its endpoints
             # here (kube-proxy's IsHealthy ignores the Node); /healthz reports the node.
-            proxy_healthy = self._health.live()
+            proxy_healthy = self._health.serving()
             body = health_check_body(namespace, name, count, proxy_healthy)
             return web.Response(
                 status=200 if count > 0 and proxy_healthy else 503,

@@ -209,6 +209,9 @@ class Proxy:
         os._exit(EXIT_NOW)
 
     async def stop(self) -> None:
+        # First of all, while everything drains: /healthz and the health-check node ports
+        # say 503, so load balancers stop sending new connections here.
+        self.health.set_stopping()
         self._stopped.set()
         if self._retry_timer is not None:
             self._retry_timer.cancel()

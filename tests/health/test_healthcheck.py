@@ -89,6 +89,21 @@ async def test_503_without_local_endpoints_then_200(
     assert_same_bytes(body, expected_body("shop", "web", 0, True))
 
 
+async def test_a_stopping_proxy_answers_503_with_local_endpoints(
+    http: aiohttp.ClientSession,
+    servers: HealthCheckServers,
+    health: ProxyHealth,
+    unused_port: int,
+) -> None:
+    await servers.sync({KEY: HealthCheckSpec("shop", "web", unused_port)})
+    servers.set_local_endpoints({KEY: 2})
+    assert (await check(http, unused_port))[0] == 200
+    health.set_stopping()  # draining: the load balancer must take this node out now
+    status, body, _ = await check(http, unused_port)
+    assert status == 503
+    assert_same_bytes(body, expected_body("shop", "web", 2, False))
+
+
 async def test_any_path_and_method_answers(
     http: aiohttp.ClientSession, servers: HealthCheckServers, unused_port: int
 ) -> None:

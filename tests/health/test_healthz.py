@@ -198,6 +198,17 @@ async def test_ineligible_node_fails_healthz_not_livez(
     assert (await get(http, server, "/healthz"))[0] == 200
 
 
+async def test_a_stopping_proxy_fails_healthz_not_livez(
+    http: aiohttp.ClientSession, server: HealthzServer, health: ProxyHealth
+) -> None:
+    # While uproxy drains, load balancers must stop sending; the kubelet must not restart it.
+    assert health.serving()
+    health.set_stopping()
+    assert (await get(http, server, "/healthz"))[0] == 503
+    assert (await get(http, server, "/livez"))[0] == 200
+    assert not health.healthy() and not health.serving() and health.live()
+
+
 async def test_counters_move_by_requests_per_code(
     http: aiohttp.ClientSession, server: HealthzServer, health: ProxyHealth, clock: FakeClock
 ) -> None:

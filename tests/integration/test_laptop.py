@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
@@ -247,3 +248,46 @@ async def test_a_failing_cleanup_on_exit_is_one_line(
         await proxy.stop()  # does not raise
     said = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert said == ["Cannot remove the rules on exit"]
+
+
+async def test_healthz_says_503_while_uproxy_drains(
+    tmp_path: Path, backends: list[NamedBackend], unused_tcp_port_factory: Any
+) -> None:
+    # A held connection keeps the drain going; meanwhile load balancers must be told.
+    path = tmp_path / "services.yaml"
+    healthz = unused_tcp_port_factory()
+    write_services(path, backends[:1], svc_port=unused_tcp_port_factory())
+    settings = Settings(
+        services=str(path), rules="none", healthz_bind_address=f"127.0.0.1:{healthz}",
+        metrics_bind_address="",
+    )  # fmt: skip
+    proxy = Proxy(settings)
+    await proxy.start()
+    await asyncio.wait_for(proxy.synced.wait(), 5)
+    assert proxy.syncer is not None
+    lst = proxy.syncer.ports[WEB].cluster
+    assert lst is not None
+    _, writer = await asyncio.open_connection("127.0.0.1", lst.port)  # held open
+
+    async def status() -> int:
+        reader, w = await asyncio.open_connection("127.0.0.1", healthz)
+        w.write(b"GET /healthz HTTP/1.0\r\n\r\n")
+        line = await reader.readline()
+        w.close()
+        return int(line.split()[1])
+
+    assert await status() == 200
+    stopping = asyncio.create_task(proxy.stop())
+    try:
+        seen: list[int] = []
+
+        async def told() -> bool:
+            with contextlib.suppress(OSError):
+                seen.append(await status())
+            return bool(seen) and seen[-1] == 503
+
+        await wait_for(told, timeout=2)
+        assert not stopping.done()  # still draining the held connection
+    finally:
+        writer.close()
+        await stopping
