@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import logging
 import os
 import signal
@@ -51,6 +50,7 @@ from uproxy.dataplane.messages import (
     SetEndpoints,
 )
 from uproxy.dataplane.poller import io_waiting
+from uproxy.lifeline import die_with_parent
 from uproxy.log import V2, kv
 from uproxy.model import IPFamily, ServicePortName, Traffic
 
@@ -60,7 +60,6 @@ if TYPE_CHECKING:  # imported at run time only after series.share() (they bind l
 
 log = logging.getLogger("uproxy.dataplane.worker")
 
-_PR_SET_PDEATHSIG = 1
 # A run of this many messages is a bulk change (a big sync, a replay to a new worker): the
 # cyclic collector waits until the channel has been quiet for BURST_IDLE_S, then what the
 # burst made is frozen (``uproxy.heap``). Left on, its full passes over 10,000 new listeners
@@ -85,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.nice is not None:
         _take_back_priority(args.nice)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent()
+    die_with_parent()  # when the control process dies, however it dies: SIGTERM
     # Before the data-plane modules bind their label sets: every tally lives in shared memory.
     series.share(SlotWriter(CounterFiles(*args.counters)))
     from uproxy.eventloop import run_loop
@@ -102,15 +101,6 @@ def _take_back_priority(nice: int) -> None:
         priority.take_back(nice)
     except OSError as exc:
         log.error("Cannot take back the workers' priority", extra=kv(nice=nice, err=exc))
-
-
-def _die_with_parent() -> None:
-    """Ask the kernel for a SIGTERM when the control process dies, however it dies."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass  # the closed channel stops us too
 
 
 class Worker:

@@ -42,6 +42,7 @@ import fcntl
 import logging
 import multiprocessing
 import os
+import signal
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
@@ -49,6 +50,7 @@ from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from typing import Any
 
+from uproxy.lifeline import die_with_parent
 from uproxy.model import IPFamily
 from uproxy.rules import command
 from uproxy.rules.base import NO_LOCAL_TRAFFIC, LocalTraffic, Portal, RulesError, Stack
@@ -563,6 +565,12 @@ _child_worker: _Worker | None = None  # in a second family's child process
 
 
 def _child_start(family: int) -> None:
+    # The control process ends this one (it shuts the pool down after its last call); a
+    # signal to the whole process group (Ctrl-C, systemd's stop) must not kill it while
+    # the control process still needs it for its clean-up; and it must not outlive it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    die_with_parent(signal.SIGKILL)
     global _child_worker
     _child_worker = _Worker(IPFamily(family))
 
