@@ -274,6 +274,8 @@ class Syncer:
         self.last_changed = 0  # service ports the last sync looked at
         self._no_local_internal: set[ServicePortName] = set()
         self._no_local_external: set[ServicePortName] = set()
+        for policy in ("internal", "external"):  # both series from the start, as kube-proxy
+            metrics.NO_LOCAL_ENDPOINTS.labels(policy).set(0)
         # This node's zone label as the balancers were last given it (topology hints); a
         # change reaches them with the next sync (``_rezoned``).
         self._zone: str | None = None

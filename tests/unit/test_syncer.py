@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import errno
 import socket
+import subprocess
+import sys
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -320,6 +322,22 @@ async def test_kube_proxy_sync_metrics_follow_what_the_syncs_do() -> None:
     tracker.upsert(Kind.SERVICE, service("other"))
     await syncer.sync()
     assert gauge(partial) == before[partial] + 1 and gauge(full) == before[full] + 1
+
+
+def test_no_local_endpoints_series_exist_from_the_start() -> None:
+    # kube-proxy sets both series on every sync: a dashboard sees 0, not a missing series.
+    code = (
+        "from prometheus_client import REGISTRY\n"
+        "from tests.unit.test_syncer import make\n"
+        "make(0)\n"
+        "for p in ('internal', 'external'):\n"
+        "    print(REGISTRY.get_sample_value("
+        "'kubeproxy_sync_proxy_rules_no_local_endpoints_total', {'traffic_policy': p}))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.split() == ["0.0", "0.0"]
 
 
 async def test_a_failed_restore_is_counted() -> None:
