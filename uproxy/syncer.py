@@ -61,6 +61,9 @@ _MAX_BIND_TRIES = 64
 # What failed (a listener, a node port, a laptop listener off its service's port) is tried
 # again after this, then twice as long after each sync it still fails, up to the sync period.
 RETRY_FIRST_S = 1.0
+# ... or this soon when the port a laptop listener wants was closed by the same sync (a
+# service renamed, two swapping ports): the workers' copies of it close a moment later.
+RETRY_SOON_S = 0.1
 
 
 class Listener(TypingProtocol):
@@ -263,6 +266,9 @@ class Syncer:
         self._failed: dict[tuple[ServicePortName, Traffic, IPFamily], str] = {}
         self._retry: set[ServicePortName] = set()  # a listener or node port to try again
         self._retry_delay = 0.0  # 0: nothing failed at the last sync
+        # Laptop ports this sync closed; a listener wanting one of them retries soon.
+        self._freed: set[tuple[Protocol, int]] = set()
+        self._retry_soon = False
         # UDP portals not yet in the kernel's rules, and the task forgetting the conntrack
         # entries of those that just got there (``_forget_unnated``).
         self._udp_added: set[Portal] = set()
@@ -332,6 +338,8 @@ class Syncer:
             await hook(self.ports, todo)
         self._emit_table(todo)
         self._retry_delay = self._next_retry_delay()
+        self._freed.clear()
+        self._retry_soon = False
         self.syncs += 1
         self.last_changed = len(todo)
         done = time.time()
@@ -346,6 +354,8 @@ class Syncer:
     def _next_retry_delay(self) -> float:
         if not self._retry:
             return 0.0
+        if self._retry_soon:
+            return RETRY_SOON_S
         period = self.options.settings.iptables_sync_period
         return min(max(2 * self._retry_delay, RETRY_FIRST_S), period)
 
@@ -611,6 +621,8 @@ class Syncer:
             log.log(V2, "Closing proxy port", extra=kv(service=str(spn), port=lst.port))
         lst.close()
         self._allocators[(spn.protocol, fp.family)].release(lst.port)  # it gave the port
+        if self.laptop:
+            self._freed.add((spn.protocol, lst.port))
 
     async def _open_listener(
         self, spn: ServicePortName, pp: ProxiedPort, fp: FamilyPort, traffic: Traffic
@@ -622,6 +634,10 @@ class Syncer:
             # port of uproxy's own choosing, as on a node: binding port 0 makes the kernel
             # search for a free port, which grows with every port already bound.
             own = () if pp.port.port in alloc.in_use else (pp.port.port,)
+            if (spn.protocol, pp.port.port) in self._freed:
+                # Closed by this sync: with workers, theirs close a moment later. The next
+                # try comes soon (``_next_retry_delay``), not a second later.
+                self._retry_soon = True
             candidates: Iterable[int] = itertools.chain(own, alloc.candidates(_MAX_BIND_TRIES))
         else:
             candidates = alloc.candidates(_MAX_BIND_TRIES)

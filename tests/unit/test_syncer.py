@@ -32,7 +32,7 @@ from uproxy.model import (
 from uproxy.rules.base import LocalTraffic, Portal, PortalKind, RulesError
 from uproxy.rules.nodeports import NodePortReservations
 from uproxy.settings import Settings
-from uproxy.syncer import RETRY_FIRST_S, Syncer, SyncerOptions, TableRow
+from uproxy.syncer import RETRY_FIRST_S, RETRY_SOON_S, Syncer, SyncerOptions, TableRow
 from uproxy.tracker import Kind, Tracker
 
 
@@ -57,11 +57,12 @@ class Factory:
     def __init__(self) -> None:
         self.opened: list[ServicePortName] = []
         self.refuse: set[ServicePortName] = set()
+        self.taken: set[int] = set()  # ports somebody else still holds
 
     async def __call__(
         self, *, name: ServicePortName, port: int, host: str = "0.0.0.0", **_: Any
     ) -> FakeListener:
-        if name in self.refuse:
+        if name in self.refuse or port in self.taken:
             raise OSError(errno.EADDRINUSE, "Address already in use")
         self.opened.append(name)
         return FakeListener(port, host)
@@ -248,6 +249,39 @@ async def test_what_failed_asks_for_a_retry_backing_off_to_the_sync_period() -> 
     factory.refuse.clear()
     await syncer.sync()
     assert syncer.retry_after() is None and syncer.ports[spn("s1")].cluster is not None
+
+
+async def test_a_laptop_port_freed_and_claimed_in_one_sync_is_retried_soon(
+    unused_tcp_port: int,
+) -> None:
+    # A service renamed: the old name's listener closes and the new one wants its port. With
+    # workers the port stays held a moment (their copies close later): retry soon.
+    tracker = Tracker()
+    port = [{"name": "http", "port": unused_tcp_port, "protocol": "TCP"}]
+    tracker.replace(Kind.SERVICE, [service("old", ports=port)])
+    tracker.replace(Kind.ENDPOINT_SLICE, [])
+    factory = Factory()
+    syncer = Syncer(
+        tracker=tracker,
+        rules=RecordingRules(),
+        listener_factory=factory,
+        options=SyncerOptions(
+            settings=Settings(rules="none", proxy_port_range="40000-40100"),
+            dataplane=DataplaneSettings(node_name="node-a"),
+            listen_hosts=("127.0.0.1",),
+        ),
+    )
+    await syncer.sync()
+    tracker.replace(Kind.SERVICE, [service("new", ports=port)])
+    factory.taken.add(unused_tcp_port)  # the workers have not closed theirs yet
+    await syncer.sync()
+    new = syncer.ports[spn("new")].cluster
+    assert new is not None and new.port != unused_tcp_port
+    assert syncer.retry_after() == RETRY_SOON_S
+    factory.taken.clear()
+    await syncer.sync()  # the retry: home
+    new = syncer.ports[spn("new")].cluster
+    assert new is not None and new.port == unused_tcp_port and syncer.retry_after() is None
 
 
 def node_port_service(name: str, node_port: int) -> dict[str, Any]:
