@@ -475,17 +475,24 @@ class _ReplyThenReset:
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(16)
+        # A thread blocked in accept() holds the fd number it will return: short waits, so
+        # that ``close`` ends the thread rather than leave one behind.
+        self.sock.settimeout(0.05)
         self.port = self.sock.getsockname()[1]
         self.resets = 0
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
-        while True:
+        while not self._stop.is_set():
             try:
                 conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
             except OSError:
                 return
+            conn.settimeout(None)
             with conn:
                 if not self.abort:
                     time.sleep(0.05)  # the request has arrived, unread
@@ -501,6 +508,8 @@ class _ReplyThenReset:
         return self.resets > count
 
     def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
         self.sock.close()
 
 
