@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 import logging
@@ -339,6 +340,32 @@ async def test_reload_applies_changes_and_keeps_last_good_state(
     errors = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1
     assert "spec.ports[0].port" in errors[0].kv["error"]  # type: ignore[attr-defined]
+
+
+async def test_an_emptied_file_is_applied_only_once_it_stays_empty(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # An editor that truncates, then writes: the moment in between must not take every
+    # service down. A file that stays empty is taken for what it says.
+    monkeypatch.setattr(file_source, "EMPTY_SETTLE_S", 0.2)
+    path = tmp_path / "services.yaml"
+    src, tracker = await loaded(path, cluster(3))
+    text = path.read_text()
+    path.write_text("")  # truncated...
+    await src.poll()
+    assert len(tracker.snapshot()) == 3 and tracker.calls == []
+    path.write_text(text)  # ... and written again
+    await src.poll()
+    assert len(tracker.snapshot()) == 3 and tracker.calls == []
+    path.write_text("")  # now emptied for good
+    with caplog.at_level(logging.WARNING, logger="uproxy"):
+        await src.poll()
+        assert len(tracker.snapshot()) == 3
+        await asyncio.sleep(0.25)
+        await src.poll()
+    assert tracker.snapshot() == {}
+    said = [r.getMessage() for r in caplog.records]
+    assert "Services file empty for a while: removing every service" in said
 
 
 async def test_a_json_file_loads_and_reloads(tmp_path: Path) -> None:

@@ -473,6 +473,10 @@ def _tombstone(key: Key) -> Obj:
     }
 
 
+# An emptied services file is applied (every service removed) once it stays empty this long.
+EMPTY_SETTLE_S = 2.0
+
+
 class FileSource:
     name = "file"
 
@@ -483,6 +487,8 @@ class FileSource:
         self._stamp: tuple[int, int, int] | None = None
         self._kept: _Kept | None = None
         self._last_error: str | None = None
+        self._empty_since: float | None = None  # when an emptied file was first seen so
+        self._empty_stamp: tuple[int, int, int] | None = None
         self.reloads = 0
         self.documents_parsed = 0  # YAML documents parsed since start, for tests and logs
 
@@ -506,6 +512,20 @@ class FileSource:
         stamp = self._stat()
         if stamp is None or stamp == self._stamp:
             return
+        if stamp[1] == 0 and self._kept is not None and self._kept.keys:
+            # Emptied: an editor that truncates the file before it writes it, more often
+            # than a wish to remove every service. Applied once it has stayed empty a while.
+            loop = asyncio.get_running_loop()
+            if self._empty_since is None or self._empty_stamp != stamp:
+                self._empty_since, self._empty_stamp = loop.time(), stamp
+                return
+            if loop.time() - self._empty_since < EMPTY_SETTLE_S:
+                return
+            log.warning(
+                "Services file empty for a while: removing every service",
+                extra=kv(path=self.path, services=len(self._kept.keys)),
+            )
+        self._empty_since = None
         self._stamp = stamp
         # A reload of a big file makes hundreds of thousands of objects on the parse thread
         # (YAML nodes, documents, their conversions), and the collector's full passes over
