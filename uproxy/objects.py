@@ -453,9 +453,12 @@ def _slice_endpoint(c: _Checker, raw: Any, i: int, version: int) -> Endpoint:
                 "endpoints[{}].addresses[{}]", f"{ip} does not match addressType IPv{version}", i, j
             )
     cond = c.mapping(ep.get("conditions"), "endpoints[{}].conditions", i)
-    # API semantics: a nil ready means ready, a nil serving means "same as ready".
+    # A nil ready means ready; a nil serving means serving, as kube-proxy reads it
+    # (endpointslicecache.go), though the API's comment says "defer to ready": it decides
+    # whether a terminating endpoint without the field is a fallback (the EndpointSlice
+    # controller always sets it; other controllers may not).
     ready = c.boolean(cond.get("ready"), "endpoints[{}].conditions.ready", True, i)
-    serving = c.boolean(cond.get("serving"), "endpoints[{}].conditions.serving", ready, i)
+    serving = c.boolean(cond.get("serving"), "endpoints[{}].conditions.serving", True, i)
     terminating = c.boolean(
         cond.get("terminating"), "endpoints[{}].conditions.terminating", False, i
     )

@@ -144,6 +144,9 @@ def test_slice_conditions_node_and_zone_are_kept() -> None:
                 endpoint("10.0.0.1", nodeName="n1", zone="z1"),
                 endpoint("10.0.0.2", ready=False, serving=True, terminating=True),
                 endpoint("10.0.0.3", ready=False),
+                endpoint("10.0.0.4", ready=False, serving=False),
+                # No serving: serving, as kube-proxy reads it, so a terminating fallback.
+                endpoint("10.0.0.5", ready=False, terminating=True),
             ],
         )
     )
@@ -152,7 +155,9 @@ def test_slice_conditions_node_and_zone_are_kept() -> None:
     assert eps == [
         Endpoint("10.0.0.1", 8080, "n1", "z1", True, True, False),
         Endpoint("10.0.0.2", 8080, None, None, False, True, True),
-        Endpoint("10.0.0.3", 8080, None, None, False, False, False),
+        Endpoint("10.0.0.3", 8080, None, None, False, True, False),
+        Endpoint("10.0.0.4", 8080, None, None, False, False, False),
+        Endpoint("10.0.0.5", 8080, None, None, False, True, True),
     ]
     assert info.endpoints_for("http", Protocol.UDP) == []
     assert info.endpoints_for("other", Protocol.TCP) == []
