@@ -461,6 +461,12 @@ class Proxy:
             self._queue_sync()  # a spec moved: the next sync opens or closes its server
 
     async def _sync(self) -> None:
+        prepare = self._prepare
+        if prepare is not None and not prepare.done():
+            # The first sync opens listeners on the ports the last run's rules lead to,
+            # which the backend reads meanwhile (``rules.previous``).
+            with contextlib.suppress(Exception):
+                await asyncio.shield(prepare)
         # No await between these two: the sync takes exactly the changes queued so far.
         self.health.started()
         await self.syncer.sync()

@@ -50,6 +50,7 @@ from uproxy.model import (
 from uproxy.portrange import PortAllocator
 from uproxy.rules.base import Portal, PortalKind, RulesBackend, RulesError
 from uproxy.rules.nodeports import NodePortError, NodePortReservations
+from uproxy.rules.previous import by_protocol
 from uproxy.settings import Settings
 from uproxy.timeslice import TimeSlice
 from uproxy.tracker import Tracker
@@ -273,6 +274,10 @@ class Syncer:
         # entries of those that just got there (``_forget_unnated``).
         self._udp_added: set[Portal] = set()
         self._forgetting: asyncio.Task[None] | None = None
+        # The last run's proxy ports (``rules.previous``): by service address, and those
+        # held out of this run's choice until the first rules sync is in.
+        self._last_run: Mapping[tuple[str, str, int], int] = {}
+        self._held_back: set[tuple[Protocol, IPFamily, int]] = set()
         self._rows: dict[ServicePortName, TableRow] = {}
         self._nodeport_errors: dict[tuple[ServicePortName, IPFamily], str] = {}
         self._unserved: set[ServicePortName] = set()  # reported: no family of ours
@@ -295,6 +300,8 @@ class Syncer:
             log.log(V2, "Not syncing: waiting for the first full listing of every source")
             return
         started = time.perf_counter()
+        if self.syncs == 0:
+            self._hold_last_runs_ports()
         changes = self.tracker.take_changes()
         todo = changes.ports | self._retry | self._rezoned()
         self._retry = set()
@@ -334,6 +341,7 @@ class Syncer:
         if opened or closed:
             log.info("Proxy ports changed", extra=kv(opened=opened, closed=closed))
         full = await self._sync_rules() or self.syncs == 0
+        self._release_last_runs_ports()  # the rules lead to this run's ports now
         for hook in self.options.extra_hooks:
             await hook(self.ports, todo)
         self._emit_table(todo)
@@ -640,7 +648,10 @@ class Syncer:
                 self._retry_soon = True
             candidates: Iterable[int] = itertools.chain(own, alloc.candidates(_MAX_BIND_TRIES))
         else:
-            candidates = alloc.candidates(_MAX_BIND_TRIES)
+            before = self._last_runs_port(spn, pp, fp, traffic)
+            candidates = itertools.chain(
+                () if before is None else (before,), alloc.candidates(_MAX_BIND_TRIES)
+            )
         key = (spn, traffic, fp.family)
         last: OSError | None = None
         for port in candidates:
@@ -678,6 +689,57 @@ class Syncer:
             )
         self._failed[key] = reason
         return None
+
+    # ----- the last run's proxy ports -----
+
+    def _hold_last_runs_ports(self) -> None:
+        """Before the first sync opens anything: the ports the last run's rules lead to are
+        kept out of the choice, each for the listener of its own service address (see
+        ``rules.previous``): until this run's rules are in, an old rule reaches the right
+        service or a closed port, never another service."""
+        self._last_run = getattr(self.rules, "previous_ports", None) or {}
+        for proto, ports in by_protocol(self._last_run).items():
+            protocol = Protocol(proto.upper())
+            for family in self.hosts:
+                alloc = self._allocator(protocol, family)
+                for port in ports:
+                    if port not in alloc.in_use:
+                        alloc.taken(port)
+                        self._held_back.add((protocol, family, port))
+        if self._held_back:
+            log.info(
+                "Reusing the last run's proxy ports while its rules are still in place",
+                extra=kv(addresses=len(self._last_run)),
+            )
+
+    def _last_runs_port(
+        self, spn: ServicePortName, pp: ProxiedPort, fp: FamilyPort, traffic: Traffic
+    ) -> int | None:
+        """The port the last run's rules send this listener's traffic to, if held back."""
+        if not self._held_back:
+            return None
+        proto, sp, family = spn.protocol.value.lower(), pp.port, fp.family
+        keys: list[tuple[str, str, int]] = []
+        if traffic is Traffic.CLUSTER:
+            keys = [(ip, proto, sp.port) for ip in sp.cluster_ips if ip_family(ip) is family]
+        else:
+            ips = (*sp.external_ips, *sp.lb_ingress_ips)
+            keys = [(ip, proto, sp.port) for ip in ips if ip_family(ip) is family]
+            if sp.node_port:
+                keys.append(("", proto, sp.node_port))
+        for key in keys:
+            port = self._last_run.get(key)
+            if port is not None and (spn.protocol, family, port) in self._held_back:
+                self._held_back.discard((spn.protocol, family, port))
+                self._allocator(spn.protocol, family).release(port)
+                return port
+        return None
+
+    def _release_last_runs_ports(self) -> None:
+        for protocol, family, port in self._held_back:
+            self._allocator(protocol, family).release(port)
+        self._held_back.clear()
+        self._last_run = {}
 
     # ----- node ports -----
 

@@ -73,6 +73,7 @@ class RecordingRules:
 
     def __init__(self) -> None:
         self.syncs: list[frozenset[Portal]] = []
+        self.previous_ports: dict[tuple[str, str, int], int] = {}
 
     async def prepare(self) -> None:
 
@@ -282,6 +283,36 @@ async def test_a_laptop_port_freed_and_claimed_in_one_sync_is_retried_soon(
     await syncer.sync()  # the retry: home
     new = syncer.ports[spn("new")].cluster
     assert new is not None and new.port == unused_tcp_port and syncer.retry_after() is None
+
+
+async def test_a_start_takes_the_last_runs_ports_back_and_leaves_the_others_alone() -> None:
+    # The last run's rules still lead 10.96.0.0:80 to 40050, and 10.96.9.9:80 (a service gone
+    # since) to 40051: s0 gets 40050 back; nobody gets 40051 until the new rules are in.
+    tracker = Tracker()
+    tracker.replace(Kind.SERVICE, [service(f"s{i}", cluster_ip=f"10.96.0.{i}") for i in range(3)])
+    tracker.replace(Kind.ENDPOINT_SLICE, [])
+    rules = RecordingRules()
+    rules.previous_ports = {("10.96.0.0", "tcp", 80): 40050, ("10.96.9.9", "tcp", 80): 40051}
+    syncer = Syncer(
+        tracker=tracker,
+        rules=rules,
+        listener_factory=Factory(),
+        options=SyncerOptions(
+            settings=Settings(rules="iptables-restore", proxy_port_range="40050-40053"),
+            dataplane=DataplaneSettings(node_name="node-a"),
+            listen_hosts=("0.0.0.0",),
+        ),
+    )
+    await syncer.sync()
+    got = {name: syncer.ports[spn(name)].cluster for name in ("s0", "s1", "s2")}
+    assert all(lst is not None for lst in got.values())
+    ports = {name: lst.port for name, lst in got.items() if lst is not None}
+    assert ports["s0"] == 40050
+    assert {ports["s1"], ports["s2"]} == {40052, 40053}  # 40051 held back
+    tracker.upsert(Kind.SERVICE, service("s3", cluster_ip="10.96.0.3"))
+    await syncer.sync()  # the rules are this run's now: 40051 is free to take
+    s3 = syncer.ports[spn("s3")].cluster
+    assert s3 is not None and s3.port == 40051
 
 
 def node_port_service(name: str, node_port: int) -> dict[str, Any]:

@@ -131,6 +131,7 @@ from uproxy.rules.portals import (
     split_by_family,
     stacks,
 )
+from uproxy.rules.previous import PortalKey, Previous
 from uproxy.rules.restore import MODES, cleanup_mode
 from uproxy.rules.watch import FULL_SYNC_PERIOD_S, GenerationWatch, Token, Watch, nft_tables
 
@@ -759,6 +760,7 @@ class NftablesBackend:
         self._instance = instance if instance is not None else secrets.token_hex(4)
         self._stamp: str | None = None  # the last one committed
         self._foreign: str | None = None  # the last stranger's stamp reported
+        self.previous_ports: Previous = {}  # what the last run's table led to (``prepare``)
 
     @property
     def families(self) -> tuple[IPFamily, ...]:
@@ -790,11 +792,28 @@ class NftablesBackend:
         return {f: t.builder.build(split[f]) for f, t in self._tables.items()}
 
     async def prepare(self) -> None:
-        """Remove what the iptables backends left (both variants, both families); nothing
-        to probe: ``nft`` is the one tool, and a table is ours or not."""
+        """Remove what the iptables backends left (both variants, both families), and read
+        the proxy ports the last run's table leads to (``previous``); nothing to probe:
+        ``nft`` is the one tool, and a table is ours or not."""
         from uproxy.rules.leftovers import remove_leftovers
 
         await remove_leftovers(nft_tables=False, iptables_modes=MODES)
+        try:
+            self.previous_ports = await self._read_previous()
+        except (RulesError, OSError, ValueError):
+            self.previous_ports = {}
+
+    async def _read_previous(self) -> dict[PortalKey, int]:
+        tables = nft_tables()
+        out: dict[PortalKey, int] = {}
+        for table in self._tables.values():
+            if tables is not None and (_NFPROTO[table.family.version], TABLE) not in tables:
+                continue
+            argv = ["nft", "-j", "list", "table", table.family.table, TABLE]
+            done = await command.run(argv, check=False)
+            if done.returncode == 0:
+                out.update(await asyncio.to_thread(_previous_of, done.stdout))
+        return out
 
     async def sync(self, portals: Collection[Portal]) -> None:
         async with self._lock:
@@ -946,6 +965,25 @@ class NftablesBackend:
 
     async def close(self) -> None:
         return None
+
+
+_NFPROTO = {4: 2, 6: 10}  # nf_tables' family numbers of ip and ip6
+
+
+def _previous_of(listing: str) -> dict[PortalKey, int]:
+    """The proxy port of each service address and node port in a listed table."""
+    found = parse_elements(listing)
+    out: dict[PortalKey, int] = {}
+    for name in (CLUSTER_IPS, EXTERNAL_IPS):
+        for element in found.get(name, {}).values():
+            ip, proto, port = element.key
+            if element.value is not None:
+                out.setdefault((str(ip), str(proto), int(port)), element.value)
+    for element in found.get(NODE_PORTS, {}).values():
+        proto, port = element.key
+        if element.value is not None:
+            out.setdefault(("", str(proto), int(port)), element.value)
+    return out
 
 
 def _layout(family: Family, stack: Stack, options: dict[str, Any], local: LocalTraffic) -> Layout:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from uproxy.rules.base import LocalTraffic, Portal
+from uproxy.rules.previous import NO_PREVIOUS, Previous
 
 
 class NoRules:
@@ -14,6 +15,7 @@ class NoRules:
 
     def __init__(self) -> None:
         self.portals: frozenset[Portal] = frozenset()
+        self.previous_ports: Previous = NO_PREVIOUS  # no rules, so no last run's
 
     async def prepare(self) -> None:
         return None

@@ -68,6 +68,7 @@ from uproxy.rules.portals import (
     split_by_family,
     stacks,
 )
+from uproxy.rules.previous import Previous
 from uproxy.rules.restore import program
 from uproxy.rules.saved import matches, parse_save
 from uproxy.rules.watch import FULL_SYNC_PERIOD_S, LegacyWatch, Token, Watch
@@ -392,6 +393,7 @@ class IptcBackend:
             raise RulesError(str(exc)) from None
         self._builders = {f: _builder(s, self._options, local) for f, s in self._stacks.items()}
         self.local = local
+        self.previous_ports: Previous = {}  # what the last run's chains led to (``prepare``)
         first = next(iter(self._stacks.values()))
         self.host_ip = first.host_ip
         self.listen_ip = first.listen_ip
@@ -450,10 +452,17 @@ class IptcBackend:
         return {f: b.build(split[f]) for f, b in self._builders.items()}
 
     async def prepare(self) -> None:
-        """Remove what other backends left: nft tables, iptables-nft chains."""
+        """Remove what other backends left (nft tables, iptables-nft chains), and read the
+        proxy ports the last run's chains lead to (``previous``; with the iptables programs
+        when they are there)."""
         from uproxy.rules.leftovers import remove_leftovers
+        from uproxy.rules.restore import read_previous
 
         await remove_leftovers(nft_tables=True, iptables_modes=["nft"])
+        try:
+            self.previous_ports = await read_previous("legacy", self._stacks)
+        except (RulesError, OSError):
+            self.previous_ports = {}
 
     async def sync(self, portals: Collection[Portal]) -> None:
         """Edit the chains by difference; nothing at all when neither the portals nor the

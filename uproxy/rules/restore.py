@@ -49,7 +49,7 @@ import asyncio
 import logging
 import shutil
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from uproxy.log import V2, kv
@@ -69,6 +69,7 @@ from uproxy.rules.portals import (
     split_by_family,
     stacks,
 )
+from uproxy.rules.previous import PortalKey, Previous, from_save_lines
 from uproxy.rules.saved import (
     SavedTable,
     cleanup_payload,
@@ -185,6 +186,23 @@ async def builtin_rules(mode: str, family: IPFamily = IPFamily.V4) -> dict[str, 
     return tables
 
 
+async def read_previous(mode: str, families: Iterable[IPFamily]) -> dict[PortalKey, int]:
+    """The proxy ports the last run's container portal and node-port chains lead to (see
+    ``previous``): two ``-S`` reads per family whose tables may hold them."""
+    out: dict[PortalKey, int] = {}
+    for family in families:
+        if may_hold_ours(mode, family) is False:
+            continue
+        lines: list[str] = []
+        for chain in ("KUBE-PORTALS-CONTAINER", "KUBE-NODEPORT-CONTAINER"):
+            argv = [program(family, mode), "-w", str(LOCK_WAIT_S), "-t", "nat", "-S", chain]
+            done = await command.run(argv, check=False)  # no such chain: nothing to read
+            if done.returncode == 0:
+                lines += done.stdout.splitlines()
+        out.update(await asyncio.to_thread(from_save_lines, lines))
+    return out
+
+
 async def restore(mode: str, payload: str, family: IPFamily = IPFamily.V4) -> None:
     argv = [program(family, mode, "-restore"), "--noflush", "-w", str(LOCK_WAIT_S)]
     await command.run(argv, stdin=payload)
@@ -288,6 +306,7 @@ class RestoreBackend:
         self.reads = 0  # reads of one family's built-in chains (each is four processes)
         # The built-in chains' jumps as ``prepare`` read them, and the watch's token then.
         self._early_jumps: tuple[Token, dict[IPFamily, dict[str, SavedTable]]] | None = None
+        self.previous_ports: Previous = {}  # what the last run's chains led to (``prepare``)
 
     @property
     def families(self) -> tuple[IPFamily, ...]:
@@ -339,6 +358,7 @@ class RestoreBackend:
                 if token is not None:
                     jumps = {f: await self._read_jumps(mode, f) for f in self._families}
                     self._early_jumps = (token, jumps)
+                self.previous_ports = await read_previous(mode, self._families)
             except (RulesError, OSError) as exc:
                 log.log(V2, "Probing iptables failed; the first sync retries", extra=kv(err=exc))
 
