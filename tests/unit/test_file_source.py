@@ -361,11 +361,34 @@ async def test_an_emptied_file_is_applied_only_once_it_stays_empty(
     with caplog.at_level(logging.WARNING, logger="uproxy"):
         await src.poll()
         assert len(tracker.snapshot()) == 3
-        await asyncio.sleep(0.25)
-        await src.poll()
+        for _ in range(50):  # polled as the source does, up to 5 s
+            await asyncio.sleep(0.1)
+            await src.poll()
+            if not tracker.snapshot():
+                break
     assert tracker.snapshot() == {}
     said = [r.getMessage() for r in caplog.records]
     assert "Services file empty for a while: removing every service" in said
+
+
+async def test_a_file_written_in_place_is_read_once_the_writes_stop(tmp_path: Path) -> None:
+    # ``cmd > services.yaml``: the file grows in chunks; a part that ends between two
+    # documents parses, and read then it would remove every service after the cut.
+    path = tmp_path / "services.yaml"
+    src, tracker = await loaded(path, cluster(20))
+    text = path.read_text()
+    cut = text.index("---", len(text) // 3)  # a document boundary, a third of the way in
+    with open(path, "w") as fh:
+        fh.write(text[:cut])
+        fh.flush()
+        await src.poll()  # changed this instant: still being written, not read
+        assert len(tracker.snapshot()) == 20 and tracker.calls == []
+        fh.write(text[cut:])
+    for _ in range(50):  # then read once it stops changing (up to 5 s, as the source polls)
+        await src.poll()
+        await asyncio.sleep(0.1)
+    assert len(tracker.snapshot()) == 20
+    assert not any(call[0] == "delete" for call in tracker.calls), tracker.calls
 
 
 async def test_a_json_file_loads_and_reloads(tmp_path: Path) -> None:

@@ -51,6 +51,7 @@ import logging
 import operator
 import os
 import re
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -487,6 +488,7 @@ class FileSource:
         self._stamp: tuple[int, int, int] | None = None
         self._kept: _Kept | None = None
         self._last_error: str | None = None
+        self._settling: tuple[int, int, int] | None = None  # a change seen, not yet read
         self._empty_since: float | None = None  # when an emptied file was first seen so
         self._empty_stamp: tuple[int, int, int] | None = None
         self.reloads = 0
@@ -512,6 +514,8 @@ class FileSource:
         stamp = self._stat()
         if stamp is None or stamp == self._stamp:
             return
+        if self._being_written(stamp):
+            return  # written to less than a poll ago: read it once the writes have stopped
         if stamp[1] == 0 and self._kept is not None and self._kept.keys:
             # Emptied: an editor that truncates the file before it writes it, more often
             # than a wish to remove every service. Applied once it has stayed empty a while.
@@ -593,6 +597,21 @@ class FileSource:
                 removed=len(change.deletes),
             ),
         )
+
+    def _being_written(self, stamp: tuple[int, int, int]) -> bool:
+        """Whether the file may still be being written in place (``cmd > file``, a copy):
+        changed within the last poll interval and not yet seen so. A part of a file that
+        ends between two documents parses, and would remove every service after the cut.
+        An editor's or ``kubectl``'s rename-into-place is a whole file at once, but it
+        looks the same; it waits one poll too (0.5 s)."""
+        age_ns = time.time_ns() - stamp[0]
+        if not 0 <= age_ns < self.interval_s * 1e9:
+            self._settling = None
+            return False  # old enough (or from the future: a clock step, a copied mtime)
+        if self._settling == stamp:
+            return False  # the same as a poll ago: the writes have stopped
+        self._settling = stamp
+        return True
 
     def _stat(self) -> tuple[int, int, int] | None:
         try:
