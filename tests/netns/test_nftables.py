@@ -266,6 +266,22 @@ def test_deleted_or_flushed_table_is_noticed_and_repaired(topo: Topology) -> Non
     assert listing(topo) == EXPECTED
 
 
+def test_a_rule_replaced_in_place_is_noticed_and_repaired(topo: Topology) -> None:
+    # The same counts and stamp, another rule: every ClusterIP from pods accepted unNATed.
+    replace = (
+        "h=$(nft -a list chain ip uproxy portals-container | sed -n 's/.*cluster-ips.*# handle //p');"
+        " nft replace rule ip uproxy portals-container handle $h counter accept"
+    )
+    script = [sync_op(PORTALS), {"op": "check"}, {"op": "check"}]
+    script += [{"op": "shell", "argv": ["sh", "-c", replace]}, {"op": "check"}]
+    script += [sync_op(PORTALS), {"op": "check"}, {"op": "verify"}]
+    results = ops(topo, script)
+    assert results[1:3] == [True, True]
+    assert results[4] is False  # noticed at the next check
+    assert results[6:8] == [True, True]
+    assert listing(topo) == EXPECTED
+
+
 def test_flushed_map_is_the_cheap_checks_blind_spot(topo: Topology) -> None:
     # Documented: nft -t lists no elements, so a flushed map passes check(); verify() and the
     # hourly full load see it. The generation moved, so check() did look (one nft process).
@@ -330,8 +346,10 @@ def test_idle_checks_spawn_nothing_at_10000_services(topo: Topology) -> None:
     results = ops(topo, script)
     assert results[1] == ["nft"]
     assert results[2:7] == [True] * 5
-    assert results[10] == ["nft"]  # five checks and three periodic syncs: no process
+    # Five checks and three periodic syncs: one process, the first quiet check's look at
+    # the rules as loaded (to tell a rule replaced in place later), and then none.
+    assert results[10] == ["nft", "nft"]
     assert results[12:14] == [True, True]
-    assert results[15] == ["nft", "nft"]  # the one look after the foreign commit
+    assert results[15] == ["nft", "nft", "nft"]  # the one look after the foreign commit
     assert results[16] is True
     assert "elements" in nft(topo, "list", "map", "ip", "uproxy", "cluster-ips")

@@ -412,14 +412,16 @@ async def test_first_sync_is_full_then_only_changes_then_nothing(nft: FakeNft) -
     b = backend(gen, clock)
     await b.sync(PORTALS)
     assert nft.loads() == [EXPECTED_FULL]
-    for _ in range(3):  # the syncer's periodic sync: nothing changed, nothing spawned
+    nft.listing = intact_listing(1)
+    for _ in range(3):  # the syncer's periodic sync: nothing changed, nothing spawned...
         await b.sync(PORTALS)
         assert await b.check() is True
-    assert len(nft.calls) == 1
+    # ... but the first quiet check's look at the rules as loaded (``_learn_rules``).
+    assert len(nft.calls) == 2 and nft.calls[1][0][:3] == ["nft", "-t", "-j"]
     await b.sync(PORTALS[:-1])
     delta = "delete element ip uproxy cluster-ips { 10.96.0.53 . udp . 53 }\n"
     assert nft.loads()[1:] == [stamped(delta, 2)]
-    assert len(nft.calls) == 2 and b.full_loads == 1
+    assert len(nft.calls) == 3 and b.full_loads == 1
 
 
 async def test_failed_update_is_retried_whole_at_once(nft: FakeNft) -> None:
@@ -448,14 +450,34 @@ async def test_check_lists_the_table_only_after_a_foreign_commit(nft: FakeNft) -
     gen, clock = FakeGen(), Clock()
     b = backend(gen, clock)
     await b.sync(PORTALS)
-    assert await b.check() is True
-    assert len(nft.calls) == 1
-    gen.gen += 1  # somebody committed something
     nft.listing = intact_listing(1)
+    assert await b.check() is True  # quiet: the rules as loaded are read once
+    assert await b.check() is True  # and then nothing
+    assert len(nft.calls) == 2
+    gen.gen += 1  # somebody committed something
     assert await b.check() is True
     assert nft.calls[-1][0] == ["nft", "-t", "-j", "list", "table", "ip", "uproxy"]
     assert await b.check() is True  # marked: free again
-    assert len(nft.calls) == 2
+    assert len(nft.calls) == 3
+
+
+async def test_a_rule_replaced_in_place_is_damage(nft: FakeNft) -> None:
+    # Same chains, same counts, same stamp: only the rule's text says it is another rule.
+    gen, clock = FakeGen(), Clock()
+    b = backend(gen, clock)
+    await b.sync(PORTALS)
+    nft.listing = intact_listing(1)
+    assert await b.check() is True  # learns the rules as loaded
+    gen.gen += 1
+    replaced = json.loads(nft.listing)
+    for obj in replaced["nftables"]:
+        if obj.get("rule", {}).get("chain") == "portals-container":
+            obj["rule"]["expr"] = [{"accept": None}]
+            break
+    nft.listing = json.dumps(replaced)
+    assert await b.check() is False
+    await b.sync(PORTALS)
+    assert nft.loads()[-1] == full(2)
 
 
 async def test_damage_found_by_check_makes_the_next_sync_full(nft: FakeNft) -> None:

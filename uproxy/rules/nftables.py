@@ -87,8 +87,10 @@ every transaction of uproxy's rewrites it. A table another uproxy loaded, or one
 file saved before uproxy's last commit, has elements uproxy did not write, and another stamp:
 the check fails and the next sync loads the table whole. Two uproxy processes in one network
 namespace therefore keep reloading each other's table (logged once per stranger's stamp).
-What the stamp cannot see is a map flushed (``nft flush map``) or a rule replaced in place by
-hand: the hourly full load repairs those.
+The rules themselves are compared too: the first quiet check after a full load (nobody has
+committed since) lists the table once and keeps a digest of its rules, so a rule replaced in
+place (``nft replace rule``) is damage at the next check. What none of this sees is a map
+flushed by hand (``nft flush map``): the hourly full load repairs that.
 
 Elements carry ``ns/name:port`` comments (nft allows 128 characters; longer ones are cut). Two
 portals wanting the same key (two services claiming one externalIP and port) cannot both be in
@@ -614,6 +616,19 @@ def parse_skeleton(listing: str) -> Skeleton:
     )
 
 
+def rules_digest(listing: str) -> int:
+    """A digest of every rule in a listing (chain, expressions, comment, in order), the
+    stamp's excepted; handles left out: they change with every load."""
+    rules = [o["rule"] for o in _objects(listing) if "rule" in o]
+    return hash(
+        tuple(
+            (r.get("chain"), json.dumps(r.get("expr"), sort_keys=True), r.get("comment"))
+            for r in rules
+            if isinstance(r, dict) and r.get("chain") != STAMP_CHAIN
+        )
+    )
+
+
 def parse_stamp(listing: str) -> str | None:
     """The comment of the stamp chain's one rule; None without that chain or that one rule."""
     rules = [o["rule"] for o in _objects(listing) if "rule" in o]
@@ -710,6 +725,9 @@ class _Table:
         self.layout = _layout(self.family, stack, options, local)
         self.builder = ElementBuilder(self.family)
         self.installed: Elements | None = None  # None: not known to hold anything of ours
+        # The digest of its rules as nft lists them after uproxy's last full load (None:
+        # not read yet; ``learn_rules``): a rule replaced in place changes it.
+        self.rules: int | None = None
 
     @property
     def where(self) -> str:
@@ -871,6 +889,8 @@ class NftablesBackend:
             raise RulesError(f"cannot load table {self._where}: {exc}") from None
         if self._damaged:
             log.info("Reloaded the nft tables", extra={"kv": {"table": self._where}})
+        for table in self._tables.values():
+            table.rules = None  # learnt again at the next quiet check
         self._set_installed(want)
         self._damaged = self._reload = False
         self._last_full = self._clock()
@@ -897,6 +917,7 @@ class NftablesBackend:
             ok = ok and done.returncode == 0
             ok = ok and parse_skeleton(done.stdout) == table.layout.skeleton()
             ok = ok and self._stamp_holds(table, parse_stamp(done.stdout))
+            ok = ok and (table.rules is None or rules_digest(done.stdout) == table.rules)
         if ok:
             self._watch.mark(token)
         else:
@@ -931,8 +952,27 @@ class NftablesBackend:
             if self._damaged:
                 return False
             if not self._watch.changed():
+                await self._learn_rules()
                 return True
             return await self._intact()
+
+    async def _learn_rules(self) -> None:
+        """Once after each full load, while nobody has committed since: the rules as nft
+        lists them (one ``nft -t`` per table), for ``_intact`` to compare. A rule replaced in
+        place keeps the counts and the stamp: only its text tells."""
+        if all(t.rules is not None for t in self._tables.values()):
+            return
+        token = self._watch.read()
+        learnt: dict[IPFamily, int] = {}
+        for family, table in self._tables.items():
+            argv = ["nft", "-t", "-j", "list", "table", table.family.table, TABLE]
+            done = await command.run(argv, check=False)
+            if done.returncode != 0:
+                return
+            learnt[family] = rules_digest(done.stdout)
+        if token is not None and self._watch.read() == token:  # nobody committed meanwhile
+            for family, digest in learnt.items():
+                self._tables[family].rules = digest
 
     async def verify(self) -> bool:
         """Full comparison with the last sync, elements included (lists the whole tables)."""
