@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import random
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -34,10 +35,14 @@ def dump(*docs: object) -> str:
 
 
 def rewrite(path: Path, text: str) -> None:
-    """Write in place with a later mtime: two writes within a clock tick share one."""
+    """Write in place with a later mtime (two writes within a clock tick share one), and one
+    not within the last poll: the source reads it at once (a file changed less than a poll
+    ago waits for the next one, in case it is still being written). A second ahead, then:
+    the future, as after a clock step, is not "being written"."""
     before = path.stat().st_mtime_ns
     path.write_text(text)
-    os.utime(path, ns=(before + 10**9, before + 10**9))
+    later = max(before, time.time_ns()) + 10**9
+    os.utime(path, ns=(later, later))
 
 
 class SpyTracker(Tracker):
