@@ -104,6 +104,11 @@ def interpreter_flags() -> list[str]:
     return ["-" + "O" * sys.flags.optimize] if sys.flags.optimize else []
 
 
+def _own_process_group() -> None:
+    """In the forked child, before its exec (see ``_spawn``)."""
+    os.setpgid(0, 0)
+
+
 def default_worker_count(*, laptop: bool) -> int:
     """The CPUs this process may use (affinity mask and cgroup quota); 1 in laptop mode."""
     if laptop:
@@ -552,10 +557,12 @@ class WorkerPool:
                 *(["--nice", str(self.lowered.worker_nice)] if self.lowered else []),
                 pass_fds=(theirs.fileno(), files.values_fd, files.directory_fd),
                 stdin=asyncio.subprocess.DEVNULL,
-                # A process group (and session) of its own: Ctrl-C in a terminal signals the
-                # foreground group, which would reach a worker still importing (a traceback
-                # each). uvloop takes start_new_session, not process_group.
-                start_new_session=True,
+                # A process group of its own: Ctrl-C in a terminal signals the foreground
+                # group, which reached workers still importing (a traceback each). Not a
+                # session of its own: with the kernel's autogroups (one per session) that
+                # would take the workers out of the control process's CPU group, and the
+                # meaning of its nice level with them (nice orders tasks within a group).
+                preexec_fn=_own_process_group,
             )
         except BaseException:
             ours.close()

@@ -12,11 +12,12 @@ IPv6 proxy port never dials an IPv4 endpoint.
 
 Signals: SIGTERM drains (listeners close at once, established connections get up to the
 drain timeout, all listeners in parallel), then the worker exits. The control process decides
-how the workers stop: a worker runs in a session (process group) of its own, so Ctrl-C in a
-terminal (sent to the foreground group) reaches only the control process, from the worker's
-first instant; SIGINT is ignored too. When the control process goes away (the channel
-closes, or the parent-death signal the kernel sends), the worker drains and exits too: it
-must not keep serving ports on its own, nor hold them against the next control process.
+how the workers stop: a worker runs in a process group of its own (in the control process's
+session), so Ctrl-C in a terminal, which signals the foreground group, reaches only the
+control process, from the worker's first instant; SIGINT is ignored too. When the control
+process goes away (the channel closes, or the parent-death signal the kernel sends), the
+worker drains and exits too: it must not keep serving ports on its own, nor hold them
+against the next control process.
 """
 
 from __future__ import annotations
