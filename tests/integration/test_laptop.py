@@ -214,19 +214,25 @@ class CleanupRecorder(NoRules):
             raise RulesError("iptables-nft-save: permission denied")
 
 
-@pytest.mark.parametrize("why", [None, "the content of --config f changed"])
-async def test_cleanup_on_exit_is_for_a_normal_stop_only(tmp_path: Path, why: str | None) -> None:
-    # A stop for a changed --config (or a failure) is a restart: the rules must stay.
+async def synced_with_cleanup_on_exit(tmp_path: Path, rules: CleanupRecorder) -> Proxy:
+    """A proxy of no services with ``--cleanup-on-exit`` and ``rules``, started and synced."""
     path = tmp_path / "services.yaml"
     path.write_text("")
     settings = Settings(
         services=str(path), rules="none", cleanup_on_exit=True, workers=0,
         healthz_bind_address="", metrics_bind_address="",
     )  # fmt: skip
-    rules = CleanupRecorder()
     proxy = Proxy(settings, rules=rules)
     await proxy.start()
     await asyncio.wait_for(proxy.synced.wait(), 5)
+    return proxy
+
+
+@pytest.mark.parametrize("why", [None, "the content of --config f changed"])
+async def test_cleanup_on_exit_is_for_a_normal_stop_only(tmp_path: Path, why: str | None) -> None:
+    # A stop for a changed --config (or a failure) is a restart: the rules must stay.
+    rules = CleanupRecorder()
+    proxy = await synced_with_cleanup_on_exit(tmp_path, rules)
     proxy.failure = why
     await proxy.stop()
     assert rules.cleanups == (1 if why is None else 0)
@@ -235,15 +241,7 @@ async def test_cleanup_on_exit_is_for_a_normal_stop_only(tmp_path: Path, why: st
 async def test_a_failing_cleanup_on_exit_is_one_line(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    path = tmp_path / "services.yaml"
-    path.write_text("")
-    settings = Settings(
-        services=str(path), rules="none", cleanup_on_exit=True, workers=0,
-        healthz_bind_address="", metrics_bind_address="",
-    )  # fmt: skip
-    proxy = Proxy(settings, rules=CleanupRecorder(fail=True))
-    await proxy.start()
-    await asyncio.wait_for(proxy.synced.wait(), 5)
+    proxy = await synced_with_cleanup_on_exit(tmp_path, CleanupRecorder(fail=True))
     with caplog.at_level(logging.ERROR, logger="uproxy"):
         await proxy.stop()  # does not raise
     said = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]

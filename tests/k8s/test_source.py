@@ -17,6 +17,7 @@ from typing import cast
 
 import pytest
 import yaml
+from kubernetes_asyncio.client import ApiClient
 
 from tests.apiserver import ApiServerDouble
 from tests.conftest import wait_for
@@ -314,6 +315,19 @@ async def test_a_watch_never_answered_is_given_up_and_retried(
     assert any(kv["resource"] == "Service" and "Timeout" in kv["error"] for kv in failed), failed
 
 
+def source_of(client: ApiClient, *, backoff_max_s: float) -> tuple[Tracker, KubeSource]:
+    """A KubeSource of its own API client (the fixture's has the double's kubeconfig)."""
+    tracker = Tracker()
+    source = KubeSource(
+        tracker=tracker,
+        api_client=client,
+        node_name=NODE,
+        service_proxy_name=None,
+        backoff_max_s=backoff_max_s,
+    )
+    return tracker, source
+
+
 async def test_a_rotated_token_file_is_read_again(
     apiserver: ApiServerDouble, tmp_path: Path
 ) -> None:
@@ -326,14 +340,7 @@ async def test_a_rotated_token_file_is_read_again(
     (tmp_path / "kubeconfig").write_text(yaml.safe_dump(config))
     apiserver.create(SVC, service("a"))
     client = await make_api_client(kubeconfig=str(tmp_path / "kubeconfig"), master=None)
-    tracker = Tracker()
-    source = KubeSource(
-        tracker=tracker,
-        api_client=client,
-        node_name=NODE,
-        service_proxy_name=None,
-        backoff_max_s=0.5,
-    )
+    tracker, source = source_of(client, backoff_max_s=0.5)
     task = asyncio.create_task(source.run())
     try:
         await wait_for(lambda: tracker.synced and names(tracker) == {"a"}, timeout=5)
@@ -423,8 +430,6 @@ def test_service_label_selector_matches_kube_proxy() -> None:
 async def test_bad_token_is_retried_not_fatal(
     apiserver: ApiServerDouble, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from uproxy.sources.kube import KubeSource
-
     apiserver.create(SVC, service("a"))
     good_token = apiserver.token
     apiserver.token = "not-the-token"
@@ -432,14 +437,7 @@ async def test_bad_token_is_retried_not_fatal(
         kubeconfig=str(apiserver.write_kubeconfig(tmp_path / "kc")), master=None
     )
     apiserver.token = good_token
-    tracker = Tracker()
-    source = KubeSource(
-        tracker=tracker,
-        api_client=client,
-        node_name=NODE,
-        service_proxy_name=None,
-        backoff_max_s=0.2,
-    )
+    tracker, source = source_of(client, backoff_max_s=0.2)
     task = asyncio.create_task(source.run())
     try:
         with caplog.at_level(logging.WARNING, logger="uproxy.sources.kube"):

@@ -912,8 +912,7 @@ class NftablesBackend:
         token = self._watch.read()
         ok = True
         for table in self._tables.values():
-            argv = ["nft", "-t", "-j", "list", "table", table.family.table, TABLE]
-            done = await command.run(argv, check=False)
+            done = await _list_terse(table)
             ok = ok and done.returncode == 0
             ok = ok and parse_skeleton(done.stdout) == table.layout.skeleton()
             ok = ok and self._stamp_holds(table, parse_stamp(done.stdout))
@@ -965,8 +964,7 @@ class NftablesBackend:
         token = self._watch.read()
         learnt: dict[IPFamily, int] = {}
         for family, table in self._tables.items():
-            argv = ["nft", "-t", "-j", "list", "table", table.family.table, TABLE]
-            done = await command.run(argv, check=False)
+            done = await _list_terse(table)
             if done.returncode != 0:
                 return
             learnt[family] = rules_digest(done.stdout)
@@ -1005,6 +1003,12 @@ class NftablesBackend:
 
     async def close(self) -> None:
         return None
+
+
+async def _list_terse(table: _Table) -> command.Completed:
+    """``nft -t -j list table``: chains, rules, maps and sets, without their elements."""
+    argv = ["nft", "-t", "-j", "list", "table", table.family.table, TABLE]
+    return await command.run(argv, check=False)
 
 
 _NFPROTO = {4: 2, 6: 10}  # nf_tables' family numbers of ip and ip6

@@ -179,11 +179,21 @@ async def builtin_rules(mode: str, family: IPFamily = IPFamily.V4) -> dict[str, 
     """
     tables: dict[str, SavedTable] = {}
     for table, chain in JUMP_CHAINS:
-        argv = [program(family, mode), "-w", str(LOCK_WAIT_S), "-t", table, "-S", chain]
-        out = (await command.run(argv)).stdout
-        lines = [line for line in out.splitlines() if line.startswith("-A ")]
-        tables.setdefault(table, SavedTable(table)).chains[chain] = lines
+        lines = await chain_rules(mode, family, table, chain)
+        tables.setdefault(table, SavedTable(table)).chains[chain] = lines or []
     return tables
+
+
+async def chain_rules(
+    mode: str, family: IPFamily, table: str, chain: str, *, missing_ok: bool = False
+) -> list[str] | None:
+    """One chain's ``-A`` lines (``-S CHAIN``); None for a chain that is not there when
+    ``missing_ok`` (else RulesError)."""
+    argv = [program(family, mode), "-w", str(LOCK_WAIT_S), "-t", table, "-S", chain]
+    done = await command.run(argv, check=not missing_ok)
+    if done.returncode != 0:
+        return None
+    return [line for line in done.stdout.splitlines() if line.startswith("-A ")]
 
 
 async def read_previous(mode: str, families: Iterable[IPFamily]) -> dict[PortalKey, int]:
@@ -195,10 +205,7 @@ async def read_previous(mode: str, families: Iterable[IPFamily]) -> dict[PortalK
             continue
         lines: list[str] = []
         for chain in ("KUBE-PORTALS-CONTAINER", "KUBE-NODEPORT-CONTAINER"):
-            argv = [program(family, mode), "-w", str(LOCK_WAIT_S), "-t", "nat", "-S", chain]
-            done = await command.run(argv, check=False)  # no such chain: nothing to read
-            if done.returncode == 0:
-                lines += done.stdout.splitlines()
+            lines += await chain_rules(mode, family, "nat", chain, missing_ok=True) or []
         out.update(await asyncio.to_thread(from_save_lines, lines))
     return out
 
