@@ -43,6 +43,7 @@ from tests.e2e.manifests import (
 from tests.e2e.saved import Tables, save
 from tests.factories import endpoint_slice, service
 from tests.netns.helpers import STAMP_MASKED, nft, nft_normalised
+from uproxy.rules.nftables import Store
 
 pytestmark = [pytest.mark.root]
 
@@ -410,8 +411,8 @@ def nft_listing(elements: dict[str, list[str]], chains: str, *, family: int = 4)
         out += [f"{kind} {name} {{", f"type {type_}"]
         if name == "lb-source-ranges":
             out.append("flags interval")
-        if elements.get(name):
-            out.append("elements = { " + ", ".join(elements[name]) + " }")
+        sentinel = Store(kind, name, type_).sentinel().text()
+        out.append("elements = { " + ", ".join([sentinel, *elements.get(name, [])]) + " }")
         out.append("}")
     out.append(chains.rstrip("\n"))
     out += ["chain synced-by {", STAMP_MASKED, "}", "}"]

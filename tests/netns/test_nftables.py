@@ -46,35 +46,40 @@ EXPECTED = """\
 table ip uproxy {
 map cluster-ips {
 type ipv4_addr . inet_proto . inet_service : inet_service
-elements = { 10.96.0.10 . tcp . 80 comment "default/web:http" : 40001, 10.96.0.53 . udp . 53 comment "kube-system/dns:dns" : 40003, 198.51.100.9 . tcp . 80 comment "default/web:http" : 40002 }
+elements = { 0.0.0.0 . tcp . 0 comment "uproxy sentinel (not a service)" : 0, 10.96.0.10 . tcp . 80 comment "default/web:http" : 40001, 10.96.0.53 . udp . 53 comment "kube-system/dns:dns" : 40003, 198.51.100.9 . tcp . 80 comment "default/web:http" : 40002 }
 }
 map external-ips {
 type ipv4_addr . inet_proto . inet_service : inet_service
-elements = { 203.0.113.5 . tcp . 80 comment "default/web:http" : 40002 }
+elements = { 0.0.0.0 . tcp . 0 comment "uproxy sentinel (not a service)" : 0, 203.0.113.5 . tcp . 80 comment "default/web:http" : 40002 }
 }
 map node-ports {
 type inet_proto . inet_service : inet_service
-elements = { tcp . 30080 comment "default/web:http" : 40002, udp . 30053 comment "kube-system/dns:dns" : 40003 }
+elements = { tcp . 0 comment "uproxy sentinel (not a service)" : 0, tcp . 30080 comment "default/web:http" : 40002, udp . 30053 comment "kube-system/dns:dns" : 40003 }
 }
 set node-port-proxy-ports {
 type inet_proto . inet_service
-elements = { tcp . 40002 comment "default/web:http", udp . 40003 comment "kube-system/dns:dns" }
+elements = { tcp . 0 comment "uproxy sentinel (not a service)", tcp . 40002 comment "default/web:http", udp . 40003 comment "kube-system/dns:dns" }
 }
 map short-circuit-lb-ips {
 type ipv4_addr . inet_proto . inet_service : inet_service
+elements = { 0.0.0.0 . tcp . 0 comment "uproxy sentinel (not a service)" : 0 }
 }
 map short-circuit-external-ips {
 type ipv4_addr . inet_proto . inet_service : inet_service
+elements = { 0.0.0.0 . tcp . 0 comment "uproxy sentinel (not a service)" : 0 }
 }
 map short-circuit-node-ports {
 type inet_proto . inet_service : inet_service
+elements = { tcp . 0 comment "uproxy sentinel (not a service)" : 0 }
 }
 set firewalled-lb-ips {
 type ipv4_addr . inet_proto . inet_service
+elements = { 0.0.0.0 . tcp . 0 comment "uproxy sentinel (not a service)" }
 }
 set lb-source-ranges {
 type ipv4_addr . inet_proto . inet_service . ipv4_addr
 flags interval
+elements = { 0.0.0.0 . tcp . 0 . 0.0.0.0 comment "uproxy sentinel (not a service)" }
 }
 chain portals-firewall {
 type filter hook prerouting priority dstnat - 10; policy accept;
@@ -220,7 +225,8 @@ def test_updates_touch_only_the_changed_elements(topo: Topology) -> None:
     assert results[4] == ["nft", "nft", "nft"]  # full load, one update, verify; not the no-op
     full, update = mon.transactions()  # and nothing for the third sync
     assert full[:3] == ["add table ip uproxy", "delete table ip uproxy", "add table ip uproxy"]
-    assert sum(line.startswith("add element") for line in full) == 8
+    adds = [line for line in full if line.startswith("add element")]
+    assert sum("uproxy sentinel" not in line for line in adds) == 8  # and the sentinels
     masked = (re.sub(r"handle [0-9]+$", "handle H", STAMP.sub(STAMP_MASKED, x)) for x in update)
     assert sorted(masked) == sorted(
         [
@@ -282,16 +288,22 @@ def test_a_rule_replaced_in_place_is_noticed_and_repaired(topo: Topology) -> Non
     assert listing(topo) == EXPECTED
 
 
-def test_flushed_map_is_the_cheap_checks_blind_spot(topo: Topology) -> None:
-    # Documented: nft -t lists no elements, so a flushed map passes check(); verify() and the
-    # hourly full load see it. The generation moved, so check() did look (one nft process).
-    script = [sync_op(PORTALS), {"op": "spawns"}]
-    script += [{"op": "shell", "argv": ["nft", "flush", "map", "ip", "uproxy", "cluster-ips"]}]
+@pytest.mark.parametrize("store", ["cluster-ips", "lb-source-ranges", "node-port-proxy-ports"])
+def test_a_flushed_map_or_set_is_noticed_and_repaired(topo: Topology, store: str) -> None:
+    # The chains, their rules and the stamp stay; only the store's elements go, the sentinel
+    # with them. The check asks the kernel over netlink: no nft process beyond the listing.
+    kind = "set" if store in ("lb-source-ranges", "node-port-proxy-ports") else "map"
+    script = [sync_op(PORTALS), {"op": "check"}, {"op": "spawns"}]
+    script += [{"op": "shell", "argv": ["nft", "flush", kind, "ip", "uproxy", store]}]
     script += [{"op": "check"}, {"op": "spawns"}, {"op": "verify"}]
+    script += [sync_op(PORTALS), {"op": "check"}, {"op": "verify"}]
     results = ops(topo, script)
-    assert results[3] is True
-    assert results[4] == [*results[1], "nft"]
-    assert results[5] is False
+    assert results[1] is True
+    assert results[4] is False  # noticed
+    assert results[5] == [*results[2], "nft"]  # the terse listing only
+    assert results[6] is False
+    assert results[8:10] == [True, True]  # the next sync loaded the table whole
+    assert listing(topo) == EXPECTED
 
 
 def test_a_table_somebody_else_wrote_is_noticed_and_reloaded(topo: Topology) -> None:

@@ -114,40 +114,40 @@ NFT_EXPECTED = """\
 table ip uproxy {
 map cluster-ips {
 type ipv4_addr . inet_proto . inet_service : inet_service
-elements = { 10.96.0.10 . tcp . 80 comment "default/web:http" : 40001, 10.96.0.53 . udp . 53 comment "kube-system/dns:dns" : 40003, 198.51.100.9 . tcp . 80 comment "default/web:http" : 40002, 198.51.100.9 . udp . 53 comment "kube-system/dns:dns" : 40003 }
+elements = { 0.0.0.0 . tcp . 0 comment "uproxy sentinel (not a service)" : 0, 10.96.0.10 . tcp . 80 comment "default/web:http" : 40001, 10.96.0.53 . udp . 53 comment "kube-system/dns:dns" : 40003, 198.51.100.9 . tcp . 80 comment "default/web:http" : 40002, 198.51.100.9 . udp . 53 comment "kube-system/dns:dns" : 40003 }
 }
 map external-ips {
 type ipv4_addr . inet_proto . inet_service : inet_service
-elements = { 203.0.113.5 . tcp . 80 comment "default/web:http" : 40002 }
+elements = { 0.0.0.0 . tcp . 0 comment "uproxy sentinel (not a service)" : 0, 203.0.113.5 . tcp . 80 comment "default/web:http" : 40002 }
 }
 map node-ports {
 type inet_proto . inet_service : inet_service
-elements = { tcp . 30080 comment "default/web:http" : 40002 }
+elements = { tcp . 0 comment "uproxy sentinel (not a service)" : 0, tcp . 30080 comment "default/web:http" : 40002 }
 }
 set node-port-proxy-ports {
 type inet_proto . inet_service
-elements = { tcp . 40001 comment "default/web:http", tcp . 40002 comment "default/web:http" }
+elements = { tcp . 0 comment "uproxy sentinel (not a service)", tcp . 40001 comment "default/web:http", tcp . 40002 comment "default/web:http" }
 }
 map short-circuit-lb-ips {
 type ipv4_addr . inet_proto . inet_service : inet_service
-elements = { 198.51.100.9 . tcp . 80 comment "default/web:http" : 40001 }
+elements = { 0.0.0.0 . tcp . 0 comment "uproxy sentinel (not a service)" : 0, 198.51.100.9 . tcp . 80 comment "default/web:http" : 40001 }
 }
 map short-circuit-external-ips {
 type ipv4_addr . inet_proto . inet_service : inet_service
-elements = { 203.0.113.5 . tcp . 80 comment "default/web:http" : 40001 }
+elements = { 0.0.0.0 . tcp . 0 comment "uproxy sentinel (not a service)" : 0, 203.0.113.5 . tcp . 80 comment "default/web:http" : 40001 }
 }
 map short-circuit-node-ports {
 type inet_proto . inet_service : inet_service
-elements = { tcp . 30080 comment "default/web:http" : 40001 }
+elements = { tcp . 0 comment "uproxy sentinel (not a service)" : 0, tcp . 30080 comment "default/web:http" : 40001 }
 }
 set firewalled-lb-ips {
 type ipv4_addr . inet_proto . inet_service
-elements = { 198.51.100.9 . tcp . 80 comment "default/web:http", 198.51.100.9 . udp . 53 comment "kube-system/dns:dns" }
+elements = { 0.0.0.0 . tcp . 0 comment "uproxy sentinel (not a service)", 198.51.100.9 . tcp . 80 comment "default/web:http", 198.51.100.9 . udp . 53 comment "kube-system/dns:dns" }
 }
 set lb-source-ranges {
 type ipv4_addr . inet_proto . inet_service . ipv4_addr
 flags interval
-elements = { 198.51.100.9 . tcp . 80 . 10.200.0.0/16 comment "default/web:http", 198.51.100.9 . tcp . 80 . 192.0.2.7 comment "default/web:http", 198.51.100.9 . udp . 53 . 10.200.3.0/24 comment "kube-system/dns:dns" }
+elements = { 0.0.0.0 . tcp . 0 . 0.0.0.0 comment "uproxy sentinel (not a service)", 198.51.100.9 . tcp . 80 . 10.200.0.0/16 comment "default/web:http", 198.51.100.9 . tcp . 80 . 192.0.2.7 comment "default/web:http", 198.51.100.9 . udp . 53 . 10.200.3.0/24 comment "kube-system/dns:dns" }
 }
 chain portals-firewall {
 type filter hook prerouting priority dstnat - 10; policy accept;

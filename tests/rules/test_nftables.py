@@ -23,6 +23,7 @@ from uproxy.rules.nftables import (
     LB_SOURCE_RANGES,
     NODE_PORT_PROXY_PORTS,
     NODE_PORTS,
+    SENTINEL_COMMENT,
     SHORT_CIRCUIT_EXTERNAL_IPS,
     SHORT_CIRCUIT_LB_IPS,
     SHORT_CIRCUIT_NODE_PORTS,
@@ -47,37 +48,46 @@ delete table ip uproxy
 table ip uproxy {
 	map cluster-ips {
 		type ipv4_addr . inet_proto . inet_service : inet_service
-		elements = { 10.96.0.10 . tcp . 80 comment "default/web:http" : 40001,
+		elements = { 0.0.0.0 . tcp . 0 comment "uproxy sentinel (not a service)" : 0,
+			10.96.0.10 . tcp . 80 comment "default/web:http" : 40001,
 			10.96.0.53 . udp . 53 comment "kube-system/dns" : 40003,
 			198.51.100.9 . tcp . 80 comment "default/web:http" : 40002 }
 	}
 	map external-ips {
 		type ipv4_addr . inet_proto . inet_service : inet_service
-		elements = { 203.0.113.5 . tcp . 80 comment "default/web:http" : 40002 }
+		elements = { 0.0.0.0 . tcp . 0 comment "uproxy sentinel (not a service)" : 0,
+			203.0.113.5 . tcp . 80 comment "default/web:http" : 40002 }
 	}
 	map node-ports {
 		type inet_proto . inet_service : inet_service
-		elements = { tcp . 30080 comment "default/web:http" : 40002 }
+		elements = { tcp . 0 comment "uproxy sentinel (not a service)" : 0,
+			tcp . 30080 comment "default/web:http" : 40002 }
 	}
 	set node-port-proxy-ports {
 		type inet_proto . inet_service
-		elements = { tcp . 40002 comment "default/web:http" }
+		elements = { tcp . 0 comment "uproxy sentinel (not a service)",
+			tcp . 40002 comment "default/web:http" }
 	}
 	map short-circuit-lb-ips {
 		type ipv4_addr . inet_proto . inet_service : inet_service
+		elements = { 0.0.0.0 . tcp . 0 comment "uproxy sentinel (not a service)" : 0 }
 	}
 	map short-circuit-external-ips {
 		type ipv4_addr . inet_proto . inet_service : inet_service
+		elements = { 0.0.0.0 . tcp . 0 comment "uproxy sentinel (not a service)" : 0 }
 	}
 	map short-circuit-node-ports {
 		type inet_proto . inet_service : inet_service
+		elements = { tcp . 0 comment "uproxy sentinel (not a service)" : 0 }
 	}
 	set firewalled-lb-ips {
 		type ipv4_addr . inet_proto . inet_service
+		elements = { 0.0.0.0 . tcp . 0 comment "uproxy sentinel (not a service)" }
 	}
 	set lb-source-ranges {
 		type ipv4_addr . inet_proto . inet_service . ipv4_addr
 		flags interval
+		elements = { 0.0.0.0 . tcp . 0 . 0.0.0.0 comment "uproxy sentinel (not a service)" }
 	}
 	chain portals-firewall {
 		type filter hook prerouting priority -110; policy accept;
@@ -162,11 +172,40 @@ def test_without_dial_mark_no_return_rule() -> None:
     assert text.count("return") == 1  # the stamp's rule only
 
 
-def test_empty_table_declares_everything_without_elements() -> None:
-    text = render_table(Layout(host_ip=HOST_IP), elements([]), stamp=STAMP)
-    assert "elements" not in text
+def test_empty_table_declares_everything_with_only_sentinels() -> None:
+    layout = Layout(host_ip=HOST_IP)
+    text = render_table(layout, elements([]), stamp=STAMP)
+    assert text.count("elements = {") == text.count(SENTINEL_COMMENT) == len(layout.stores)
     for name in (CLUSTER_IPS, EXTERNAL_IPS, NODE_PORTS, NODE_PORT_PROXY_PORTS):
         assert f" {name} {{\n" in text
+
+
+@pytest.mark.parametrize("family", [V4, IPV6])
+def test_sentinels_are_keys_no_packet_has(family: nftables.Family) -> None:
+    host = "192.168.7.1" if family is V4 else "fd00::1"
+    for store in Layout(family, host_ip=host).stores:
+        sentinel = store.sentinel()
+        width = 16 if family is IPV6 else 4
+        addresses = store.type.count("_addr")
+        assert sentinel.key[-1] in (0, "0.0.0.0", "::") and "tcp" in sentinel.key
+        assert (sentinel.value is None) == (store.kind == "set")
+        # The kernel's layout: each part of the key padded to 4 bytes; only TCP's 6 is set.
+        assert len(store.sentinel_key()) == addresses * width + 4 + 4
+        assert store.sentinel_key().count(0) == len(store.sentinel_key()) - 1
+
+
+def test_sentinels_are_not_elements_of_any_service() -> None:
+    # What a listing holds besides the sentinels is what uproxy installed: verify() and the
+    # last run's ports (``previous``) never see them.
+    layout = Layout(host_ip=HOST_IP)
+    objects: list[dict[str, Any]] = []
+    for store in layout.stores:
+        sentinel = store.sentinel()
+        key = {"concat": list(sentinel.key)}
+        item = {"elem": {"val": key, "comment": sentinel.comment}}
+        body = {"name": store.name, "elem": [[item, 0] if store.kind == "map" else item]}
+        objects.append({store.kind: body})
+    assert parse_elements(json.dumps({"nftables": objects})) == elements([])
 
 
 def test_ipv6_twin_is_a_parameter() -> None:
@@ -343,11 +382,23 @@ class FakeNft:
     calls: list[tuple[list[str], str | None]] = field(default_factory=list)
     fail: list[str] = field(default_factory=list)  # messages for the next nft -f runs
     listing: str = ""
+    # What netlink says of the sentinels (None: it cannot tell), and what it was asked.
+    sentinels: bool | None = True
+    asked: list[tuple[int, str, list[tuple[str, bytes]]]] = field(default_factory=list)
+    get_fails: bool = False  # ``nft get element`` exits 1 (a sentinel is gone)
+
+    def elements_present(
+        self, nfproto: int, table: str, wanted: list[tuple[str, bytes]]
+    ) -> bool | None:
+        self.asked.append((nfproto, table, list(wanted)))
+        return self.sentinels
 
     async def run(self, argv: Any, *, stdin: str | None = None, **kwargs: Any) -> command.Completed:
         self.calls.append((list(argv), stdin))
         if argv[:2] == ["nft", "-f"] and self.fail:
             raise RulesError(f"nft failed: {self.fail.pop(0)}")
+        if argv[:3] == ["nft", "-t", "-f"] and self.get_fails:
+            return command.Completed(tuple(argv), 1, "", "Error: No such file or directory")
         return command.Completed(tuple(argv), 0, self.listing, "")
 
     def loads(self) -> list[str]:
@@ -385,6 +436,7 @@ class Clock:
 def nft(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeNft]:
     fake = FakeNft()
     monkeypatch.setattr(command, "run", fake.run)
+    monkeypatch.setattr(nftables, "elements_present", fake.elements_present)
     yield fake
 
 
@@ -459,6 +511,42 @@ async def test_check_lists_the_table_only_after_a_foreign_commit(nft: FakeNft) -
     assert nft.calls[-1][0] == ["nft", "-t", "-j", "list", "table", "ip", "uproxy"]
     assert await b.check() is True  # marked: free again
     assert len(nft.calls) == 3
+    assert len(nft.asked) == 1  # the sentinels, asked with the listing
+
+
+async def test_a_flushed_map_is_damage(nft: FakeNft) -> None:
+    # ``nft flush map``: chains, counts, stamp and rules as loaded; only the sentinel is gone.
+    gen, clock = FakeGen(), Clock()
+    b = backend(gen, clock)
+    await b.sync(PORTALS)
+    nft.listing = intact_listing(1)
+    assert await b.check() is True
+    gen.gen += 1
+    nft.sentinels = False
+    assert await b.check() is False
+    ((nfproto, table, wanted),) = nft.asked
+    layout = Layout(host_ip=HOST_IP, dial_mark=MARK)
+    assert (nfproto, table) == (2, "uproxy")
+    assert wanted == [(st.name, st.sentinel_key()) for st in layout.stores]
+    nft.sentinels = True
+    await b.sync(PORTALS)  # the damage makes the next sync a full load
+    assert nft.loads()[-1] == full(2)
+
+
+@pytest.mark.parametrize("gone", [False, True])
+async def test_sentinels_asked_of_nft_when_netlink_cannot_tell(nft: FakeNft, gone: bool) -> None:
+    gen, clock = FakeGen(), Clock()
+    b = backend(gen, clock)
+    await b.sync(PORTALS)
+    nft.listing = intact_listing(1)
+    nft.sentinels, nft.get_fails = None, gone
+    gen.gen += 1
+    assert await b.check() is not gone
+    argv, stdin = nft.calls[-1]
+    assert argv == ["nft", "-t", "-f", "-"]
+    assert stdin is not None
+    assert stdin.splitlines()[0] == "get element ip uproxy cluster-ips { 0.0.0.0 . tcp . 0 }"
+    assert len(stdin.splitlines()) == 9
 
 
 async def test_a_rule_replaced_in_place_is_damage(nft: FakeNft) -> None:

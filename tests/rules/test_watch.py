@@ -19,7 +19,9 @@ from uproxy.rules.watch import (
     LegacyWatch,
     Watch,
     getgen_request,
+    getsetelem_request,
     gettable_dump_request,
+    parse_element_reply,
     parse_generation,
     parse_getinfo,
     parse_tables,
@@ -79,6 +81,29 @@ def test_tables_from_a_dump_in_parts() -> None:
     assert parse_tables(nlmsg(2, struct.pack("=i", -1) + bytes(16))) is None  # EPERM
     assert parse_tables(table_msg(2, b"uproxy")[:-9]) is None  # cut short
     assert gettable_dump_request(5) == struct.pack("=IHHII", 20, 0x0A01, 0x301, 5, 0) + bytes(4)
+
+
+def test_getsetelem_request_bytes() -> None:
+    key = bytes(4) + b"\x06\0\0\0" + bytes(4)  # 0.0.0.0 . tcp . 0, each part padded to 4
+    msg = getsetelem_request(3, 2, "uproxy", "node-ports", key)
+    length, msg_type, flags, seq, _pid = struct.unpack_from("=IHHII", msg)
+    assert (length, msg_type, flags, seq) == (len(msg), 0x0A0D, 1, 3)  # NFT_MSG_GETSETELEM
+    assert msg[16:20] == struct.pack("=BBH", 2, 0, 0)  # NFPROTO_IPV4
+    table = struct.pack("=HH", 11, 1) + b"uproxy\0" + bytes(1)
+    name = struct.pack("=HH", 15, 2) + b"node-ports\0" + bytes(1)
+    value = struct.pack("=HH", 16, 1) + key  # NFTA_DATA_VALUE
+    elem = struct.pack("=HH", 24, 0x8001) + struct.pack("=HH", 20, 0x8001) + value
+    elements = struct.pack("=HH", 28, 0x8003) + elem  # NFTA_SET_ELEM_LIST_ELEMENTS, nested
+    assert msg[20:] == table + name + elements
+    assert len(msg) % 4 == 0
+
+
+def test_element_replies() -> None:
+    assert parse_element_reply(nlmsg(0x0A0C, bytes(4))) is True  # NFT_MSG_NEWSETELEM
+    assert parse_element_reply(nlmsg(2, struct.pack("=i", -2) + bytes(16))) is False  # ENOENT
+    assert parse_element_reply(nlmsg(2, struct.pack("=i", -1) + bytes(16))) is None  # EPERM
+    assert parse_element_reply(b"") is None
+    assert parse_element_reply(nlmsg(0x0A0C, bytes(4))[:10]) is None
 
 
 def test_reading_the_generation_never_raises() -> None:

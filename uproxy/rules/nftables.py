@@ -89,8 +89,12 @@ the check fails and the next sync loads the table whole. Two uproxy processes in
 namespace therefore keep reloading each other's table (logged once per stranger's stamp).
 The rules themselves are compared too: the first quiet check after a full load (nobody has
 committed since) lists the table once and keeps a digest of its rules, so a rule replaced in
-place (``nft replace rule``) is damage at the next check. What none of this sees is a map
-flushed by hand (``nft flush map``): the hourly full load repairs that.
+place (``nft replace rule``) is damage at the next check. A map or set flushed by hand (``nft
+flush map``) is seen by its *sentinel*: every load writes one element into each store (address
+0, TCP, port 0: a key no packet has, commented as uproxy's) that no sync touches, and the check
+asks the kernel for each one over netlink (NFT_MSG_GETSETELEM, ~40 us for all of them; ``nft get
+element`` where netlink cannot answer). What the check does not see is one service's element
+deleted by hand: the hourly full load repairs that.
 
 Elements carry ``ns/name:port`` comments (nft allows 128 characters; longer ones are cut). Two
 portals wanting the same key (two services claiming one externalIP and port) cannot both be in
@@ -135,7 +139,14 @@ from uproxy.rules.portals import (
 )
 from uproxy.rules.previous import PortalKey, Previous
 from uproxy.rules.restore import MODES, cleanup_mode
-from uproxy.rules.watch import FULL_SYNC_PERIOD_S, GenerationWatch, Token, Watch, nft_tables
+from uproxy.rules.watch import (
+    FULL_SYNC_PERIOD_S,
+    GenerationWatch,
+    Token,
+    Watch,
+    elements_present,
+    nft_tables,
+)
 
 log = logging.getLogger("uproxy.rules.nftables")
 
@@ -256,6 +267,27 @@ class Store:
     name: str
     type: str
     flags: str = ""  # "interval" for sets of ranges
+
+    def sentinel(self) -> Element:
+        """The element every load writes into this store and no sync touches: address 0,
+        TCP, port 0, a key no packet has. A flushed store has lost it (``_intact``)."""
+        parts = self.type.split(" : ")[0].split(" . ")
+        key = tuple(_SENTINEL_PARTS[part][0] for part in parts)
+        return Element(key, 0 if self.kind == "map" else None, SENTINEL_COMMENT)
+
+    def sentinel_key(self) -> bytes:
+        """The sentinel's key as the kernel holds it (each part padded to 4 bytes)."""
+        parts = self.type.split(" : ")[0].split(" . ")
+        return b"".join(_SENTINEL_PARTS[part][1] for part in parts)
+
+
+SENTINEL_COMMENT = "uproxy sentinel (not a service)"
+_SENTINEL_PARTS: dict[str, tuple[str | int, bytes]] = {
+    "ipv4_addr": ("0.0.0.0", bytes(4)),
+    "ipv6_addr": ("::", bytes(16)),
+    "inet_proto": ("tcp", bytes([socket.IPPROTO_TCP, 0, 0, 0])),
+    "inet_service": (0, bytes(4)),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -563,9 +595,8 @@ def render_table(layout: Layout, elements: Elements, *, stamp: str) -> str:
         if store.flags:
             lines.append(f"\t\tflags {store.flags}")
         members = sorted(elements.get(store.name, {}).values(), key=lambda e: e.key)
-        if members:
-            body = ",\n\t\t\t".join(e.text() for e in members)
-            lines.append(f"\t\telements = {{ {body} }}")
+        body = ",\n\t\t\t".join(e.text() for e in [store.sentinel(), *members])
+        lines.append(f"\t\telements = {{ {body} }}")
         lines.append("\t}")
     for chain in layout.chains:
         lines += [f"\tchain {chain.name} {{", f"\t\t{chain.header()}"]
@@ -667,7 +698,9 @@ def parse_elements(listing: str) -> Elements:
             if kind in obj:
                 body = obj[kind]
                 members = [_element(item, kind == "map") for item in body.get("elem", [])]
-                out[str(body.get("name"))] = {e.key: e for e in members}
+                out[str(body.get("name"))] = {
+                    e.key: e for e in members if e.comment != SENTINEL_COMMENT
+                }
     return out
 
 
@@ -917,6 +950,7 @@ class NftablesBackend:
             ok = ok and parse_skeleton(done.stdout) == table.layout.skeleton()
             ok = ok and self._stamp_holds(table, parse_stamp(done.stdout))
             ok = ok and (table.rules is None or rules_digest(done.stdout) == table.rules)
+            ok = ok and await _sentinels_present(table)
         if ok:
             self._watch.mark(token)
         else:
@@ -988,6 +1022,8 @@ class NftablesBackend:
                     return False
                 if parse_elements(done.stdout) != table.installed:
                     return False
+                if not await _sentinels_present(table):
+                    return False
             return True
 
     async def cleanup(self) -> None:
@@ -1012,6 +1048,23 @@ async def _list_terse(table: _Table) -> command.Completed:
 
 
 _NFPROTO = {4: 2, 6: 10}  # nf_tables' family numbers of ip and ip6
+
+
+async def _sentinels_present(table: _Table) -> bool:
+    """Whether every map and set of the table still holds its sentinel: a flushed one does
+    not. Asked over netlink (one request per store, no process); ``nft get element`` when
+    netlink cannot tell."""
+    stores = table.layout.stores
+    wanted = [(store.name, store.sentinel_key()) for store in stores]
+    found = elements_present(_NFPROTO[table.family.version], TABLE, wanted)
+    if found is not None:
+        return found
+    text = "".join(
+        f"get element {table.where} {store.name} {{ {store.sentinel().key_text()} }}\n"
+        for store in stores
+    )
+    done = await command.run(["nft", "-t", "-f", "-"], stdin=text, check=False)
+    return done.returncode == 0
 
 
 def _previous_of(listing: str) -> dict[PortalKey, int]:

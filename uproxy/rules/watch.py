@@ -27,7 +27,8 @@ always "changed": the backend then does the real check, as it did before this ex
 What the cheap check cannot see, and what repairs it: a legacy rule rewritten in place with one
 of the same size (``iptables -R``) leaves the table's shape unchanged; in nf_tables every change
 bumps the generation, but uproxy's real check for its nft table lists it without set elements
-(``nft -t``, with the stamp of uproxy's last commit), so a map flushed by hand passes.
+(``nft -t``, with the stamp of uproxy's last commit) and asks for one sentinel element per map
+(``elements_present``), so one service's element deleted by hand passes.
 Backends therefore still do a full sync at least once an hour (kube-proxy's full-sync period),
 which rewrites everything.
 
@@ -39,6 +40,7 @@ dropped and the next check reads the rules once.
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import socket
 import struct
@@ -207,6 +209,72 @@ def nft_tables(seq: int = 1) -> frozenset[tuple[int, str]] | None:
                     return frozenset(out)
     except OSError:
         return None
+
+
+NFT_MSG_NEWSETELEM = 12
+NFT_MSG_GETSETELEM = 13
+NFTA_SET_ELEM_LIST_TABLE = 1
+NFTA_SET_ELEM_LIST_SET = 2
+NFTA_SET_ELEM_LIST_ELEMENTS = 3
+NFTA_LIST_ELEM = 1
+NFTA_SET_ELEM_KEY = 1
+NFTA_DATA_VALUE = 1
+NLA_F_NESTED = 0x8000
+_ERRNO = struct.Struct("=i")
+
+
+def _nlattr(attr_type: int, payload: bytes) -> bytes:
+    length = _NLATTR.size + len(payload)
+    return _NLATTR.pack(length, attr_type) + payload + bytes(_align4(length) - length)
+
+
+def getsetelem_request(seq: int, nfproto: int, table: str, name: str, key: bytes) -> bytes:
+    """NFT_MSG_GETSETELEM for one element of one set or map, by its key (the key's bytes as
+    the kernel holds them: each part of a concatenation padded to 4 bytes)."""
+    element = _nlattr(
+        NFTA_LIST_ELEM | NLA_F_NESTED,
+        _nlattr(NFTA_SET_ELEM_KEY | NLA_F_NESTED, _nlattr(NFTA_DATA_VALUE, key)),
+    )
+    attrs = (
+        _nlattr(NFTA_SET_ELEM_LIST_TABLE, table.encode("ascii") + b"\0")
+        + _nlattr(NFTA_SET_ELEM_LIST_SET, name.encode("ascii") + b"\0")
+        + _nlattr(NFTA_SET_ELEM_LIST_ELEMENTS | NLA_F_NESTED, element)
+    )
+    body = _NFGENMSG.pack(nfproto, 0, 0) + attrs
+    msg_type = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETSETELEM
+    return _NLMSG.pack(_NLMSG.size + len(body), msg_type, NLM_F_REQUEST, seq, 0) + body
+
+
+def parse_element_reply(data: bytes) -> bool | None:
+    """True for an NFT_MSG_NEWSETELEM reply (the element is there), False for ENOENT (no such
+    element, set or table), None for any other error or anything unexpected."""
+    if len(data) < _NLMSG.size:
+        return None
+    length, msg_type, _flags, _seq, _pid = _NLMSG.unpack_from(data, 0)
+    if length < _NLMSG.size or length > len(data):
+        return None
+    if msg_type == (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWSETELEM:
+        return True
+    if msg_type == NLMSG_ERROR and length >= _NLMSG.size + _ERRNO.size:
+        code: int = _ERRNO.unpack_from(data, _NLMSG.size)[0]
+        return False if code == -errno.ENOENT else None
+    return None
+
+
+def elements_present(nfproto: int, table: str, wanted: Sequence[tuple[str, bytes]]) -> bool | None:
+    """Whether every (set or map name, key) of ``wanted`` is in ``table`` of family
+    ``nfproto``: one netlink request each, ~40 us in all for a few; None when it cannot be
+    told (no permission, an unexpected reply), for the caller to ask ``nft`` instead."""
+    try:
+        with _netfilter_socket() as sock:
+            for seq, (name, key) in enumerate(wanted, 1):
+                sock.send(getsetelem_request(seq, nfproto, table, name, key))
+                found = parse_element_reply(sock.recv(65536))
+                if found is not True:
+                    return found
+    except OSError:
+        return None
+    return True
 
 
 def parse_getinfo(raw: bytes) -> tuple[int, ...] | None:
