@@ -88,7 +88,8 @@ class Settings:
         flag="--config-sync-period",
         config="configSyncPeriod",
         kind="duration",
-        help="How often to relist everything from the API server",
+        help="How often every service is looked at again from what uproxy holds (an "
+        "informer's resync: no request to the API server)",
     )
     # --- data plane ---
     bind_address: str | None = opt(

@@ -198,6 +198,20 @@ class Tracker:
         """
         return Listing(self, kind)
 
+    def resync(self) -> None:
+        """Announce every service again, as an informer's periodic resync re-delivers what it
+        holds: the syncer looks at each service port once more, and repairs whatever does
+        not match (a listener, a balancer, a portal). What matches costs a comparison: the
+        balancers, the workers and the rules backend are told of differences only. Nothing
+        is read or parsed again; before the first listings it does nothing."""
+        if not self.synced or not self._services:
+            return
+        self._pending_services.update(self._services)
+        self._endpoints_only.difference_update(self._services)
+        self._pending_gauges()
+        if self.on_change is not None:
+            self.on_change()
+
     def set_node(self, node: NodeInfo | None) -> None:
         if node != self.node:
             self.node = node

@@ -369,11 +369,23 @@ async def test_silent_stream_is_restarted(
     await wait_for(lambda: names(tracker) == {"a", "b"}, timeout=2)
 
 
-async def test_periodic_relist(apiserver: ApiServerDouble, start_source: SourceFactory) -> None:
+async def test_periodic_resync_announces_every_service_without_listing(
+    apiserver: ApiServerDouble, start_source: SourceFactory
+) -> None:
+    # An informer's resync, from memory: every service port is handed to the syncer again,
+    # and the API server is asked for nothing (a LIST per node per period is an etcd read of
+    # every object at cluster scale).
     apiserver.create(SVC, service("a"))
-    tracker, _ = await start_source(config_sync_period_s=0.5)
-    await wait_for(lambda: apiserver.list_count(SVC) >= 3, timeout=5)
-    assert names(tracker) == {"a"}
+    apiserver.create(SVC, service("b"))
+    tracker, _ = await start_source(config_sync_period_s=0.3)
+    await wait_for(lambda: tracker.synced and names(tracker) == {"a", "b"})
+    tracker.take_changes()
+    await wait_for(lambda: len(tracker.take_changes().ports) == 2, timeout=5)
+    await wait_for(lambda: len(tracker.take_changes().ports) == 2, timeout=5)  # and again
+    assert apiserver.list_count(SVC) == apiserver.list_count(EPS) == 1
+    apiserver.create(SVC, service("c"))  # the watch is what brings changes
+    await wait_for(lambda: names(tracker) == {"a", "b", "c"}, timeout=5)
+    assert apiserver.list_count(SVC) == 1
 
 
 async def test_server_restart_keeps_state_then_converges(

@@ -79,6 +79,29 @@ def test_noop_updates_do_not_notify() -> None:
     assert t.take_changes().services == 0
 
 
+def test_resync_announces_every_service_port_once_listed() -> None:
+    calls: list[int] = []
+    t = Tracker(on_change=lambda: calls.append(1), on_endpoints=lambda: calls.append(2))
+    t.resync()  # before the first listings: nothing to announce, nobody told
+    assert calls == []
+    db = service(
+        "db", ports=[{"name": "pg", "port": 5432, "protocol": "TCP"}], cluster_ip="10.96.0.11"
+    )
+    t.replace(Kind.SERVICE, [service(), db])
+    t.replace(Kind.ENDPOINT_SLICE, [endpoint_slice("a", endpoints=[endpoint("10.0.0.1")])])
+    t.take_changes()
+    calls.clear()
+    t.upsert(Kind.ENDPOINT_SLICE, endpoint_slice("a", endpoints=[endpoint("10.0.0.2")]))
+    t.resync()
+    assert calls == [2, 1]
+    # The endpoint change now rides with the service: the syncer's pass takes it.
+    assert t.take_endpoint_changes().ports == frozenset()
+    ports = t.take_changes().ports
+    assert {str(p) for p in ports} == {"default/web:http", "default/db:pg"}
+    assert ips(t) == ["10.0.0.2"]
+    assert t.take_changes().ports == frozenset()
+
+
 def test_replace_applies_the_difference() -> None:
     t = Tracker()
     t.replace(Kind.SERVICE, [service("a"), service("b")])
