@@ -593,8 +593,12 @@ def validate(s: Settings) -> None:
         raise SettingsError(
             f"invalid --tcp-keepalive: must be 0 (off) or up to {MAX_TCP_KEEPALIVE_S}s"
         )
+    if s.config_sync_period <= 0:
+        raise SettingsError("invalid --config-sync-period: must be positive")
     if s.iptables_sync_period <= 0:
         raise SettingsError("invalid --iptables-sync-period: must be positive")
+    if s.iptables_min_sync_period < 0:
+        raise SettingsError("invalid --iptables-min-sync-period: must be 0 or more")
     if s.iptables_min_sync_period > s.iptables_sync_period:
         raise SettingsError(
             "invalid --iptables-min-sync-period: longer than --iptables-sync-period"

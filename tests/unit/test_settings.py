@@ -177,6 +177,8 @@ def test_settings_as_flags_parse_back_and_start_a_worker() -> None:
         (["--udp-max-flows", "x"], "--udp-max-flows: expected an integer, got 'x'$"),
         (["--workers", "1.5"], "--workers: expected an integer, got '1.5'$"),
         (["--tcp-keepalive", "10h"], "--tcp-keepalive: must be 0 \\(off\\) or up to 32767s"),
+        # 0 would announce every service again in a loop that never sleeps
+        (["--config-sync-period", "0"], "--config-sync-period: must be positive"),
     ],
 )
 def test_bad_flags(argv: list[str], needle: str) -> None:
@@ -235,6 +237,8 @@ def test_config_file_and_flag_precedence(tmp_path: Path, caplog: pytest.LogCaptu
         ("iptables:\n  syncPeriod: true", "iptables.syncPeriod"),
         ("uproxy:\n  udpMaxFlows: many", "uproxy.udpMaxFlows"),
         ("mode: ipvs", "mode"),
+        ("configSyncPeriod: 0s", "--config-sync-period: must be positive"),
+        ("iptables:\n  minSyncPeriod: -1", "--iptables-min-sync-period: must be 0 or more"),
         ("kind: Pod", "KubeProxyConfiguration"),
     ],
 )
