@@ -173,12 +173,14 @@ class _Checker:
     def ip(self, value: Any, field: str, *at: object) -> str:
         text = self.string(value, field, *at)
         if ":" not in text:
-            # IPv4 through the C parser: ipaddress was 4 % of a 10,000-service start. Both
-            # refuse leading zeros and print the same canonical form.
+            # IPv4 through the C parser: ipaddress was 4 % of a 10,000-service start.
             try:
                 canonical = socket.inet_ntop(socket.AF_INET, socket.inet_pton(socket.AF_INET, text))
             except OSError:
-                raise self.fail(field, f"not an IP address: {text!r}", *at) from None
+                legacy = _legacy_ipv4(text)
+                if legacy is None:
+                    raise self.fail(field, f"not an IP address: {text!r}", *at) from None
+                canonical = legacy
             return text if canonical == text else sys.intern(canonical)
         try:
             return sys.intern(str(ipaddress.ip_address(text)))
@@ -194,6 +196,20 @@ class _Checker:
 
 
 _PROTOCOLS = {p.value: p for p in Protocol}
+
+
+def _legacy_ipv4(text: str) -> str | None:
+    """An IPv4 address with leading zeros (``010.096.000.001``), in its canonical form
+    (``10.96.0.1``), or None. The API server accepted those until it validated addresses
+    strictly, and objects written then keep them; kube-proxy reads them as decimal
+    (``ParseIPSloppy``), never as octal, and so does uproxy."""
+    parts = text.split(".")
+    if len(parts) != 4 or not all(p.isascii() and p.isdigit() and len(p) <= 3 for p in parts):
+        return None
+    octets = [int(p) for p in parts]
+    if max(octets) > 255:
+        return None
+    return ".".join(map(str, octets))
 
 
 def _kind_of(value: Any) -> str:

@@ -82,6 +82,31 @@ def test_sctp_ports_are_left_out() -> None:
     assert [p.name.port_name for p in ports.values()] == ["b"]
 
 
+def test_legacy_zero_padded_ipv4_addresses_are_read_as_decimal() -> None:
+    # Objects written before the API server validated addresses strictly can keep them;
+    # kube-proxy reads them as decimal, never octal (0010 is still refused: four digits).
+    obj = service(cluster_ip="010.096.000.001", externalIPs=["192.168.001.010"])
+    obj["spec"]["type"] = "LoadBalancer"
+    obj["status"] = {"loadBalancer": {"ingress": [{"ip": "203.000.113.009"}]}}
+    (sp,) = service_ports(obj).values()
+    assert sp.cluster_ips == ("10.96.0.1",)
+    assert sp.external_ips == ("192.168.1.10",)
+    assert sp.lb_ingress_ips == ("203.0.113.9",)
+    info = convert_slice(endpoint_slice("web-1", endpoints=[endpoint("10.244.001.007")]))
+    assert info is not None
+    assert [e.ip for e in info.endpoints_for("http", Protocol.TCP)] == ["10.244.1.7"]
+    for bad in (
+        "10.96.0.0010",
+        "10.96.0.256",
+        "10.96.0",
+        "10.96.0.1.2",
+        "10.96.0.+1",
+        "10.96.0.\u0661",
+    ):
+        with pytest.raises(InvalidObject):
+            service_ports(service(cluster_ip=bad))
+
+
 BAD_SERVICES: list[tuple[str, dict[str, Any], str]] = [
     ("no-ports", service(ports=[]), "spec.ports"),
     ("port-zero", service(ports=[{"name": "a", "port": 0}]), "spec.ports[0].port"),
