@@ -453,7 +453,7 @@ ACCEPT_PAUSED = ScrapeCounter(
 )
 NO_ENDPOINTS = ScrapeCounter(
     "uproxy_no_endpoints_total",
-    "Connections or datagrams refused for lack of a usable endpoint",
+    "Connections reset or datagrams dropped for lack of a usable endpoint",
     ("service", "traffic"),
     sparse=True,
 )
