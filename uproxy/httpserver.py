@@ -3,6 +3,11 @@
 No access log, a quick shutdown, and clean bind errors: a bind
 failure raises OSError with its errno intact and leaves nothing open, so the caller can turn
 it into one line naming the flag and the address.
+
+An unspecified address (``0.0.0.0`` or ``::``) listens in both IP families, as kube-proxy's
+Go listener on ``0.0.0.0:10256`` does: on a node whose primary address is IPv6 the kubelet
+probes ``/livez`` and load balancers ask ``/healthz`` over IPv6. (With port 0 each family
+would get a port of its own, so there it stays one socket of the address's family.)
 """
 
 from __future__ import annotations
@@ -45,8 +50,11 @@ class HttpServer:
             app.router.add_route(method, path, handler)
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
         await runner.setup()
+        host: str | None = self._address or None
+        if self._port and host in (None, "0.0.0.0", "::"):
+            host = None  # every family the host has: 0.0.0.0 and ::
         try:
-            await web.TCPSite(runner, self._address or None, self._port).start()
+            await web.TCPSite(runner, host, self._port).start()
         except BaseException:
             await runner.cleanup()
             raise

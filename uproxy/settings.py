@@ -336,14 +336,15 @@ class Settings:
         config="healthzBindAddress",
         kind="hostport",
         help="Address of /healthz and /livez (127.0.0.1:10256 by default with --rules "
-        "none); empty disables",
+        "none); an unspecified host (0.0.0.0 or ::) listens in both IP families, as "
+        "kube-proxy's does; empty disables",
     )
     metrics_bind_address: str = opt(
         "127.0.0.1:10249",
         flag="--metrics-bind-address",
         config="metricsBindAddress",
         kind="hostport",
-        help="Address of /metrics; empty disables",
+        help="Address of /metrics (0.0.0.0 or :: as the host: both IP families); empty disables",
     )
     bind_address_hard_fail: bool = opt(
         False,

@@ -11,12 +11,15 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from tests.conftest import wait_for
 from tests.integration.backends import NamedBackend, greet
 from tests.integration.test_laptop import WEB, write_services
 from uproxy import proxy as proxy_module
 from uproxy.configfile import load_config
+from uproxy.httpserver import HttpServer
+from uproxy.localnet import has_loopback6
 from uproxy.log import V3
 from uproxy.proxy import Proxy, StartupError
 from uproxy.settings import Settings
@@ -141,3 +144,35 @@ def test_bind_address_hard_fail_is_read_from_the_configuration(tmp_path: Path) -
     )
     assert load_config(str(cfg), Settings()).bind_address_hard_fail is True
     assert Settings().bind_address_hard_fail is False
+
+
+def _free_port_both_families() -> int:
+    """A port free in IPv4 and IPv6 (a dual-stack probe bound to it, then closed)."""
+    with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        probe.bind(("::", 0))
+        return int(probe.getsockname()[1])
+
+
+async def test_an_unspecified_address_listens_in_both_families() -> None:
+    # As kube-proxy's listener on 0.0.0.0:10256: the kubelet of a node whose primary
+    # address is IPv6 probes /livez over IPv6.
+    if not has_loopback6():
+        pytest.skip("no IPv6 loopback address (::1) on this host")
+
+    async def hello(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    for address, families in (("0.0.0.0", {"127.0.0.1", "::1"}), ("127.0.0.1", {"127.0.0.1"})):
+        port = _free_port_both_families()
+        server = HttpServer(name="t", address=address, port=port, routes=[("GET", "/", hello)])
+        await server.start()
+        try:
+            answered = set()
+            for host in ("127.0.0.1", "::1"):
+                url = f"http://{'[' + host + ']' if ':' in host else host}:{port}/"
+                if await _status(url) == 200:
+                    answered.add(host)
+            assert answered == families, address
+        finally:
+            await server.close()
