@@ -84,6 +84,8 @@ def stacks_at_start(
             )
         return (Stack(ip_family(bind), bind, bind),)
     wanted = [ip_family(bind)] if bind else list(IPFamily)
+    if bind:
+        _say_family_left_out(bind)
     out: list[Stack] = []
     unsupported: list[str] = []
     for family in wanted:
@@ -118,6 +120,20 @@ def stacks_at_start(
         ),
     )
     return tuple(out)
+
+
+def _say_family_left_out(bind: str) -> None:
+    """A --bind-address limits uproxy to its family (it is where the proxy ports listen),
+    where kube-proxy reads it as the primary family and serves both (kubeadm writes
+    ``bindAddress: 0.0.0.0``): say so, once, on a node that has an address of the other."""
+    other = IPFamily.V6 if ip_family(bind) is IPFamily.V4 else IPFamily.V4
+    address = primary_address(other)
+    if address is not None:
+        log.warning(
+            "Not serving an IP family: --bind-address limits uproxy to its own; leave it "
+            "unset to serve both",
+            extra=kv(bind_address=bind, family=other.label, node=address),
+        )
 
 
 def has_loopback6() -> bool:

@@ -285,7 +285,7 @@ def test_nodeport_addresses_count_per_family() -> None:
         npa2(("primary",), {V4: "10.200.3.1"})
 
 
-def test_families_served(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_families_served(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     addresses: dict[IPFamily, str] = dict(PRIMARY_IPS)
     monkeypatch.setattr(localnet, "primary_address", lambda f: addresses.get(f))
     node = Settings(rules="iptables-restore")
@@ -311,9 +311,13 @@ def test_families_served(monkeypatch: pytest.MonkeyPatch) -> None:
             rules_support=lambda f: "nft is not installed (the nftables package)",
         )
     # --bind-address: its family alone; an unspecified one takes the node's address of it.
+    # The other family, which the node has (and kube-proxy would serve), is named once.
+    caplog.clear()
     assert stacks_at_start(Settings(rules="nftables", bind_address="::")) == (
         Stack(V6, "fd00:200:3::1", "::"),
     )
+    (left_out,) = [r for r in caplog.records if r.getMessage().startswith("Not serving")]
+    assert left_out.kv == {"bind_address": "::", "family": "IPv4", "node": "10.200.3.1"}  # type: ignore[attr-defined]
     only = Settings(rules="nftables", bind_address="10.200.3.1")
     assert stacks_at_start(only) == (Stack(V4, "10.200.3.1", "10.200.3.1"),)
     # A loopback --bind-address cannot take the node's own traffic (its DNAT target).
