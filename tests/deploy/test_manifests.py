@@ -110,7 +110,14 @@ def test_daemonset_runs_as_a_node_proxy(file: str, name: str) -> None:
     config = yaml.safe_load(find(docs, "ConfigMap", name)["data"]["config.yaml"])
 
     assert pod["hostNetwork"] is True
-    assert pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+    # Where uproxy is the node's proxy, the cluster's DNS service is reached through it: it
+    # resolves with the node's resolver (beside kube-proxy, cluster DNS works already).
+    beside = file == "beside-kube-proxy.yaml"
+    assert pod.get("dnsPolicy", "ClusterFirst") == (
+        "ClusterFirstWithHostNet" if beside else "ClusterFirst"
+    )
+    # No bindAddress: uproxy serves every IP family the node has (a set one limits it).
+    assert not config.get("bindAddress")
     assert pod["priorityClassName"] == "system-node-critical"
     assert pod["tolerations"] == [{"operator": "Exists"}]
     assert (
@@ -153,7 +160,8 @@ def test_daemonset_runs_as_a_node_proxy(file: str, name: str) -> None:
 
     healthz_port = int(config["healthzBindAddress"].rpartition(":")[2])
     assert c["livenessProbe"]["httpGet"] == {"path": "/livez", "port": healthz_port}
-    assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": healthz_port}
+    # Ready by /livez: /healthz is 503 on a node being deleted, which would stall a rollout.
+    assert c["readinessProbe"]["httpGet"] == {"path": "/livez", "port": healthz_port}
     assert c["ports"] == [{"name": "healthz", "containerPort": healthz_port, "protocol": "TCP"}]
 
     for section in ("requests", "limits"):
