@@ -459,10 +459,20 @@ async def test_a_killed_worker_is_replaced_and_the_others_connections_carry_on(
     await wait_for(lambda: _all_ready(proxy), timeout=1.0 - (time.monotonic() - killed_at))
     ok = ("default/web:http", "TCP", "ok")
     before = per_worker(proxy, "uproxy_connections_total", ok)
-    for _ in range(200):
-        assert await greet("127.0.0.1", port) in {"b1", "b2", "b3"}
-    after = per_worker(proxy, "uproxy_connections_total", ok)
-    assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)  # both take some
+
+    def both_took_some() -> bool:
+        after = per_worker(proxy, "uproxy_connections_total", ok)
+        return all(a > b for a, b in zip(after, before, strict=True))
+
+    # Both accept on the one socket again, the replacement and the worker that lived on: in
+    # batches at once, since one connection at a time can all go to whichever worker shares
+    # the client's CPU (its wake-up comes first).
+    for _ in range(100):
+        names = await asyncio.gather(*(greet("127.0.0.1", port) for _ in range(8)))
+        assert set(names) <= {"b1", "b2", "b3"}, names
+        if both_took_some():
+            break
+    await wait_for(both_took_some, timeout=2, message="both workers accepting")
     # Each stream either was on the dead worker (reset, nothing corrupted) or carries on whole.
     outcomes = await asyncio.gather(*(s.finish(2 << 20) for s in streams))
     assert set(outcomes) <= {"intact", "reset"}, outcomes
