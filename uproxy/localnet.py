@@ -83,8 +83,9 @@ def stacks_at_start(
                 "install it, or choose another --rules"
             )
         return (Stack(ip_family(bind), bind, bind),)
-    wanted = [ip_family(bind)] if bind else list(IPFamily)
-    if bind:
+    wanted = list(IPFamily)
+    if bind:  # an unspecified one: its family alone, on any address of it
+        wanted = [ip_family(bind)]
         _say_family_left_out(bind)
     out: list[Stack] = []
     unsupported: list[str] = []
@@ -123,7 +124,7 @@ def stacks_at_start(
 
 
 def _say_family_left_out(bind: str) -> None:
-    """A --bind-address limits uproxy to its family (it is where the proxy ports listen),
+    """An unspecified --bind-address (``0.0.0.0``, ``::``) limits uproxy to its family,
     where kube-proxy reads it as the primary family and serves both (kubeadm writes
     ``bindAddress: 0.0.0.0``): say so, once, on a node that has an address of the other."""
     other = IPFamily.V6 if ip_family(bind) is IPFamily.V4 else IPFamily.V4
