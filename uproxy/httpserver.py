@@ -18,7 +18,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from aiohttp import web
 
 from uproxy.log import V3, kv
-from uproxy.nodeip import is_unspecified
 
 log = logging.getLogger("uproxy.httpserver")
 
@@ -52,7 +51,7 @@ class HttpServer:
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
         await runner.setup()
         host: str | None = self._address or None
-        if self._port and (host is None or is_unspecified(host)):
+        if self._port and host in (None, "0.0.0.0", "::"):  # not a host name: bind says
             host = None  # every family the host has: 0.0.0.0 and ::
         try:
             await web.TCPSite(runner, host, self._port).start()
