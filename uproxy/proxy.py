@@ -459,6 +459,8 @@ class Proxy:
         touched = self.syncer.apply_endpoints()
         if touched and self._note_healthchecks(self.syncer.ports, touched):
             self._queue_sync()  # a spec moved: the next sync opens or closes its server
+        elif touched and self.syncer.rules_pending:
+            self._queue_sync()  # a proxy port gained or lost its endpoints: rules to write
 
     async def _sync(self) -> None:
         prepare = self._prepare

@@ -260,6 +260,9 @@ class Syncer:
         # Each port's portals as a tuple (one to a few; a frozenset is 216 bytes however
         # small, 2.1 MiB at 10,000 ports); their union, the rules' input, is _all_portals.
         self._portals: dict[ServicePortName, tuple[Portal, ...]] = {}
+        # Each port's refusals (its proxy ports without endpoints), kept apart from its
+        # portals: endpoint changes move them (``apply_endpoints``), never the portals.
+        self._refusals: dict[ServicePortName, tuple[Portal, ...]] = {}
         self._all_portals: set[Portal] = set()
         self._rules_dirty = True
         self._last_rules_sync = float("-inf")
@@ -294,6 +297,11 @@ class Syncer:
     def force_rules_sync(self) -> None:
         """The next sync rewrites the rules even if the portal set did not change."""
         self._force_rules = True
+
+    @property
+    def rules_pending(self) -> bool:
+        """Whether the rules wait for a sync (a proxy port gained or lost its endpoints)."""
+        return self._rules_dirty
 
     async def sync(self) -> None:
         if not self.tracker.synced:
@@ -393,6 +401,7 @@ class Syncer:
                 for fp in pp.families.values():
                     self._update_balancer(spn, fp, state)
                 self._note_no_local(spn, pp, state)
+                self._set_refusals(spn, pp, state)
                 touched.add(spn)
         self._emit_table(touched)
         self._observe_programming(changes.trigger_times)
@@ -493,6 +502,8 @@ class Syncer:
             # Its endpoints changed while a listener opened: the balancers get the newest.
             for fp in pp.families.values():
                 self._update_balancer(spn, fp, fresh)
+            state = fresh
+        self._set_refusals(spn, pp, state)
         needs_external = state.port.needs_external_listener
         for fp in pp.families.values():
             if fp.cluster is None or (needs_external and fp.external is None):
@@ -592,6 +603,7 @@ class Syncer:
                 self._failed.pop((spn, traffic, family), None)
         self._release_nodeport(spn, pp.port, pp.families)
         self._set_portals(spn, frozenset())
+        self._set_refusals(spn, None, None)
         self._note_no_local(spn, None, None)
         metrics.forget_service(str(spn))  # its series go (workers forget theirs on Forget)
         if spn.protocol is Protocol.UDP and self.options.clear_conntrack:
@@ -790,6 +802,46 @@ class Syncer:
         if spn.protocol is Protocol.UDP and self.options.clear_conntrack:
             self._udp_added.difference_update(old)
             self._udp_added.update(portals.difference(old))
+
+    def _set_refusals(
+        self, spn: ServicePortName, pp: ProxiedPort | None, state: ServiceState | None
+    ) -> None:
+        new = self._refusals_of(spn, pp, state) if pp is not None and state is not None else ()
+        old = self._refusals.get(spn, ())
+        if new == old:
+            return
+        self._all_portals.difference_update(old)
+        self._all_portals.update(new)
+        if new:
+            self._refusals[spn] = new
+        else:
+            self._refusals.pop(spn, None)
+        self._rules_dirty = True
+
+    def _refusals_of(
+        self, spn: ServicePortName, pp: ProxiedPort, state: ServiceState
+    ) -> tuple[Portal, ...]:
+        """The proxy ports of one service port whose traffic has no endpoint to go to.
+
+        As kube-proxy filters a service's traffic: rejected when the port has no usable
+        endpoint at all (of that family), dropped when it has some but none for this
+        listener's traffic (a Local policy without an endpoint on this node). The balancers
+        already hold what each traffic class may use; the usable endpoints anywhere are
+        looked at only for a listener that has none (the rare case).
+        """
+        if self.laptop:
+            return ()  # no rules: a port without endpoints accepts and resets
+        out: list[Portal] = []
+        for fp in pp.families.values():
+            anywhere: bool | None = None
+            for lst, traffic in ((fp.cluster, Traffic.CLUSTER), (fp.external, Traffic.EXTERNAL)):
+                if lst is None or fp.balancer.endpoints(traffic):
+                    continue
+                if anywhere is None:
+                    eps = _of_family(state.endpoints, fp.family)
+                    anywhere = bool(categorize(eps, local_only=False, node_name=""))
+                out.append(Portal.refusing(spn, lst.port, fp.family, anywhere=anywhere))
+        return tuple(out)
 
     def _portals_of(self, spn: ServicePortName, pp: ProxiedPort) -> frozenset[Portal]:
         """One service port's portals, in each family it is proxied in.

@@ -323,6 +323,20 @@ def curl_status(topo: Topology, ns: str, url: str) -> int:
     return done.returncode
 
 
+def connect_times_out(topo: Topology, ns: str, url: str, seconds: float = 0.5) -> bool:
+    """Whether connecting to ``url`` gets no answer within ``seconds`` (its SYN dropped),
+    rather than a refusal, a reset or a reply."""
+    done = subprocess.run(
+        topo.exec_argv(
+            ns, "curl", "-sS", "--connect-timeout", str(seconds), "-o", "/dev/null", url
+        ),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    return done.returncode == 28  # curl: operation timed out
+
+
 def curl_raw(topo: Topology, ns: str, url: str) -> tuple[int, Mapping[str, str], str]:
     """Status, headers (lower-case names) and body of a GET, from ``curl -i``."""
     out = run_bytes(topo, ns, "curl", "-sS", "-i", "--max-time", "5", url).decode()

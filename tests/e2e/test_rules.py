@@ -55,9 +55,7 @@ RULES = [
     pytest.param("iptables", "legacy", id="python-iptables"),
 ]
 PORT_RANGE = "40000-40019"
-# curl: refused, or reset once connected (uproxy resets a connection with no endpoint at
-# once): while sending the request (55), waiting for the reply (52) or reading it (56).
-RESET = (7, 52, 55, 56)
+REFUSED = 7  # curl: could not connect (an ICMP port unreachable, or a RST to the SYN)
 WEB_IP6 = "fd00:10:96::10"
 EXTERNAL_IP6 = "2001:db8::10"
 
@@ -74,6 +72,30 @@ FIREWALL_JUMP = (
     "-m conntrack --ctstate NEW -m comment --comment "
     '"drop LoadBalancer traffic from outside its loadBalancerSourceRanges" -j KUBE-PORTALS-FIREWALL'
 )
+REJECT_JUMP = (
+    "-m conntrack --ctstate NEW -m comment --comment "
+    '"turn away new connections to proxy ports without endpoints" -j KUBE-PORTALS-REJECT'
+)
+
+
+def refused(service: str, port: int, *, proto: str = "tcp", family: int = 4) -> str:
+    """The filter rule rejecting new connections to ``service``'s proxy ``port``: it has no
+    usable endpoint (of that family)."""
+    icmp = "icmp6-port-unreachable" if family == 6 else "icmp-port-unreachable"
+    return (
+        f'-p {proto} -m comment --comment "{service} has no endpoints" -m {proto} --dport {port} '
+        f"-j REJECT --reject-with {icmp}"
+    )
+
+
+def dropped(service: str, port: int, *, proto: str = "tcp") -> str:
+    """The filter rule dropping them: endpoints, none for this port's traffic (Local)."""
+    return (
+        f'-p {proto} -m comment --comment "{service} has no local endpoints" -m {proto} '
+        f"--dport {port} -j DROP"
+    )
+
+
 # First in both host chains: uproxy's own dials (--dial-mark, 0x1000 by default) leave at once.
 MARK_RETURN = (
     '-m mark --mark 0x1000/0x1000 -m comment --comment "uproxy dials to endpoints skip the portals" '
@@ -82,13 +104,19 @@ MARK_RETURN = (
 
 
 def expected_tables(
-    node_ip: str, *, web: int | None, dns_port: int | None, family: int = 4
+    node_ip: str,
+    *,
+    web: int | None,
+    dns_port: int | None,
+    family: int = 4,
+    refusals: tuple[str, ...] = (),
 ) -> Tables:
     """What the node's nat and filter tables of one family must hold (and nothing else).
 
     IPv6 (``family=6``, ip6tables): the web service's IPv6 ClusterIP and externalIP, and its
     node port on the node's IPv6 addresses; its LoadBalancer IP and the DNS service are IPv4
-    only, so they have no IPv6 rules.
+    only, so they have no IPv6 rules. ``refusals``: the proxy ports without endpoints
+    (``refused``, ``dropped``).
     """
     v6 = family == 6
     cidr = "128" if v6 else "32"
@@ -146,12 +174,14 @@ def expected_tables(
             "INPUT": [
                 *policy,
                 FIREWALL_JUMP,
+                REJECT_JUMP,
                 NON_LOCAL_JUMP.format(chain="KUBE-NODEPORT-NON-LOCAL"),
             ],
             "FORWARD": [*policy, FIREWALL_JUMP],
             "OUTPUT": policy,
             "KUBE-NODEPORT-NON-LOCAL": non_local,
             "KUBE-PORTALS-FIREWALL": [],
+            "KUBE-PORTALS-REJECT": list(refusals),
         },
     }
 
@@ -214,14 +244,17 @@ def test_rules_are_exact_and_go_with_their_service(
     assert len(ports) == 2 and len(ports6) == 1, (ports, ports6)  # Cluster policies: one each
     want = expected_tables(topo.node_ip, web=web, dns_port=dns_port)
     assert comparable(save(topo, topo.node, mode)) == comparable(want)
-    want6 = expected_tables(topo.node_ip6, web=web6, dns_port=dns_port, family=6)
+    # The web service has IPv4 endpoints only: its IPv6 proxy port turns new connections
+    # away (kube-proxy's behaviour: each family's addresses reach that family's endpoints,
+    # and there are none).
+    no_v6 = (refused("default/web:http", web6, family=6),)
+    want6 = expected_tables(topo.node_ip6, web=web6, dns_port=dns_port, family=6, refusals=no_v6)
     assert comparable(save(topo, topo.node, mode, family=6)) == comparable(want6)
 
-    # Traffic for both, so the UDP service leaves conntrack entries behind. The web service
-    # has IPv4 endpoints only: its IPv6 ClusterIP refuses at once (kube-proxy's behaviour:
-    # each family's addresses reach that family's endpoints, and there are none).
+    # Traffic for both, so the UDP service leaves conntrack entries behind. The IPv6
+    # ClusterIP refuses the connection (curl: "Failed to connect"), it does not accept it.
     curl(topo, topo.pod, f"http://{WEB_IP}/", body=b"x" * 1000, tmp=tmp_path)
-    assert curl_status(topo, topo.pod, f"http://[{WEB_IP6}]/") in RESET
+    assert curl_status(topo, topo.pod, f"http://[{WEB_IP6}]/") == REFUSED
     wait_until_ok(lambda: dig(topo, topo.pod, DNS_IP, DNS_NAME) == DNS_ANSWER, message="dns")
     assert f"dst={DNS_IP}" in conntrack_udp(net)
 
@@ -334,6 +367,11 @@ chain node-ports-filter {
 type filter hook input priority filter; policy accept;
 ct state new meta l4proto . th dport @node-port-proxy-ports accept
 }
+chain no-endpoints {
+type filter hook input priority filter - 1; policy accept;
+ct state new meta l4proto . th dport @rejected-proxy-ports reject
+ct state new meta l4proto . th dport @dropped-proxy-ports drop
+}
 """
 PODS_RULES = """\
 PODmeta l4proto { tcp, udp } redirect to :ip daddr . meta l4proto . th dport map @short-circuit-lb-ips
@@ -362,9 +400,17 @@ ADDR_MAP = "ipv4_addr . inet_proto . inet_service : inet_service"
 PORT_MAP = "inet_proto . inet_service : inet_service"
 
 
-def expected_nft(node_ip: str, *, web: int | None, dns_port: int | None, family: int = 4) -> str:
+def expected_nft(
+    node_ip: str,
+    *,
+    web: int | None,
+    dns_port: int | None,
+    family: int = 4,
+    rejected: tuple[str, ...] = (),
+) -> str:
     """``nft list table ip uproxy`` of the node (``ip6`` with ``family=6``: the web
-    service's IPv6 ClusterIP, externalIP and node port), normalised like ``nft_normalised``."""
+    service's IPv6 ClusterIP, externalIP and node port), normalised like ``nft_normalised``;
+    ``rejected``: the elements of the proxy ports without endpoints."""
     v6 = family == 6
     cluster: list[str] = []
     external: list[str] = []
@@ -385,6 +431,7 @@ def expected_nft(node_ip: str, *, web: int | None, dns_port: int | None, family:
         "external-ips": external,
         "node-ports": node_ports,
         "node-port-proxy-ports": proxy_ports,
+        "rejected-proxy-ports": list(rejected),
     }
     return nft_listing(elements, nft_chains(node_ip, family=family), family=family)
 
@@ -399,6 +446,8 @@ STORES = (
     ("map", "short-circuit-node-ports", PORT_MAP),
     ("set", "firewalled-lb-ips", "ipv4_addr . inet_proto . inet_service"),
     ("set", "lb-source-ranges", "ipv4_addr . inet_proto . inet_service . ipv4_addr"),
+    ("set", "rejected-proxy-ports", "inet_proto . inet_service"),
+    ("set", "dropped-proxy-ports", "inet_proto . inet_service"),
 )
 
 
@@ -444,12 +493,15 @@ def test_nft_table_is_exact_and_goes_with_its_service(
     web, dns_port = ports[("default/web:http", "cluster")], ports[("default/dns:dns", "cluster")]
     web6 = ports6[("default/web:http", "cluster")]
     assert nft_table(net) == expected_nft(topo.node_ip, web=web, dns_port=dns_port)
-    assert nft_table(net, 6) == expected_nft(topo.node_ip6, web=web6, dns_port=None, family=6)
+    no_v6 = (f'tcp . {web6} comment "default/web:http has no endpoints"',)
+    assert nft_table(net, 6) == expected_nft(
+        topo.node_ip6, web=web6, dns_port=None, family=6, rejected=no_v6
+    )
     # Nothing in iptables, either variant, either family.
     for program in ("iptables-nft", "iptables-legacy", "ip6tables-nft", "ip6tables-legacy"):
         assert "KUBE-" not in topo.run(topo.node, f"{program}-save")
     curl(topo, topo.pod, f"http://{WEB_IP}/", body=b"x" * 1000, tmp=tmp_path)
-    assert curl_status(topo, topo.pod, f"http://[{WEB_IP6}]/") in RESET  # no IPv6 endpoints
+    assert curl_status(topo, topo.pod, f"http://[{WEB_IP6}]/") == REFUSED  # no IPv6 endpoints
     wait_until_ok(lambda: dig(topo, topo.pod, DNS_IP, DNS_NAME) == DNS_ANSWER, message="dns")
     assert f"dst={DNS_IP}" in conntrack_udp(net)
 

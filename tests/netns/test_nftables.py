@@ -25,7 +25,7 @@ from tests.netns.helpers import (
     run_ops,
     sync_op,
 )
-from tests.netns.test_rules import DNS, PORTALS, WEB
+from tests.netns.test_rules import DNS, PORTALS, REFUSALS, WEB
 from tests.netns.topology import Topology
 from uproxy.rules.base import Portal, PortalKind
 
@@ -81,6 +81,14 @@ type ipv4_addr . inet_proto . inet_service . ipv4_addr
 flags interval
 elements = { 0.0.0.0 . tcp . 0 . 0.0.0.0 comment "uproxy sentinel (not a service)" }
 }
+set rejected-proxy-ports {
+type inet_proto . inet_service
+elements = { tcp . 0 comment "uproxy sentinel (not a service)" }
+}
+set dropped-proxy-ports {
+type inet_proto . inet_service
+elements = { tcp . 0 comment "uproxy sentinel (not a service)" }
+}
 chain portals-firewall {
 type filter hook prerouting priority dstnat - 10; policy accept;
 ip daddr . meta l4proto . th dport @firewalled-lb-ips ip daddr . meta l4proto . th dport . ip saddr != @lb-source-ranges drop
@@ -113,6 +121,11 @@ chain node-ports-filter {
 type filter hook input priority filter; policy accept;
 ct state new meta l4proto . th dport @node-port-proxy-ports accept
 }
+chain no-endpoints {
+type filter hook input priority filter - 1; policy accept;
+ct state new meta l4proto . th dport @rejected-proxy-ports reject
+ct state new meta l4proto . th dport @dropped-proxy-ports drop
+}
 chain synced-by {
 return comment "uproxy ID commit N"
 }
@@ -131,6 +144,25 @@ def listing(topo: Topology) -> str:
 def install_foreign_nft(topo: Topology) -> None:
     topo.run(topo.node, "nft", "-f", "-", stdin=FOREIGN_NFT)
     install_foreign(topo, "nft")  # and iptables-nft rules: nat and filter tables of their own
+
+
+def test_proxy_ports_without_endpoints_are_elements_of_their_sets(topo: Topology) -> None:
+    # In the kernel's own words; out again, element by element, when they have endpoints.
+    refused = EXPECTED.replace(
+        'set rejected-proxy-ports {\ntype inet_proto . inet_service\nelements = { tcp . 0 comment "uproxy sentinel (not a service)" }',
+        'set rejected-proxy-ports {\ntype inet_proto . inet_service\nelements = { tcp . 0 comment "uproxy sentinel (not a service)", tcp . 40004 comment "default/empty:http has no endpoints" }',
+    ).replace(
+        'set dropped-proxy-ports {\ntype inet_proto . inet_service\nelements = { tcp . 0 comment "uproxy sentinel (not a service)" }',
+        'set dropped-proxy-ports {\ntype inet_proto . inet_service\nelements = { tcp . 0 comment "uproxy sentinel (not a service)", udp . 40005 comment "default/local:dns has no local endpoints" }',
+    )
+    assert refused != EXPECTED
+    results = ops(topo, [sync_op(PORTALS + REFUSALS), {"op": "verify"}])
+    assert results[-1] is True
+    assert listing(topo) == refused
+    # A new run loads the table whole, then deletes the two elements alone.
+    script = [sync_op(PORTALS + REFUSALS), sync_op(PORTALS), {"op": "attr", "name": "full_loads"}]
+    assert ops(topo, [*script, {"op": "verify"}])[-2:] == [1, True]
+    assert listing(topo) == EXPECTED
 
 
 def test_sync_installs_exactly_the_table(topo: Topology) -> None:

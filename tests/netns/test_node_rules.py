@@ -149,6 +149,14 @@ type ipv4_addr . inet_proto . inet_service . ipv4_addr
 flags interval
 elements = { 0.0.0.0 . tcp . 0 . 0.0.0.0 comment "uproxy sentinel (not a service)", 198.51.100.9 . tcp . 80 . 10.200.0.0/16 comment "default/web:http", 198.51.100.9 . tcp . 80 . 192.0.2.7 comment "default/web:http", 198.51.100.9 . udp . 53 . 10.200.3.0/24 comment "kube-system/dns:dns" }
 }
+set rejected-proxy-ports {
+type inet_proto . inet_service
+elements = { tcp . 0 comment "uproxy sentinel (not a service)" }
+}
+set dropped-proxy-ports {
+type inet_proto . inet_service
+elements = { tcp . 0 comment "uproxy sentinel (not a service)" }
+}
 chain portals-firewall {
 type filter hook prerouting priority dstnat - 10; policy accept;
 ip daddr . meta l4proto . th dport @firewalled-lb-ips ip daddr . meta l4proto . th dport . ip saddr != @lb-source-ranges drop
@@ -184,6 +192,11 @@ ip daddr { 10.200.2.1, 10.200.3.0/24 } fib daddr type local meta l4proto { tcp, 
 chain node-ports-filter {
 type filter hook input priority filter; policy accept;
 ct state new meta l4proto . th dport @node-port-proxy-ports accept
+}
+chain no-endpoints {
+type filter hook input priority filter - 1; policy accept;
+ct state new meta l4proto . th dport @rejected-proxy-ports reject
+ct state new meta l4proto . th dport @dropped-proxy-ports drop
 }
 chain synced-by {
 return comment "uproxy ID commit N"

@@ -8,7 +8,7 @@ import pytest
 
 from tests.netns.helpers import BACKENDS, DIAL_MARK, install_foreign, run_ops, save, sync_op
 from tests.netns.topology import Topology
-from uproxy.model import Protocol, ServicePortName
+from uproxy.model import IPFamily, Protocol, ServicePortName
 from uproxy.rules.base import Portal, PortalKind
 from uproxy.rules.portals import ALL_CHAINS, FILTER, NAT, TABLES, build_rules
 from uproxy.rules.saved import BUILTIN_CHAINS, parse_save, strip_save
@@ -22,6 +22,18 @@ PORTALS = [
     Portal(WEB, PortalKind.NODE_PORT, None, 30080, 40002),
     Portal(DNS, PortalKind.CLUSTER_IP, "10.96.0.53", 53, 40003),
     Portal(DNS, PortalKind.NODE_PORT, None, 30053, 40003),
+]
+# Proxy ports without endpoints: one rejects, one drops (a Local policy, none on the node).
+REFUSALS = [
+    Portal.refusing(
+        ServicePortName("default", "empty", "http", Protocol.TCP),
+        40004,
+        IPFamily.V4,
+        anywhere=False,
+    ),
+    Portal.refusing(
+        ServicePortName("default", "local", "dns", Protocol.UDP), 40005, IPFamily.V4, anywhere=True
+    ),
 ]
 
 pytestmark = [pytest.mark.root, pytest.mark.parametrize(("backend", "mode"), BACKENDS)]
@@ -56,6 +68,19 @@ def test_sync_installs_exactly_the_rule_set(topo: Topology, backend: str, mode: 
     ops = [sync_op(PORTALS), sync_op(PORTALS), {"op": "check"}, {"op": "verify"}]
     assert run_ops(topo, backend, mode, ops)[-2:] == [True, True]
     assert_installed(before, save(topo, mode), PORTALS, topo.node_ip)
+
+
+def test_refusals_install_as_written_and_leave_with_their_endpoints(
+    topo: Topology, backend: str, mode: str
+) -> None:
+    # The REJECT and DROP rules as the kernel's own iptables-save prints them (the same text
+    # kube-proxy's filter rules have), in and out as proxy ports gain and lose endpoints.
+    install_foreign(topo, mode)
+    before = save(topo, mode)
+    steps = [PORTALS + REFUSALS, PORTALS + REFUSALS[1:], PORTALS + REFUSALS]
+    ops = [op for portals in steps for op in (sync_op(portals), {"op": "verify"})]
+    assert run_ops(topo, backend, mode, ops)[1::2] == [True] * len(steps)
+    assert_installed(before, save(topo, mode), PORTALS + REFUSALS, topo.node_ip)
 
 
 def test_changes_land_in_order(topo: Topology, backend: str, mode: str) -> None:

@@ -10,12 +10,13 @@ from typing import Any
 
 import pytest
 
-from tests.rules.test_portals import DNS, HOST_IP, PORTALS, WEB
+from tests.rules.test_portals import DNS, HOST_IP, PORTALS, REFUSALS, WEB
 from uproxy.model import IPFamily, Protocol, ServicePortName
 from uproxy.rules import NftablesBackend, RulesError, command, make_backend, nftables
 from uproxy.rules.base import LocalTraffic, Portal, PortalKind
 from uproxy.rules.nftables import (
     CLUSTER_IPS,
+    DROPPED_PROXY_PORTS,
     EXTERNAL_IPS,
     FIREWALLED_LB_IPS,
     IPV4 as V4,
@@ -23,6 +24,7 @@ from uproxy.rules.nftables import (
     LB_SOURCE_RANGES,
     NODE_PORT_PROXY_PORTS,
     NODE_PORTS,
+    REJECTED_PROXY_PORTS,
     SENTINEL_COMMENT,
     SHORT_CIRCUIT_EXTERNAL_IPS,
     SHORT_CIRCUIT_LB_IPS,
@@ -89,6 +91,14 @@ table ip uproxy {
 		flags interval
 		elements = { 0.0.0.0 . tcp . 0 . 0.0.0.0 comment "uproxy sentinel (not a service)" }
 	}
+	set rejected-proxy-ports {
+		type inet_proto . inet_service
+		elements = { tcp . 0 comment "uproxy sentinel (not a service)" }
+	}
+	set dropped-proxy-ports {
+		type inet_proto . inet_service
+		elements = { tcp . 0 comment "uproxy sentinel (not a service)" }
+	}
 	chain portals-firewall {
 		type filter hook prerouting priority -110; policy accept;
 		ip daddr . meta l4proto . th dport @firewalled-lb-ips ip daddr . meta l4proto . th dport . ip saddr != @lb-source-ranges drop
@@ -120,6 +130,11 @@ table ip uproxy {
 	chain node-ports-filter {
 		type filter hook input priority 0; policy accept;
 		ct state new meta l4proto . th dport @node-port-proxy-ports accept
+	}
+	chain no-endpoints {
+		type filter hook input priority -1; policy accept;
+		ct state new meta l4proto . th dport @rejected-proxy-ports reject
+		ct state new meta l4proto . th dport @dropped-proxy-ports drop
 	}
 	chain synced-by {
 		return comment "uproxy test commit 1"
@@ -236,6 +251,28 @@ def test_comments_are_safe_and_fit() -> None:
     assert element_comment("ns/name:port") == "ns/name:port"
     assert element_comment('a"b\\c\u00e9') == "a_b_c_"
     assert len(element_comment("n" * 63 + "/" + "s" * 63 + ":" + "p" * 15)) == 128
+
+
+def test_proxy_ports_without_endpoints_are_set_elements() -> None:
+    # A proxy port with no usable endpoint is in the set whose rule rejects, one with none
+    # for its traffic (a Local policy) in the set whose rule drops; the maps are untouched.
+    built = elements([*PORTALS, *REFUSALS])
+    assert built[REJECTED_PROXY_PORTS] == {
+        ("tcp", 40004): Element(("tcp", 40004), None, "default/empty:http has no endpoints")
+    }
+    assert built[DROPPED_PROXY_PORTS] == {
+        ("udp", 40005): Element(("udp", 40005), None, "default/local:dns has no local endpoints")
+    }
+    without = elements(PORTALS)
+    assert {
+        k: v for k, v in built.items() if k not in (REJECTED_PROXY_PORTS, DROPPED_PROXY_PORTS)
+    } == {k: v for k, v in without.items() if k not in (REJECTED_PROXY_PORTS, DROPPED_PROXY_PORTS)}
+    # Only new connections, and on one listen address only that address's.
+    rules = {c.name: c.rules for c in Layout(host_ip=HOST_IP, listen_ip="192.168.7.9").chains}
+    assert rules["no-endpoints"] == (
+        "ct state new ip daddr 192.168.7.9 meta l4proto . th dport @rejected-proxy-ports reject",
+        "ct state new ip daddr 192.168.7.9 meta l4proto . th dport @dropped-proxy-ports drop",
+    )
 
 
 def test_conflicting_keys_keep_the_first_portal() -> None:
@@ -368,8 +405,9 @@ def test_layout_skeleton_matches_its_own_listing_shape() -> None:
         "node-ports-container": 1,
         "node-ports-host": 3,
         "node-ports-filter": 1,
+        "no-endpoints": 2,
     }
-    assert len(layout.skeleton().stores) == 9
+    assert len(layout.skeleton().stores) == 11
 
 
 # ----- the backend, with nft replaced by a recorder ------------------------------------------
@@ -546,7 +584,7 @@ async def test_sentinels_asked_of_nft_when_netlink_cannot_tell(nft: FakeNft, gon
     assert argv == ["nft", "-t", "-f", "-"]
     assert stdin is not None
     assert stdin.splitlines()[0] == "get element ip uproxy cluster-ips { 0.0.0.0 . tcp . 0 }"
-    assert len(stdin.splitlines()) == 9
+    assert len(stdin.splitlines()) == 11  # one sentinel per map or set
 
 
 async def test_a_rule_replaced_in_place_is_damage(nft: FakeNft) -> None:

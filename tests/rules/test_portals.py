@@ -24,6 +24,9 @@ from uproxy.rules.portals import (
 
 WEB = ServicePortName("default", "web", "http", Protocol.TCP)
 DNS = ServicePortName("kube-system", "dns", "", Protocol.UDP)
+# A service port without endpoints, and one with a Local policy and none on this node.
+EMPTY = ServicePortName("default", "empty", "http", Protocol.TCP)
+LOCAL = ServicePortName("default", "local", "dns", Protocol.UDP)
 HOST_IP = "192.168.7.1"
 
 PORTALS = [
@@ -32,6 +35,11 @@ PORTALS = [
     Portal(WEB, PortalKind.LB_INGRESS, "198.51.100.9", 80, 40002),
     Portal(WEB, PortalKind.NODE_PORT, None, 30080, 40002),
     Portal(DNS, PortalKind.CLUSTER_IP, "10.96.0.53", 53, 40003),
+]
+# Proxy ports that turn new connections away: EMPTY's rejects, LOCAL's drops.
+REFUSALS = [
+    Portal.refusing(EMPTY, 40004, IPFamily.V4, anywhere=False),
+    Portal.refusing(LOCAL, 40005, IPFamily.V4, anywhere=True),
 ]
 
 EXPECTED_NAT = """\
@@ -62,12 +70,19 @@ EXPECTED_FILTER = """\
 *filter
 :KUBE-NODEPORT-NON-LOCAL - [0:0]
 :KUBE-PORTALS-FIREWALL - [0:0]
+:KUBE-PORTALS-REJECT - [0:0]
 -I INPUT 1 -m conntrack --ctstate NEW -m comment --comment "drop LoadBalancer traffic from outside its loadBalancerSourceRanges" -j KUBE-PORTALS-FIREWALL
 -I FORWARD 1 -m conntrack --ctstate NEW -m comment --comment "drop LoadBalancer traffic from outside its loadBalancerSourceRanges" -j KUBE-PORTALS-FIREWALL
--I INPUT 2 -m comment --comment "Ensure that non-local NodePort traffic can flow" -j KUBE-NODEPORT-NON-LOCAL
+-I INPUT 2 -m conntrack --ctstate NEW -m comment --comment "turn away new connections to proxy ports without endpoints" -j KUBE-PORTALS-REJECT
+-I INPUT 3 -m comment --comment "Ensure that non-local NodePort traffic can flow" -j KUBE-NODEPORT-NON-LOCAL
 -A KUBE-NODEPORT-NON-LOCAL -p tcp -m comment --comment "default/web:http" -m tcp --dport 40002 -m state --state NEW -j ACCEPT
 COMMIT
 """
+
+REFUSAL_LINES = [
+    '-A KUBE-PORTALS-REJECT -p tcp -m comment --comment "default/empty:http has no endpoints" -m tcp --dport 40004 -j REJECT --reject-with icmp-port-unreachable',
+    '-A KUBE-PORTALS-REJECT -p udp -m comment --comment "default/local:dns has no local endpoints" -m udp --dport 40005 -j DROP',
+]
 
 
 def test_every_portal_kind_renders_exact_rules() -> None:
@@ -75,6 +90,25 @@ def test_every_portal_kind_renders_exact_rules() -> None:
     jumps = ruleset.jumps
     assert restore_payload(ruleset, NAT, missing_jumps=jumps) == EXPECTED_NAT
     assert restore_payload(ruleset, FILTER, missing_jumps=jumps) == EXPECTED_FILTER
+
+
+def test_proxy_ports_without_endpoints_are_rejected_or_dropped() -> None:
+    # No usable endpoint at all: REJECT (an ICMP port unreachable, as kube-proxy's filter
+    # rules); some, none of them for this traffic (Local): DROP. Only the filter table, and
+    # no portal: the service addresses keep leading to the proxy port.
+    ruleset = build_rules([*PORTALS, *REFUSALS], host_ip=HOST_IP)
+    assert ruleset.save_lines(FILTER)["KUBE-PORTALS-REJECT"] == REFUSAL_LINES
+    assert ruleset.save_lines(NAT) == build_rules(PORTALS, host_ip=HOST_IP).save_lines(NAT)
+    # On one listen address, only that address's proxy ports; in IPv6 with ICMPv6's error.
+    one = build_rules(REFUSALS, host_ip=HOST_IP, listen_ip="192.168.7.9")
+    assert one.save_lines(FILTER)["KUBE-PORTALS-REJECT"] == [
+        line.replace("-A KUBE-PORTALS-REJECT ", "-A KUBE-PORTALS-REJECT -d 192.168.7.9/32 ")
+        for line in REFUSAL_LINES
+    ]
+    v6 = [Portal.refusing(EMPTY, 40004, IPFamily.V6, anywhere=False)]
+    assert build_rules(v6, host_ip="fd00::1").save_lines(FILTER)["KUBE-PORTALS-REJECT"] == [
+        REFUSAL_LINES[0].replace("icmp-port-unreachable", "icmp6-port-unreachable")
+    ]
 
 
 def test_unreachable_chains_are_filled_commit_by_commit_jumps_last() -> None:
@@ -457,9 +491,11 @@ def test_jumps_inserted_together_keep_their_order() -> None:
     assert [p for _, p in insert_positions(ruleset.jumps, ruleset.jumps) if _.chain == "INPUT"] == [
         1,
         2,
+        3,
     ]
-    # Only the second missing: it goes on top (the first is somewhere in the chain already).
-    assert insert_positions(ruleset.jumps, inputs[1:]) == [(inputs[1], 1)]
+    # Only the last missing: it goes on top (the others are somewhere in the chain already).
+    assert insert_positions(ruleset.jumps, inputs[2:]) == [(inputs[2], 1)]
+    assert insert_positions(ruleset.jumps, inputs[1:]) == [(inputs[1], 1), (inputs[2], 2)]
 
 
 def test_cidrs_of_every_address_narrow_nothing() -> None:

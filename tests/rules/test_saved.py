@@ -33,6 +33,7 @@ def installed_text() -> str:
     return (
         "*filter\n:INPUT ACCEPT [0:0]\n:FORWARD DROP [0:0]\n:OUTPUT ACCEPT [0:0]\n:OTHER - [0:0]\n"
         ":KUBE-NODEPORT-NON-LOCAL - [0:0]\n:KUBE-PORTALS-FIREWALL - [0:0]\n"
+        ":KUBE-PORTALS-REJECT - [0:0]\n"
         + "\n".join(filt["INPUT"])
         + "\n-A INPUT -j OTHER\n"
         + "\n".join(filt["FORWARD"])
@@ -84,8 +85,8 @@ def test_cleanup_payload_removes_only_ours() -> None:
     assert payload is not None
     assert "OTHER" not in payload
     assert "MASQUERADE" not in payload
-    assert payload.count("\n-D ") == 7  # four nat jumps, three filter jumps
-    assert payload.count("\n-X ") == 6
+    assert payload.count("\n-D ") == 8  # four nat jumps, four filter jumps
+    assert payload.count("\n-X ") == 7
     assert "-D INPUT -m comment" in payload
 
 

@@ -133,11 +133,13 @@ async def test_a_change_touches_only_its_service_port() -> None:
     await syncer.sync()
     assert len(factory.opened) == 2000 and len(rules.syncs) == 1
     assert len(rules.syncs[0]) == 2000  # one portal per ClusterIP
-    # A new service: one listener opened, the rules get the grown set once.
+    # A new service: one listener opened, the rules get the grown set once: its ClusterIP,
+    # and its proxy port refusing new connections until it has an endpoint.
     tracker.upsert(Kind.SERVICE, service("new", cluster_ip="10.97.0.1"))
     await syncer.sync()
     assert factory.opened[2000:] == [spn("new")] and syncer.last_changed == 1
-    assert len(rules.syncs) == 2 and len(rules.syncs[1]) == 2001
+    assert len(rules.syncs) == 2 and len(rules.syncs[1]) == 2002
+    assert [p.kind for p in rules.syncs[1] if p.refusal] == [PortalKind.NO_ENDPOINTS]
     # Nothing changed: no listener, no rules call (the backend's periodic call is hourly here).
     await syncer.sync()
     assert len(factory.opened) == 2001 and len(rules.syncs) == 2 and syncer.last_changed == 0
@@ -146,7 +148,7 @@ async def test_a_change_touches_only_its_service_port() -> None:
     tracker.delete(Kind.SERVICE, service("s5"))
     await syncer.sync()
     assert isinstance(lst, FakeListener) and lst.closed and spn("s5") not in syncer.ports
-    assert len(rules.syncs[2]) == 2000
+    assert len(rules.syncs[2]) == 2001  # 1,999 ClusterIPs, and "new" still refusing
 
 
 async def test_endpoint_changes_reach_balancers_without_a_sync() -> None:
@@ -161,6 +163,80 @@ async def test_endpoint_changes_reach_balancers_without_a_sync() -> None:
     assert len(rules.syncs) == 1 and len(factory.opened) == 10  # no listener, no rules
     await syncer.sync()
     assert syncer.last_changed == 0  # the fast road took it: the sync has nothing left
+
+
+def refusals(rules: RecordingRules) -> set[Portal]:
+    return {p for p in rules.syncs[-1] if p.refusal}
+
+
+def pending(syncer: Syncer) -> bool:
+    """Whether the rules wait for a sync (a call: it changes between two reads)."""
+    return syncer.rules_pending
+
+
+async def test_a_proxy_port_without_endpoints_refuses_until_it_has_one() -> None:
+    tracker, syncer, _, rules = make(3)
+    await syncer.sync()
+    assert refusals(rules) == set() and not pending(syncer)
+    lst = syncer.ports[spn("s1")].cluster
+    assert lst is not None
+    # Its last endpoint gone: the balancer at once, the rules at the next (rate-limited) sync.
+    tracker.upsert(Kind.ENDPOINT_SLICE, endpoint_slice("s1-1", "s1", endpoints=[]))
+    assert syncer.apply_endpoints() == {spn("s1")} and pending(syncer)
+    await syncer.sync()
+    assert refusals(rules) == {Portal.refusing(spn("s1"), lst.port, IPFamily.V4, anywhere=False)}
+    assert not pending(syncer)
+    # A pod that is terminating and no longer serving is no endpoint either: nothing to write.
+    gone = endpoint("10.1.0.2", ready=False, serving=False, terminating=True)
+    tracker.upsert(Kind.ENDPOINT_SLICE, endpoint_slice("s1-1", "s1", endpoints=[gone]))
+    syncer.apply_endpoints()
+    assert not pending(syncer)
+    # One that still serves while it terminates is (kube-proxy's fallback): refused no more.
+    serving = endpoint("10.1.0.2", ready=False, serving=True, terminating=True)
+    tracker.upsert(Kind.ENDPOINT_SLICE, endpoint_slice("s1-1", "s1", endpoints=[serving]))
+    syncer.apply_endpoints()
+    assert pending(syncer)
+    await syncer.sync()
+    assert refusals(rules) == set()
+    # Endpoints that come and go while some remain touch no rule.
+    more = [serving, endpoint("10.1.0.3")]
+    tracker.upsert(Kind.ENDPOINT_SLICE, endpoint_slice("s1-1", "s1", endpoints=more))
+    syncer.apply_endpoints()
+    assert not pending(syncer)
+    # A service port that goes away takes its refusal with it.
+    tracker.upsert(Kind.ENDPOINT_SLICE, endpoint_slice("s2-1", "s2", endpoints=[]))
+    syncer.apply_endpoints()
+    await syncer.sync()
+    assert {p.service for p in refusals(rules)} == {spn("s2")}
+    tracker.delete(Kind.SERVICE, service("s2"))
+    await syncer.sync()
+    assert refusals(rules) == set()
+
+
+async def test_a_local_policy_without_a_local_endpoint_drops_outside_traffic() -> None:
+    # Endpoints, none on this node (node-a): the external listener of the Local policy has
+    # nothing, and its traffic is dropped, as kube-proxy's; cluster traffic still flows.
+    tracker, syncer, _, rules = make(0)
+    spec: dict[str, Any] = {"type": "NodePort", "externalTrafficPolicy": "Local"}
+    ports = [{"name": "http", "port": 80, "protocol": "TCP", "nodePort": 30080}]
+    tracker.upsert(Kind.SERVICE, service("lb", cluster_ip="10.96.0.50", ports=ports, **spec))
+    elsewhere = [endpoint("10.1.0.5", nodeName="node-b")]
+    tracker.upsert(Kind.ENDPOINT_SLICE, endpoint_slice("lb-1", "lb", endpoints=elsewhere))
+    await syncer.sync()
+    pp = syncer.ports[spn("lb")]
+    assert pp.external is not None and pp.cluster is not None
+    assert refusals(rules) == {
+        Portal.refusing(spn("lb"), pp.external.port, IPFamily.V4, anywhere=True)
+    }
+    assert refusals(rules).pop().kind is PortalKind.NO_LOCAL_ENDPOINTS
+    # No endpoint anywhere: both listeners reject.
+    tracker.upsert(Kind.ENDPOINT_SLICE, endpoint_slice("lb-1", "lb", endpoints=[]))
+    syncer.apply_endpoints()
+    await syncer.sync()
+    assert {(p.proxy_port, p.kind) for p in refusals(rules)} == {
+        (pp.cluster.port, PortalKind.NO_ENDPOINTS),
+        (pp.external.port, PortalKind.NO_ENDPOINTS),
+    }
 
 
 async def test_a_long_sync_gives_the_loop_turns() -> None:

@@ -453,7 +453,8 @@ ACCEPT_PAUSED = ScrapeCounter(
 )
 NO_ENDPOINTS = ScrapeCounter(
     "uproxy_no_endpoints_total",
-    "Connections reset or datagrams dropped for lack of a usable endpoint",
+    "Connections reset or datagrams dropped for lack of a usable endpoint (on a node the "
+    "rules refuse those before they reach uproxy, once a rules sync has caught up)",
     ("service", "traffic"),
     sparse=True,
 )

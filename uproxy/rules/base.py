@@ -21,6 +21,15 @@ class PortalKind(enum.StrEnum):
     EXTERNAL_IP = "external-ip"
     LB_INGRESS = "lb-ingress"
     NODE_PORT = "node-port"
+    # Not a service address but a proxy port whose traffic has no endpoint to go to: new
+    # connections to it are rejected (the service port has no usable endpoint at all: the
+    # client is refused at once) or dropped (it has some, none of them for this traffic: a
+    # Local policy without an endpoint on this node), as kube-proxy filters such services.
+    NO_ENDPOINTS = "no-endpoints"
+    NO_LOCAL_ENDPOINTS = "no-local-endpoints"
+
+
+REFUSALS = frozenset({PortalKind.NO_ENDPOINTS, PortalKind.NO_LOCAL_ENDPOINTS})
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -33,6 +42,8 @@ class Portal:
     them, or the node itself) goes there, to every endpoint, as kube-proxy short-circuits it;
     only traffic from outside goes to ``proxy_port`` and the node's local endpoints.
     ``source_ranges`` (LoadBalancer IPs only) are the allowed clients; others are dropped.
+    A refusal (``NO_ENDPOINTS``, ``NO_LOCAL_ENDPOINTS``) has no address: ``port`` and
+    ``proxy_port`` are the proxy port that turns new connections away (``refusal``).
 
     A portal belongs to one IP family, and so do its rules (``iptables`` or ``ip6tables``,
     ``table ip`` or ``table ip6``) and its proxy ports: the family of its address, or for a
@@ -55,6 +66,20 @@ class Portal:
     @property
     def family(self) -> IPFamily:
         return self.node_family if self.ip is None else ip_family(self.ip)
+
+    @property
+    def refusal(self) -> bool:
+        """Whether this turns the proxy port's new connections away (see ``PortalKind``)."""
+        return self.kind in REFUSALS
+
+    @staticmethod
+    def refusing(
+        service: ServicePortName, proxy_port: int, family: IPFamily, *, anywhere: bool
+    ) -> Portal:
+        """The refusal of ``proxy_port``: rejected when the service port has no usable
+        endpoint ``anywhere``, else dropped (none for this proxy port's traffic)."""
+        kind = PortalKind.NO_LOCAL_ENDPOINTS if anywhere else PortalKind.NO_ENDPOINTS
+        return Portal(service, kind, None, proxy_port, proxy_port, 0, (), family)
 
     @property
     def short_circuit(self) -> bool:

@@ -25,12 +25,15 @@ The IPv4 table (the IPv6 one has ``ipv6_addr`` and ``ip6 daddr/saddr`` where thi
       set firewalled-lb-ips  ipv4_addr . inet_proto . inet_service (LB IPs with source ranges)
       set lb-source-ranges   ipv4_addr . inet_proto . inet_service . ipv4_addr, flags interval
                         (each LB IP and port with each of its allowed source CIDRs)
+      set rejected-proxy-ports, dropped-proxy-ports  inet_proto . inet_service (proxy ports
+                        without endpoints: no usable endpoint at all, none for a Local policy)
       chain portals-firewall      filter prerouting, priority dstnat - 10 (-110)
       chain portals-container     nat prerouting, priority dstnat - 1 (-101)
       chain portals-host          nat output, priority -101; uproxy's dials return first
       chain node-ports-container  nat prerouting, priority dstnat + 1 (-99)
       chain node-ports-host       nat output, priority -99; uproxy's dials return first
       chain node-ports-filter     filter input, priority filter
+      chain no-endpoints          filter input, priority filter - 1
       chain synced-by             no hook: its rule's comment stamps uproxy's last commit
     }
 
@@ -64,6 +67,10 @@ node ports apply to local destinations only, and externalIPs get kube-proxy's th
   reaches every endpoint; the container chains do so only for traffic from pods, as
   ``--detect-local-mode`` tells them (``ip saddr CIDR``, ``iifname BRIDGE``,
   ``iifname "PREFIX*"``), and not at all without it.
+- **Proxy ports without endpoints.** ``no-endpoints`` rejects new connections to the proxy
+  ports of ``rejected-proxy-ports`` (an ICMP port unreachable: refused at once) and drops
+  those to ``dropped-proxy-ports``, as kube-proxy's ``no-endpoint-services`` and its Local
+  policies' drops do (see ``portals``: the iptables backends' ``KUBE-PORTALS-REJECT``).
 - **Node-port addresses.** With ``--nodeport-addresses`` the node-port rules also match
   ``ip daddr`` in its CIDRs (besides being local), evaluated per packet.
 - **The filter accept.** ``node-ports-filter`` accepts new connections to the proxy ports of
@@ -164,6 +171,8 @@ SHORT_CIRCUIT_EXTERNAL_IPS = "short-circuit-external-ips"
 SHORT_CIRCUIT_NODE_PORTS = "short-circuit-node-ports"
 FIREWALLED_LB_IPS = "firewalled-lb-ips"
 LB_SOURCE_RANGES = "lb-source-ranges"
+REJECTED_PROXY_PORTS = "rejected-proxy-ports"
+DROPPED_PROXY_PORTS = "dropped-proxy-ports"
 STORE_NAMES = (
     CLUSTER_IPS,
     EXTERNAL_IPS,
@@ -174,6 +183,8 @@ STORE_NAMES = (
     SHORT_CIRCUIT_NODE_PORTS,
     FIREWALLED_LB_IPS,
     LB_SOURCE_RANGES,
+    REJECTED_PROXY_PORTS,
+    DROPPED_PROXY_PORTS,
 )
 
 FIREWALL_PRIORITY = -110  # before any NAT (dstnat - 10, as kube-proxy's firewall)
@@ -337,12 +348,16 @@ class Layout:
             Store("map", SHORT_CIRCUIT_NODE_PORTS, f"{port} : inet_service"),
             Store("set", FIREWALLED_LB_IPS, addr),
             Store("set", LB_SOURCE_RANGES, f"{addr} . {family.addr_type}", "interval"),
+            Store("set", REJECTED_PROXY_PORTS, port),
+            Store("set", DROPPED_PROXY_PORTS, port),
         )
         any_address = _is_unspecified(listen_ip)
         container = "redirect to :" if any_address else f"dnat to {family.nat_to(listen_ip)}"
         host = f"dnat to {family.nat_to(host_ip if any_address else listen_ip)}"
         matches = _Matches(
-            nodeports=family.match(family.daddr, nodeport_cidrs), pods=_pods(family, local)
+            nodeports=family.match(family.daddr, nodeport_cidrs),
+            pods=_pods(family, local),
+            listen="" if any_address else f"{family.daddr} {family.address(listen_ip)} ",
         )
         self.chains = _chains(family, container, host, dial_mark, matches)
 
@@ -364,6 +379,7 @@ class _Matches:
 
     nodeports: str  # the destinations node ports answer on (--nodeport-addresses)
     pods: str  # traffic from pods (--detect-local-mode); "": not told apart
+    listen: str = ""  # the proxy ports' address, when uproxy listens on one address only
 
 
 def _pods(family: Family, local: LocalTraffic) -> str:
@@ -394,7 +410,7 @@ def _pod_rules(
 def _chains(
     family: Family, container: str, host: str, dial_mark: int, m: _Matches
 ) -> tuple[Chain, ...]:
-    """The six chains; ``container``/``host`` are the translation up to the port map."""
+    """The seven chains; ``container``/``host`` are the translation up to the port map."""
     l4 = "meta l4proto { tcp, udp }"
     local = "fib daddr type local"
     key = f"{family.daddr} . meta l4proto . th dport"
@@ -436,6 +452,10 @@ def _chains(
         Chain("node-ports-filter", "filter", "input", FILTER_PRIORITY, (
             f"ct state new meta l4proto . th dport @{NODE_PORT_PROXY_PORTS} accept",
         )),
+        Chain("no-endpoints", "filter", "input", FILTER_PRIORITY - 1, (
+            f"ct state new {m.listen}meta l4proto . th dport @{REJECTED_PROXY_PORTS} reject",
+            f"ct state new {m.listen}meta l4proto . th dport @{DROPPED_PROXY_PORTS} drop",
+        )),
     )  # fmt: skip
 
 
@@ -445,6 +465,12 @@ def _chains(
 def portal_elements(portal: Portal, family: Family) -> tuple[tuple[str, Element], ...]:
     """The (map or set name, element) pairs one portal needs."""
     proto = portal.protocol.value.lower()
+    if portal.refusal:
+        reject = portal.kind is PortalKind.NO_ENDPOINTS
+        what = "has no endpoints" if reject else "has no local endpoints"
+        store = REJECTED_PROXY_PORTS if reject else DROPPED_PROXY_PORTS
+        text = element_comment(f"{portal.service} {what}")
+        return ((store, Element((proto, portal.proxy_port), None, text)),)
     comment = element_comment(str(portal.service))
     if portal.kind is PortalKind.NODE_PORT:
         return _node_port_elements(portal, proto, comment)

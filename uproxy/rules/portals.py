@@ -25,6 +25,17 @@ operators' habits carry over:
   per range); a redirected packet no longer has the LoadBalancer IP as its destination, so this
   chain drops exactly what was not let in. Not from OUTPUT: the node itself is always allowed
   (its host portal redirects regardless of source).
+- filter ``KUBE-PORTALS-REJECT`` (from INPUT, new connections only): a proxy port whose traffic
+  has no endpoint to go to turns new connections away, as kube-proxy's filter rules do a
+  service's: ``REJECT`` (ICMP port unreachable: TCP clients are refused at once, UDP clients
+  read ECONNREFUSED instead of waiting out a timeout) when the service port has no usable
+  endpoint at all, ``DROP`` when it has some but none for this traffic (a Local policy
+  without an endpoint on this node). Every portal of the service (ClusterIP, externalIP,
+  LoadBalancer IP, node port, from pods, other hosts and the node) leads to that proxy port,
+  and conntrack turns the ICMP error back into one about the address the client used. Rules
+  follow endpoints at the rules' pace (``--iptables-min-sync-period``), as kube-proxy's do;
+  without rules (``--rules none``) a port without endpoints accepts and resets, as
+  kube-proxy's userspace mode did.
 
 externalIPs get kube-proxy's three rules: from containers when the packet did not come in over a
 bridge port (``physdev ! --physdev-is-in``), from containers when the address is local, and
@@ -78,11 +89,12 @@ CONTAINER_NODEPORTS = "KUBE-NODEPORT-CONTAINER"
 HOST_NODEPORTS = "KUBE-NODEPORT-HOST"
 NON_LOCAL_NODEPORTS = "KUBE-NODEPORT-NON-LOCAL"
 PORTALS_FIREWALL = "KUBE-PORTALS-FIREWALL"
+PORTALS_REJECT = "KUBE-PORTALS-REJECT"
 
 # Every chain uproxy owns, per table, in a fixed order.
 CHAINS: dict[str, tuple[str, ...]] = {
     NAT: (CONTAINER_PORTALS, HOST_PORTALS, CONTAINER_NODEPORTS, HOST_NODEPORTS),
-    FILTER: (NON_LOCAL_NODEPORTS, PORTALS_FIREWALL),
+    FILTER: (NON_LOCAL_NODEPORTS, PORTALS_FIREWALL, PORTALS_REJECT),
 }
 TABLES: tuple[str, ...] = (NAT, FILTER)
 ALL_CHAINS: frozenset[str] = frozenset(c for chains in CHAINS.values() for c in chains)
@@ -97,6 +109,7 @@ _PORTALS_COMMENT = "handle ClusterIPs; NOTE: this must be before the NodePort ru
 _NODEPORTS_COMMENT = "handle service NodePorts; NOTE: this must be the last rule in the chain"
 _NON_LOCAL_COMMENT = "Ensure that non-local NodePort traffic can flow"
 _FIREWALL_COMMENT = "drop LoadBalancer traffic from outside its loadBalancerSourceRanges"
+_REJECT_COMMENT = "turn away new connections to proxy ports without endpoints"
 # No apostrophe: iptables-save would print it escaped, and the text is compared verbatim.
 DIAL_MARK_COMMENT = "uproxy dials to endpoints skip the portals"
 
@@ -165,6 +178,7 @@ class PortalRule:
     to_destination: str | None = None  # DNAT --to-destination
     src: str | None = None  # CIDR: a source range, or the pods' CIDR
     in_interface: str | None = None  # -i NAME, or NAME+ for a prefix
+    reject_with: str | None = None  # REJECT --reject-with TYPE
 
     def spec(self) -> str:
         """The rule's arguments after ``-A CHAIN``, exactly as iptables-save prints them."""
@@ -193,6 +207,8 @@ class PortalRule:
             parts.append(f"--to-ports {self.to_ports}")
         if self.to_destination is not None:
             parts.append(f"--to-destination {self.to_destination}")
+        if self.reject_with is not None:
+            parts.append(f"--reject-with {self.reject_with}")
         return " ".join(parts)
 
     def save_line(self) -> str:
@@ -231,6 +247,8 @@ def make_jumps(nodeport_cidrs: Collection[str] = ()) -> tuple[JumpRule, ...]:
             JumpRule(FILTER, chain, PORTALS_FIREWALL, _FIREWALL_COMMENT, ct_new=True)
             for chain in ("INPUT", "FORWARD")
         ),
+        # Before the node-port accept: an accept there would let a refused port's traffic in.
+        JumpRule(FILTER, "INPUT", PORTALS_REJECT, _REJECT_COMMENT, ct_new=True),
         JumpRule(FILTER, "INPUT", NON_LOCAL_NODEPORTS, _NON_LOCAL_COMMENT),
     )
 
@@ -480,6 +498,8 @@ class _Targets:
     container_host: str  # DNAT address from containers when not redirecting: "ADDR:"
     host: str  # DNAT address from the node itself: "ADDR:" ("[ADDR]:" for IPv6)
     pods: tuple[Source, ...] = ()  # how traffic from pods is told apart (none: it is not)
+    listen: str | None = None  # the listen address as a CIDR, when it is one address
+    unreachable: str = "icmp-port-unreachable"  # REJECT's ICMP error (ICMPv6's for IPv6)
 
     def from_container(self, proxy_port: int) -> _Target:
         # REDIRECT reaches a proxy bound to any address on the incoming interface's primary
@@ -553,7 +573,25 @@ def _address_rules(portal: Portal, t: _Targets) -> Iterable[PortalRule]:
         yield replace(m.rule(PORTALS_FIREWALL, _Target("DROP")), table=FILTER)
 
 
+def _refusal_rules(portal: Portal, t: _Targets) -> Iterable[PortalRule]:
+    """A proxy port without endpoints: its new connections are rejected, or dropped."""
+    reject = portal.kind is PortalKind.NO_ENDPOINTS
+    what = "has no endpoints" if reject else "has no local endpoints"
+    yield PortalRule(
+        table=FILTER,
+        chain=PORTALS_REJECT,
+        comment=f"{portal.service} {what}",
+        protocol=portal.protocol.value.lower(),
+        dport=portal.proxy_port,
+        target="REJECT" if reject else "DROP",
+        dst=t.listen,
+        reject_with=t.unreachable if reject else None,
+    )
+
+
 def _rules_for(portal: Portal, targets: _Targets) -> Iterable[PortalRule]:
+    if portal.refusal:
+        return _refusal_rules(portal, targets)
     if portal.kind is PortalKind.NODE_PORT:
         return _node_port_rules(portal, targets)
     if portal.kind is PortalKind.EXTERNAL_IP:
@@ -612,6 +650,8 @@ class RuleBuilder:
             _host_port_prefix(listen_ip) if not redirect else "",
             _host_port_prefix(host),
             pod_sources(local, version),
+            None if redirect else _cidr(listen_ip),
+            "icmp6-port-unreachable" if self.family is IPFamily.V6 else "icmp-port-unreachable",
         )
         self._mark_rules = dial_mark_rules(dial_mark)
         self.jumps = make_jumps(tuple(str(n) for n in narrowing(nodeport_cidrs, version)))
@@ -650,7 +690,7 @@ class RuleBuilder:
         return RuleSet(jumps=self.jumps, rules=tuple(ordered))
 
     def _check(self, portal: Portal) -> None:
-        if portal.kind is not PortalKind.NODE_PORT and portal.ip is None:
+        if portal.kind is not PortalKind.NODE_PORT and portal.ip is None and not portal.refusal:
             raise ValueError(f"portal of kind {portal.kind} for {portal.service} has no address")
         if portal.family is not self.family:
             raise ValueError(

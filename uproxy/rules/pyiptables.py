@@ -189,6 +189,8 @@ class _Worker:
             target.parse("to-ports", rule.to_ports)
         if rule.to_destination is not None:
             target.parse("to-destination", rule.to_destination)
+        if rule.reject_with is not None:
+            target.parse("reject-with", rule.reject_with)
         return r
 
     def _jump(self, jump: JumpRule) -> Any:
