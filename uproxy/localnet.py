@@ -3,12 +3,15 @@ traffic is a pod's.
 
 All follow kube-proxy's flags and mean what they mean there.
 
-The IP families a node serves (``stacks_at_start``): with ``--bind-address`` unset, every family
-the node has an address of (its primary address of the family is where the node's own traffic
-is DNATed; never loopback) and the rules backend can program, each listening on any address of
-it; with ``--bind-address``, that address's family alone. Laptop mode listens on 127.0.0.1 and,
-when the machine has it, ::1. A service port is proxied in the families of its ClusterIPs
-among those (see ``ServicePort.families``).
+The IP families a node serves (``stacks_at_start``): every family the node has an address of
+(its primary address of the family is where the node's own traffic is DNATed; never loopback)
+and the rules backend can program, each listening on any address of it, IPv4 first. An
+unspecified ``--bind-address`` (``0.0.0.0``, ``::``) changes only which family comes first,
+as kube-proxy reads it as the primary family and proxies both (kubeadm writes
+``bindAddress: 0.0.0.0``); a specific one limits uproxy to that address and its family. Laptop
+mode listens on 127.0.0.1 and, when the machine has it, ::1 (or on ``--bind-address`` alone).
+A service port is proxied in the families of its ClusterIPs among those (see
+``ServicePort.families``).
 
 ``--nodeport-addresses`` narrows NodePorts to the node's addresses in some CIDRs, or to its
 primary address of each family (``primary``, which cannot be mixed with CIDRs). Each family
@@ -82,11 +85,10 @@ def stacks_at_start(
                 f"--rules {settings.rules_backend} cannot program rules here: {why}; "
                 "install it, or choose another --rules"
             )
-        return (Stack(ip_family(bind), bind, bind),)
+        return _serving((Stack(ip_family(bind), bind, bind),))
     wanted = list(IPFamily)
-    if bind:  # an unspecified one: its family alone, on any address of it
-        wanted = [ip_family(bind)]
-        _say_family_left_out(bind)
+    if bind:  # an unspecified one: its family first (kube-proxy's primary family), both served
+        wanted.sort(key=lambda f: f is not ip_family(bind))
     out: list[Stack] = []
     unsupported: list[str] = []
     for family in wanted:
@@ -109,32 +111,22 @@ def stacks_at_start(
             "install it, or choose another --rules"
         )
     if not out:
-        which = wanted[0].label if len(wanted) == 1 else "IPv4 or IPv6"
         raise ValueError(
-            f"cannot find this node's {which} address for the host portal rules; "
+            "cannot find this node's IPv4 or IPv6 address for the host portal rules; "
             "set --bind-address to it"
         )
+    return _serving(tuple(out))
+
+
+def _serving(stacks: tuple[Stack, ...]) -> tuple[Stack, ...]:
     log.info(
         "Serving IP families",
         extra=kv(
-            families=",".join(s.family.label for s in out), node=",".join(s.host_ip for s in out)
+            families=",".join(s.family.label for s in stacks),
+            node=",".join(s.host_ip for s in stacks),
         ),
     )
-    return tuple(out)
-
-
-def _say_family_left_out(bind: str) -> None:
-    """An unspecified --bind-address (``0.0.0.0``, ``::``) limits uproxy to its family,
-    where kube-proxy reads it as the primary family and serves both (kubeadm writes
-    ``bindAddress: 0.0.0.0``): say so, once, on a node that has an address of the other."""
-    other = IPFamily.V6 if ip_family(bind) is IPFamily.V4 else IPFamily.V4
-    address = primary_address(other)
-    if address is not None:
-        log.warning(
-            "Not serving an IP family: --bind-address limits uproxy to its own; leave it "
-            "unset to serve both",
-            extra=kv(bind_address=bind, family=other.label, node=address),
-        )
+    return stacks
 
 
 def has_loopback6() -> bool:

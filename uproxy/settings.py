@@ -97,9 +97,10 @@ class Settings:
         flag="--bind-address",
         config="bindAddress",
         kind="ip",
-        help="The address proxy ports listen on, which limits uproxy to its IP family; "
+        help="The address proxy ports listen on, which limits uproxy to it and its IP family; "
         "default: 0.0.0.0 and :: (each family the node has an address of), or 127.0.0.1 and "
-        "::1 with --rules none",
+        "::1 with --rules none. 0.0.0.0 or :: (kubeadm writes 0.0.0.0) only puts its family "
+        "first, as kube-proxy reads it as the primary family: both are served",
     )
     proxy_port_range: str = opt(
         "",

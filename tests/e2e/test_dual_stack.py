@@ -104,7 +104,15 @@ def rules_text(net: Cluster, mode: str | None, family: int) -> str:
     return topo.run(topo.node, f"{'ip' if family == 4 else 'ip6'}tables-{mode}-save")
 
 
-@pytest.mark.parametrize(("rules", "mode"), RULES)
+@pytest.mark.parametrize(
+    ("rules", "mode"),
+    [
+        *RULES,
+        # An unspecified --bind-address is kube-proxy's primary family: both are served.
+        pytest.param(["auto", "--bind-address", "0.0.0.0"], "nft", id="restore-bind-0.0.0.0"),
+        pytest.param(["nftables", "--bind-address", "::"], None, id="nftables-bind-::"),
+    ],
+)
 def test_dual_stack_service_in_both_families_and_an_ipv6_only_one(
     net: Cluster,
     services: ServicesFile,
@@ -120,6 +128,9 @@ def test_dual_stack_service_in_both_families_and_an_ipv6_only_one(
     services.write()
     proxy = start_uproxy(rules[0], extra=rules[1:])
     proxy.wait_synced()
+    served = [line for line in proxy.proc.stderr_lines if "Serving IP families" in line]
+    order = "IPv6,IPv4" if "::" in rules else "IPv4,IPv6"  # the primary family first
+    assert served and f'families="{order}"' in served[0], served
     # Listeners per family: the dual-stack services in both, the IPv6-only one in IPv6.
     v4, v6 = proxy.proxy_ports(), proxy.proxy_ports(ipv6=True)
     assert {s for s, _ in v4} == {"default/web:http", "default/dns:dns", "default/hc:http"}
@@ -170,13 +181,14 @@ def test_ipv6_only_node(
     rules: list[str],
     mode: str | None,
 ) -> None:
-    """``--bind-address ::``: uproxy serves IPv6 alone, as it serves IPv4 alone by default on
-    an IPv4 node; a dual-stack service is proxied on its IPv6 addresses."""
+    """``--bind-address`` the node's IPv6 address: uproxy serves IPv6 alone, on that address,
+    as it serves IPv4 alone on an IPv4 node; a dual-stack service is proxied on its IPv6
+    addresses."""
     topo = net.topo
     start_backends(net, start_proc)
     services.put(*dual_web(net), *dual_dns(net), *web6_only(net))
     services.write()
-    proxy = start_uproxy(rules[0], extra=[*rules[1:], "--bind-address", "::"])
+    proxy = start_uproxy(rules[0], extra=[*rules[1:], "--bind-address", topo.node_ip6])
     proxy.wait_synced()
 
     assert names(net, topo.pod, url(WEB_IP6), tmp_path) == WEB6

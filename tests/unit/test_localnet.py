@@ -310,14 +310,19 @@ def test_families_served(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCapt
             Settings(rules="nftables", bind_address="10.200.3.1"),
             rules_support=lambda f: "nft is not installed (the nftables package)",
         )
-    # --bind-address: its family alone; an unspecified one takes the node's address of it.
-    # The other family, which the node has (and kube-proxy would serve), is named once.
+    # An unspecified --bind-address puts its family first and serves both, as kube-proxy
+    # reads it (its primary family; kubeadm writes 0.0.0.0); nothing is left out.
     caplog.clear()
     assert stacks_at_start(Settings(rules="nftables", bind_address="::")) == (
         Stack(V6, "fd00:200:3::1", "::"),
+        Stack(V4, "10.200.3.1", "0.0.0.0"),
     )
-    (left_out,) = [r for r in caplog.records if r.getMessage().startswith("Not serving")]
-    assert left_out.kv == {"bind_address": "::", "family": "IPv4", "node": "10.200.3.1"}  # type: ignore[attr-defined]
+    assert stacks_at_start(Settings(rules="nftables", bind_address="0.0.0.0")) == (
+        Stack(V4, "10.200.3.1", "0.0.0.0"),
+        Stack(V6, "fd00:200:3::1", "::"),
+    )
+    assert not [r for r in caplog.records if r.getMessage().startswith("Not serving")]
+    # A specific one: that address and its family alone.
     only = Settings(rules="nftables", bind_address="10.200.3.1")
     assert stacks_at_start(only) == (Stack(V4, "10.200.3.1", "10.200.3.1"),)
     # A loopback --bind-address cannot take the node's own traffic (its DNAT target).
