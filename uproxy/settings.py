@@ -392,12 +392,6 @@ class Settings:
         return self.rules_backend == "none"
 
     @property
-    def listen_host(self) -> str:
-        if self.bind_address:
-            return self.bind_address
-        return "127.0.0.1" if self.laptop else "0.0.0.0"
-
-    @property
     def node_name(self) -> str:
         return self.hostname_override or socket.gethostname().lower()
 

@@ -36,7 +36,7 @@ def test_configmap_gives_the_expected_settings(
     assert s.healthz_bind_address == ("0.0.0.0:10356" if beside else "0.0.0.0:10256")
     assert s.metrics_bind_address == ("127.0.0.1:10349" if beside else "127.0.0.1:10249")
     assert s.rules_backend == "auto" and s.iptables_mode == "auto"
-    assert s.listen_host == "0.0.0.0" and not s.laptop
+    assert s.bind_address is None and not s.laptop  # every family the node has
     assert s.services is None and s.kubeconfig is None  # in-cluster API access
     assert s.udp_timeout == 0.25 and s.udp_max_flows == 4096
     assert s.iptables_sync_period == 30.0 and s.iptables_min_sync_period == 1.0

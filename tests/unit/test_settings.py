@@ -104,7 +104,7 @@ def test_flags_parse() -> None:
     )
     assert s.udp_timeout == 1.0 and s.lb_algorithm == "random" and s.laptop
     assert s.nodeport_addresses == ("10.0.0.0/8", "192.168.0.0/16")
-    assert s.verbosity == 4 and s.listen_host == "127.0.0.1"
+    assert s.verbosity == 4 and s.bind_address is None
 
 
 # DataplaneSettings fields that share a name with a Settings field but are computed at start
