@@ -3,7 +3,8 @@
 kube-proxy's iptables and nftables modes REJECT a service with no usable endpoint (an ICMP port
 unreachable): a TCP client's connect fails at once, and a UDP client reads ECONNREFUSED instead
 of waiting out its timeout (a resolver then asks its next server). uproxy's rules do the same
-for the proxy port the service's addresses lead to, and take it back once an endpoint exists.
+for the proxy port the service's addresses lead to, and take it back once an endpoint exists;
+TCP is refused with a RST rather than an ICMP error, which the kernel rate-limits per client.
 Real clients (curl, and a UDP socket as a resolver uses one) from a pod, the node and outside.
 """
 
@@ -59,6 +60,30 @@ except TimeoutError:
 """
 
 
+# Connections one after another, as a client retrying in a loop opens them: how many were
+# refused within 0.5 s each (an ICMP error, rate-limited per client, would leave most waiting).
+TCP_BURST = """
+import socket, sys
+refused = 0
+for _ in range(int(sys.argv[3])):
+    s = socket.socket()
+    s.settimeout(0.5)
+    try:
+        s.connect((sys.argv[1], int(sys.argv[2])))
+    except ConnectionRefusedError:
+        refused += 1
+    except OSError:
+        pass
+    s.close()
+print(refused)
+"""
+
+
+def refused_in_a_burst(topo: Topology, ns: str, ip: str, port: int, count: int) -> int:
+    argv = topo.exec_argv(ns, sys.executable, "-c", TCP_BURST, ip, str(port), str(count))
+    return int(subprocess.run(argv, capture_output=True, text=True, timeout=60).stdout)
+
+
 def udp_probe(topo: Topology, ns: str, ip: str, port: int) -> str:
     argv = topo.exec_argv(ns, sys.executable, "-c", UDP_PROBE, ip, str(port))
     return subprocess.run(argv, capture_output=True, text=True, timeout=20).stdout.strip()
@@ -98,6 +123,9 @@ def test_a_service_port_without_endpoints_refuses_until_it_has_one(
     ]
     for ns, url in urls:
         assert refused_at_once(topo, ns, url), (ns, url)
+    # Every one of many connections in a row: TCP is refused with a RST, which the kernel does
+    # not rate-limit as it does ICMP errors (6 at once, then one a second per client).
+    assert refused_in_a_burst(topo, topo.pod, WEB_IP, 80, 30) == 30
     # UDP: the conntrack entry of the redirected datagram turns the ICMP error back into one
     # about the ClusterIP, so the client's connected socket reads ECONNREFUSED.
     assert udp_probe(topo, topo.pod, DNS_IP, 53) == "refused"

@@ -80,11 +80,11 @@ REJECT_JUMP = (
 
 def refused(service: str, port: int, *, proto: str = "tcp", family: int = 4) -> str:
     """The filter rule rejecting new connections to ``service``'s proxy ``port``: it has no
-    usable endpoint (of that family)."""
+    usable endpoint (of that family). TCP with a RST, UDP with an ICMP port unreachable."""
     icmp = "icmp6-port-unreachable" if family == 6 else "icmp-port-unreachable"
     return (
         f'-p {proto} -m comment --comment "{service} has no endpoints" -m {proto} --dport {port} '
-        f"-j REJECT --reject-with {icmp}"
+        f"-j REJECT --reject-with {'tcp-reset' if proto == 'tcp' else icmp}"
     )
 
 
@@ -369,6 +369,7 @@ ct state new meta l4proto . th dport @node-port-proxy-ports accept
 }
 chain no-endpoints {
 type filter hook input priority filter - 1; policy accept;
+ct state new meta l4proto . th dport @rejected-proxy-ports reject with tcp reset
 ct state new meta l4proto . th dport @rejected-proxy-ports reject
 ct state new meta l4proto . th dport @dropped-proxy-ports drop
 }

@@ -123,6 +123,7 @@ ct state new meta l4proto . th dport @node-port-proxy-ports accept
 }
 chain no-endpoints {
 type filter hook input priority filter - 1; policy accept;
+ct state new meta l4proto . th dport @rejected-proxy-ports reject with tcp reset
 ct state new meta l4proto . th dport @rejected-proxy-ports reject
 ct state new meta l4proto . th dport @dropped-proxy-ports drop
 }

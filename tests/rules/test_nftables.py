@@ -133,6 +133,7 @@ table ip uproxy {
 	}
 	chain no-endpoints {
 		type filter hook input priority -1; policy accept;
+		ct state new meta l4proto . th dport @rejected-proxy-ports meta l4proto tcp reject with tcp reset
 		ct state new meta l4proto . th dport @rejected-proxy-ports reject
 		ct state new meta l4proto . th dport @dropped-proxy-ports drop
 	}
@@ -269,9 +270,11 @@ def test_proxy_ports_without_endpoints_are_set_elements() -> None:
     } == {k: v for k, v in without.items() if k not in (REJECTED_PROXY_PORTS, DROPPED_PROXY_PORTS)}
     # Only new connections, and on one listen address only that address's.
     rules = {c.name: c.rules for c in Layout(host_ip=HOST_IP, listen_ip="192.168.7.9").chains}
+    listen = "ct state new ip daddr 192.168.7.9 meta l4proto . th dport"
     assert rules["no-endpoints"] == (
-        "ct state new ip daddr 192.168.7.9 meta l4proto . th dport @rejected-proxy-ports reject",
-        "ct state new ip daddr 192.168.7.9 meta l4proto . th dport @dropped-proxy-ports drop",
+        f"{listen} @rejected-proxy-ports meta l4proto tcp reject with tcp reset",
+        f"{listen} @rejected-proxy-ports reject",
+        f"{listen} @dropped-proxy-ports drop",
     )
 
 
@@ -405,7 +408,7 @@ def test_layout_skeleton_matches_its_own_listing_shape() -> None:
         "node-ports-container": 1,
         "node-ports-host": 3,
         "node-ports-filter": 1,
-        "no-endpoints": 2,
+        "no-endpoints": 3,
     }
     assert len(layout.skeleton().stores) == 11
 

@@ -80,7 +80,7 @@ COMMIT
 """
 
 REFUSAL_LINES = [
-    '-A KUBE-PORTALS-REJECT -p tcp -m comment --comment "default/empty:http has no endpoints" -m tcp --dport 40004 -j REJECT --reject-with icmp-port-unreachable',
+    '-A KUBE-PORTALS-REJECT -p tcp -m comment --comment "default/empty:http has no endpoints" -m tcp --dport 40004 -j REJECT --reject-with tcp-reset',
     '-A KUBE-PORTALS-REJECT -p udp -m comment --comment "default/local:dns has no local endpoints" -m udp --dport 40005 -j DROP',
 ]
 
@@ -99,15 +99,21 @@ def test_proxy_ports_without_endpoints_are_rejected_or_dropped() -> None:
     ruleset = build_rules([*PORTALS, *REFUSALS], host_ip=HOST_IP)
     assert ruleset.save_lines(FILTER)["KUBE-PORTALS-REJECT"] == REFUSAL_LINES
     assert ruleset.save_lines(NAT) == build_rules(PORTALS, host_ip=HOST_IP).save_lines(NAT)
-    # On one listen address, only that address's proxy ports; in IPv6 with ICMPv6's error.
+    # On one listen address, only that address's proxy ports.
     one = build_rules(REFUSALS, host_ip=HOST_IP, listen_ip="192.168.7.9")
     assert one.save_lines(FILTER)["KUBE-PORTALS-REJECT"] == [
         line.replace("-A KUBE-PORTALS-REJECT ", "-A KUBE-PORTALS-REJECT -d 192.168.7.9/32 ")
         for line in REFUSAL_LINES
     ]
+    # TCP is refused with a RST (an ICMP error is rate-limited per client), UDP with ICMP's
+    # port unreachable, ICMPv6's in IPv6.
+    udp = ServicePortName("default", "empty", "dns", Protocol.UDP)
     v6 = [Portal.refusing(EMPTY, 40004, IPFamily.V6, anywhere=False)]
+    v6.append(Portal.refusing(udp, 40006, IPFamily.V6, anywhere=False))
     assert build_rules(v6, host_ip="fd00::1").save_lines(FILTER)["KUBE-PORTALS-REJECT"] == [
-        REFUSAL_LINES[0].replace("icmp-port-unreachable", "icmp6-port-unreachable")
+        '-A KUBE-PORTALS-REJECT -p udp -m comment --comment "default/empty:dns has no endpoints" '
+        "-m udp --dport 40006 -j REJECT --reject-with icmp6-port-unreachable",
+        REFUSAL_LINES[0],
     ]
 
 

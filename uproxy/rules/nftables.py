@@ -68,9 +68,9 @@ node ports apply to local destinations only, and externalIPs get kube-proxy's th
   ``--detect-local-mode`` tells them (``ip saddr CIDR``, ``iifname BRIDGE``,
   ``iifname "PREFIX*"``), and not at all without it.
 - **Proxy ports without endpoints.** ``no-endpoints`` rejects new connections to the proxy
-  ports of ``rejected-proxy-ports`` (an ICMP port unreachable: refused at once) and drops
-  those to ``dropped-proxy-ports``, as kube-proxy's ``no-endpoint-services`` and its Local
-  policies' drops do (see ``portals``: the iptables backends' ``KUBE-PORTALS-REJECT``).
+  ports of ``rejected-proxy-ports`` (TCP with a RST, UDP with an ICMP port unreachable) and
+  drops those to ``dropped-proxy-ports``, as kube-proxy's ``no-endpoint-services`` and its
+  Local policies' drops do (see ``portals``: the iptables backends' ``KUBE-PORTALS-REJECT``).
 - **Node-port addresses.** With ``--nodeport-addresses`` the node-port rules also match
   ``ip daddr`` in its CIDRs (besides being local), evaluated per packet.
 - **The filter accept.** ``node-ports-filter`` accepts new connections to the proxy ports of
@@ -453,6 +453,8 @@ def _chains(
             f"ct state new meta l4proto . th dport @{NODE_PORT_PROXY_PORTS} accept",
         )),
         Chain("no-endpoints", "filter", "input", FILTER_PRIORITY - 1, (
+            f"ct state new {m.listen}meta l4proto . th dport @{REJECTED_PROXY_PORTS} "
+            "meta l4proto tcp reject with tcp reset",
             f"ct state new {m.listen}meta l4proto . th dport @{REJECTED_PROXY_PORTS} reject",
             f"ct state new {m.listen}meta l4proto . th dport @{DROPPED_PROXY_PORTS} drop",
         )),

@@ -27,10 +27,12 @@ operators' habits carry over:
   (its host portal redirects regardless of source).
 - filter ``KUBE-PORTALS-REJECT`` (from INPUT, new connections only): a proxy port whose traffic
   has no endpoint to go to turns new connections away, as kube-proxy's filter rules do a
-  service's: ``REJECT`` (ICMP port unreachable: TCP clients are refused at once, UDP clients
-  read ECONNREFUSED instead of waiting out a timeout) when the service port has no usable
-  endpoint at all, ``DROP`` when it has some but none for this traffic (a Local policy
-  without an endpoint on this node). Every portal of the service (ClusterIP, externalIP,
+  service's: ``REJECT`` when the service port has no usable endpoint at all (a TCP client is
+  refused at once, by a RST: an ICMP error would be rate-limited per client, 6 and then one
+  a second, and a client opening connections faster would wait out SYN retransmissions; a
+  UDP client reads ECONNREFUSED from the ICMP port unreachable instead of waiting out a
+  timeout), ``DROP`` when it has some but none for this traffic (a Local policy without an
+  endpoint on this node). Every portal of the service (ClusterIP, externalIP,
   LoadBalancer IP, node port, from pods, other hosts and the node) leads to that proxy port,
   and conntrack turns the ICMP error back into one about the address the client used. Rules
   follow endpoints at the rules' pace (``--iptables-min-sync-period``), as kube-proxy's do;
@@ -77,7 +79,7 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from ipaddress import IPv4Network, IPv6Network
 
-from uproxy.model import IPFamily, ip_family
+from uproxy.model import IPFamily, Protocol, ip_family
 from uproxy.rules.base import NO_LOCAL_TRAFFIC, LocalTraffic, Portal, PortalKind, Stack
 
 NAT = "nat"
@@ -110,6 +112,9 @@ _NODEPORTS_COMMENT = "handle service NodePorts; NOTE: this must be the last rule
 _NON_LOCAL_COMMENT = "Ensure that non-local NodePort traffic can flow"
 _FIREWALL_COMMENT = "drop LoadBalancer traffic from outside its loadBalancerSourceRanges"
 _REJECT_COMMENT = "turn away new connections to proxy ports without endpoints"
+# A TCP connection without endpoints is refused with a RST, not an ICMP error (rate-limited
+# per client: the kernel's icmp_ratelimit, a burst of 6 and then one a second).
+_TCP_RESET = "tcp-reset"
 # No apostrophe: iptables-save would print it escaped, and the text is compared verbatim.
 DIAL_MARK_COMMENT = "uproxy dials to endpoints skip the portals"
 
@@ -585,7 +590,9 @@ def _refusal_rules(portal: Portal, t: _Targets) -> Iterable[PortalRule]:
         dport=portal.proxy_port,
         target="REJECT" if reject else "DROP",
         dst=t.listen,
-        reject_with=t.unreachable if reject else None,
+        reject_with=(_TCP_RESET if portal.protocol is Protocol.TCP else t.unreachable)
+        if reject
+        else None,
     )
 
 
