@@ -89,6 +89,8 @@ def make_backend(
     local addresses in them (``--nodeport-addresses``; empty: every local address);
     ``local`` tells traffic from pods apart (``--detect-local-mode``).
     """
+    from uproxy.rules.leftovers import remove_leftovers
+
     if name in ("auto", "iptables-restore", "iptables"):
         cls: type[IptcBackend | RestoreBackend]
         if name == "iptables":
@@ -102,6 +104,7 @@ def make_backend(
             dial_mark=dial_mark,
             nodeport_cidrs=nodeport_cidrs,
             local=local,
+            leftovers=remove_leftovers,
         )
     if name == "nftables":
         from uproxy.rules.nftables import NftablesBackend
@@ -112,6 +115,7 @@ def make_backend(
             dial_mark=dial_mark,
             nodeport_cidrs=nodeport_cidrs,
             local=local,
+            leftovers=remove_leftovers,
         )
     if name == "none":
         return NoRules()

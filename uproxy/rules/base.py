@@ -9,7 +9,7 @@ uproxy ever installed with that backend and is safe to run when nothing is insta
 from __future__ import annotations
 
 import enum
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Protocol as TypingProtocol
 
@@ -135,6 +135,20 @@ class Stack:
 
 class RulesError(Exception):
     """The backend could not program the kernel; the message says why and what to do."""
+
+
+class Leftovers(TypingProtocol):
+    """Removes what other rules backends left on the host (``leftovers.remove_leftovers``):
+    uproxy's nft tables when ``nft_tables``, its chains and jumps in the given iptables
+    variants. A backend's ``prepare`` calls it for everything but its own rules;
+    ``make_backend`` hands it in, so the backends never import one another for it."""
+
+    async def __call__(self, *, nft_tables: bool, iptables_modes: Iterable[str]) -> bool: ...
+
+
+async def keep_leftovers(*, nft_tables: bool, iptables_modes: Iterable[str]) -> bool:
+    """The ``Leftovers`` of a backend built on its own (tests): other backends' rules stay."""
+    return False
 
 
 class RulesBackend(TypingProtocol):

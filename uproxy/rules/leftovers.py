@@ -7,6 +7,10 @@ table runs before the iptables nat chains (priority -101), so after a switch fro
 to iptables-restore its stale maps would still catch every ClusterIP first; the other way
 round, services gone since the switch would still be redirected by the old chains. Only
 uproxy's own tables, chains and jumps are touched, exactly as ``--cleanup`` removes them.
+
+The backends do not import this module: ``make_backend`` hands ``remove_leftovers`` to
+each one it builds (``base.Leftovers``), and this module imports the backends' own removal
+steps, so no backend module imports another's for it.
 """
 
 from __future__ import annotations

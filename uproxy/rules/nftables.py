@@ -127,11 +127,13 @@ from uproxy.model import IPFamily
 from uproxy.rules import command
 from uproxy.rules.base import (
     NO_LOCAL_TRAFFIC,
+    Leftovers,
     LocalTraffic,
     Portal,
     PortalKind,
     RulesError,
     Stack,
+    keep_leftovers,
 )
 from uproxy.rules.portals import (
     ANY_IPV4,
@@ -812,6 +814,7 @@ class NftablesBackend:
         watch: Watch | None = None,
         clock: Callable[[], float] = time.monotonic,
         instance: str | None = None,
+        leftovers: Leftovers = keep_leftovers,
     ) -> None:
         self._options: dict[str, Any] = {
             "dial_mark": dial_mark,
@@ -840,6 +843,7 @@ class NftablesBackend:
         self._stamp: str | None = None  # the last one committed
         self._foreign: str | None = None  # the last stranger's stamp reported
         self.previous_ports: Previous = {}  # what the last run's table led to (``prepare``)
+        self._leftovers = leftovers
 
     @property
     def families(self) -> tuple[IPFamily, ...]:
@@ -874,9 +878,7 @@ class NftablesBackend:
         """Remove what the iptables backends left (both variants, both families), and read
         the proxy ports the last run's table leads to (``previous``); nothing to probe:
         ``nft`` is the one tool, and a table is ours or not."""
-        from uproxy.rules.leftovers import remove_leftovers
-
-        await remove_leftovers(nft_tables=False, iptables_modes=MODES)
+        await self._leftovers(nft_tables=False, iptables_modes=MODES)
         try:
             self.previous_ports = await self._read_previous()
         except (RulesError, OSError, ValueError):

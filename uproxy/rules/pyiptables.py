@@ -53,7 +53,15 @@ from typing import Any
 from uproxy.lifeline import die_with_parent
 from uproxy.model import IPFamily
 from uproxy.rules import command
-from uproxy.rules.base import NO_LOCAL_TRAFFIC, LocalTraffic, Portal, RulesError, Stack
+from uproxy.rules.base import (
+    NO_LOCAL_TRAFFIC,
+    Leftovers,
+    LocalTraffic,
+    Portal,
+    RulesError,
+    Stack,
+    keep_leftovers,
+)
 from uproxy.rules.portals import (
     ALL_CHAINS,
     ANY_IPV4,
@@ -383,8 +391,10 @@ class IptcBackend:
         local: LocalTraffic = NO_LOCAL_TRAFFIC,
         watch: Watch | None = None,
         clock: Callable[[], float] = time.monotonic,
+        leftovers: Leftovers = keep_leftovers,
     ) -> None:
         del mode  # legacy tables only; accepted for a uniform constructor
+        self._leftovers = leftovers
         self._options: dict[str, Any] = {
             "dial_mark": dial_mark,
             "nodeport_cidrs": tuple(nodeport_cidrs),
@@ -457,10 +467,9 @@ class IptcBackend:
         """Remove what other backends left (nft tables, iptables-nft chains), and read the
         proxy ports the last run's chains lead to (``previous``; with the iptables programs
         when they are there)."""
-        from uproxy.rules.leftovers import remove_leftovers
         from uproxy.rules.restore import read_previous
 
-        await remove_leftovers(nft_tables=True, iptables_modes=["nft"])
+        await self._leftovers(nft_tables=True, iptables_modes=["nft"])
         try:
             self.previous_ports = await read_previous("legacy", self._stacks)
         except (RulesError, OSError):

@@ -55,7 +55,15 @@ from typing import Any
 from uproxy.log import V2, kv
 from uproxy.model import IPFamily
 from uproxy.rules import command
-from uproxy.rules.base import NO_LOCAL_TRAFFIC, LocalTraffic, Portal, RulesError, Stack
+from uproxy.rules.base import (
+    NO_LOCAL_TRAFFIC,
+    Leftovers,
+    LocalTraffic,
+    Portal,
+    RulesError,
+    Stack,
+    keep_leftovers,
+)
 from uproxy.rules.payload import edit_payload, rewrite_commits
 from uproxy.rules.portals import (
     ANY_IPV4,
@@ -282,6 +290,7 @@ class RestoreBackend:
         local: LocalTraffic = NO_LOCAL_TRAFFIC,
         watch_factory: Callable[[str], Watch] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        leftovers: Leftovers = keep_leftovers,
     ) -> None:
         if mode not in ("auto", *MODES):
             raise RulesError(f"unknown iptables mode {mode!r}: use auto, nft or legacy")
@@ -298,6 +307,7 @@ class RestoreBackend:
         self.host_ip = first.host_ip
         self.listen_ip = first.listen_ip
         self._requested_mode = mode
+        self._leftovers = leftovers
         self._mode: str | None = None if mode == "auto" else mode
         self._lock = asyncio.Lock()
         versions = [f.value for f in self._families]
@@ -356,10 +366,8 @@ class RestoreBackend:
         async with self._lock:
             try:
                 mode = await self.mode()
-                from uproxy.rules.leftovers import remove_leftovers
-
                 others = [m for m in MODES if m != mode]
-                await remove_leftovers(nft_tables=True, iptables_modes=others)
+                await self._leftovers(nft_tables=True, iptables_modes=others)
                 watch = self.watch(mode)
                 token = watch.read()
                 if token is not None:
