@@ -9,8 +9,8 @@ round, services gone since the switch would still be redirected by the old chain
 uproxy's own tables, chains and jumps are touched, exactly as ``--cleanup`` removes them.
 
 The backends do not import this module: ``make_backend`` hands ``remove_leftovers`` to
-each one it builds (``base.Leftovers``), and this module imports the backends' own removal
-steps, so no backend module imports another's for it.
+each one it builds (``base.Leftovers``), and only this module imports the backends' removal
+steps: the imports between them run one way.
 """
 
 from __future__ import annotations
