@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import hashlib
 import os
+import select
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -14,7 +15,7 @@ from typing import Any
 import pytest
 import uvloop
 
-from uproxy.dataplane import fdreserve
+from uproxy.dataplane import fdreserve, relay
 from uproxy.dataplane.balancer import Balancer
 from uproxy.dataplane.settings import DataplaneSettings
 from uproxy.dataplane.tcp import TcpListener
@@ -63,6 +64,39 @@ async def wait_until(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         await asyncio.sleep(0.01)
+
+
+def relay_state(listener: TcpListener) -> str:
+    """What each of ``listener``'s pairs holds and waits for, for a test that saw a relay
+    stop moving: each side's flags, what its socket has queued each way, and the events the
+    epoll set watches on it (from /proc: ``events`` is the mask, EPOLLET included)."""
+    watched: dict[int, str] = {}
+    epfd = listener.poller.fileno()
+    with open(f"/proc/self/fdinfo/{epfd}") as info:
+        for line in info:
+            if line.startswith("tfd:"):
+                parts = line.split()
+                watched[int(parts[1])] = parts[3]
+    pending = bool(select.select([epfd], [], [], 0)[0])
+    lines = [f"epoll fd {epfd}: events pending={pending}"]
+    for conn in list(listener._conns):
+        for name, side in (("client", conn), ("endpoint", conn.peer or conn.dialing)):
+            if side is None:
+                lines.append(f"  {name}: none")
+                continue
+            pipe = side.pipe
+            queued = ""
+            if side.sock is not None:
+                queued = f"unread={relay._unread(side.sock)} unsent={relay._unsent(side.sock)}"
+            lines.append(
+                f"  {name} fd={side.fd} watched={watched.get(side.fd)} readable={side.readable}"
+                f" rdhup={side.rdhup} eof={side.eof} done={side.done}"
+                f" out={None if side.out is None else len(side.out)}"
+                f" pipe={None if pipe is None else (pipe.held, pipe.muted, pipe.small_wakes)}"
+                f" writes_watched={side.writes_watched} until_splice={side.until_splice}"
+                f" {queued}"
+            )
+    return "\n".join(lines)
 
 
 def digest(data: bytes) -> tuple[int, str]:

@@ -19,6 +19,7 @@ from tests.dataplane.conftest import (
     digest,
     make_balancer,
     open_fds,
+    relay_state,
     wait_until,
 )
 from tests.dataplane.test_tcp import relay as echo_relay
@@ -188,6 +189,8 @@ async def test_an_endpoint_reset_mid_transfer_reaches_the_client_as_a_reset(
         # then refuses; the stream was told why.
         lost = reader.exception()
         outcome = "reset" if isinstance(lost, ConnectionResetError) else f"closed: {lost!r}"
+    except TimeoutError:
+        outcome = f"stalled:\n{relay_state(listener)}"
     finally:
         writer.close()
     assert outcome == "reset"
