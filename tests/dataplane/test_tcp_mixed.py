@@ -1,14 +1,18 @@
-"""Many pairs at once, each with its own mix of sizes, pacing and half-closes, over both paths.
+"""Many pairs at once, each with its own mix of sizes, pacing, half-closes and resets, over
+both paths.
 
 The other relay tests each hold one pattern still. Here 48 pairs run side by side, each
 drawn from a seed: how much each side sends (nothing, a few bytes, up to 12 MiB), in what
 pieces, with what pauses, how fast each side reads (slow and late readers fill the relay's
 socket buffers: its sends fall short, the copy path holds bytes back and the splice path
-mutes its source; four pairs of each run make sure of it), and which side half-closes
-first. A low splice threshold and small pipes make directions switch between copying and
-splicing. The test checks that each of those paths was taken. Every byte is checked both ways
-(length and sha256), every pair must finish, and a pair that stops moving fails the test
-with what each of its sides holds and waits for (``relay_state``).
+mutes its source; four pairs of each run make sure of it), which side half-closes first,
+and, in one pair of five, which side resets the pair after how much of its stream. A low
+splice threshold and small pipes make directions switch between copying and splicing; the
+test checks that each of those paths was taken. A pair that was not reset must carry every
+byte both ways (length and sha256); across a reset, the other side must be told (a reset,
+never a clean end) and must have read only the start of the stream. Every pair must finish,
+and a pair that stops moving fails the test with what each of its sides holds and waits for
+(``relay_state``).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from uproxy.model import Endpoint
 KIB = 1024
 MIB = KIB * KIB
 PAIRS = 48
+RST = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends a RST
 HEADER = struct.Struct("!QQ")  # the pair's seed, then how many bytes the client sends
 SMALL_BUFFER = 48 * KIB  # the test's sockets' receive buffers: the relay's sends fall short
 # Bulk directions splice early and in small pipes; a read of the copy path is 32 KiB.
@@ -52,7 +57,8 @@ COPY = DataplaneSettings(high_water=32 * KIB, splice_threshold=None)
 @dataclass(frozen=True)
 class Plan:
     """What one side of one pair does: the bytes it sends, in which pieces and with which
-    pauses, and how it reads (piece size, pause after a read)."""
+    pauses, how it reads (piece size, pause after a read), and whether it resets the pair
+    after some of its bytes (``abort_after``)."""
 
     size: int
     pieces: tuple[int, ...]
@@ -62,6 +68,7 @@ class Plan:
     # A reader that starts late lets the buffers on the way fill up; None: it starts once
     # the relay's sends have fallen short (``Seen.fell_short``, at most 5 s).
     read_after_s: float | None
+    abort_after: int | None = None  # bytes of its stream, then a RST instead of the rest
 
     @staticmethod
     def draw(rng: random.Random) -> Plan:
@@ -106,13 +113,34 @@ class Pair:
     def draw(seed: int) -> Pair:
         rng = random.Random(seed)
         client, endpoint = Plan.draw(rng), Plan.draw(rng)
+        closes_first = rng.random() < 0.5
         if seed % 100 < 8:
             # Four pairs of each run (two each way) send 10 MiB to a reader that waits
             # until the relay's sends fall short: whatever the draw, they do in every run.
             sender = dataclasses.replace(client, size=10 * MIB, pieces=(MIB,) * 10)
             reader = dataclasses.replace(endpoint, read_after_s=None)
             client, endpoint = (reader, sender) if seed // 2 % 2 else (sender, reader)
-        return Pair(seed, client, endpoint, rng.random() < 0.5)
+        elif rng.random() < 0.2:
+            # One pair in five resets mid-stream, from either side, after some of its bytes
+            # (none at all, or all of them but the FIN).
+            if rng.random() < 0.5:
+                client = dataclasses.replace(client, abort_after=rng.randrange(client.size + 1))
+            else:
+                endpoint = dataclasses.replace(
+                    endpoint, abort_after=rng.randrange(endpoint.size + 1)
+                )
+        return Pair(seed, client, endpoint, closes_first)
+
+
+class Aborted(Exception):
+    """This side reset the pair, as its plan said."""
+
+
+# What the other side of a reset may see on its next read or write: the reset itself, a
+# write into a socket it closed, a shutdown of a socket no longer connected (ENOTCONN), or
+# (uvloop) a write refused by a transport already closed. Caught for every pair: one that
+# was not reset then fails on what it read.
+PEER_GONE = (OSError, RuntimeError)
 
 
 def small_buffers(sock: socket.socket) -> None:
@@ -121,20 +149,43 @@ def small_buffers(sock: socket.socket) -> None:
 
 
 async def send(writer: asyncio.StreamWriter, plan: Plan, data: bytes) -> None:
+    """Sends ``data`` as ``plan`` says, then a FIN; or, with ``abort_after``, that much of it
+    and a RST (raises ``Aborted``). A reset from the peer propagates (``PEER_GONE``)."""
+    limit = plan.size if plan.abort_after is None else plan.abort_after
     at = 0
     for piece in plan.pieces:
+        piece = min(piece, limit - at)
+        if piece <= 0:
+            break
         writer.write(data[at : at + piece])
         at += piece
         await writer.drain()
         if plan.write_pause_s:
             await asyncio.sleep(plan.write_pause_s)
+    if plan.abort_after is not None:
+        writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, RST)
+        writer.transport.abort()
+        raise Aborted
+    writer.write_eof()
 
 
-async def read_all(
-    reader: asyncio.StreamReader, plan: Plan, size: int, seen: Seen
-) -> tuple[int, str]:
-    """Reads the peer's ``size`` bytes to EOF in ``plan``'s pieces, pausing at most about
-    50 times (a slow reader, in bounded time): (length, sha256)."""
+@dataclass(frozen=True)
+class Read:
+    """What one side read of its peer's stream: how much, its sha256, and how it ended
+    (``error``: None for a clean EOF, else the exception's name)."""
+
+    size: int
+    sha256: str
+    error: str | None = None
+
+
+def complete(data: bytes) -> Read:
+    return Read(len(data), hashlib.sha256(data).hexdigest())
+
+
+async def read_all(reader: asyncio.StreamReader, plan: Plan, size: int, seen: Seen) -> Read:
+    """Reads the peer's ``size`` bytes to EOF (or a reset) in ``plan``'s pieces, pausing at
+    most about 50 times (a slow reader, in bounded time)."""
     digest = hashlib.sha256()
     total = reads = 0
     every = max(1, size // plan.read_size // 50)
@@ -143,17 +194,42 @@ async def read_all(
             await asyncio.wait_for(seen.fell_short.wait(), 5)
     else:
         await asyncio.sleep(plan.read_after_s)
-    while chunk := await reader.read(plan.read_size):
-        digest.update(chunk)
-        total += len(chunk)
-        reads += 1
-        if plan.read_pause_s and reads % every == 0:
-            await asyncio.sleep(plan.read_pause_s)
-    return total, digest.hexdigest()
+    try:
+        while chunk := await reader.read(plan.read_size):
+            digest.update(chunk)
+            total += len(chunk)
+            reads += 1
+            if plan.read_pause_s and reads % every == 0:
+                await asyncio.sleep(plan.read_pause_s)
+    except PEER_GONE as exc:
+        return Read(total, digest.hexdigest(), type(exc).__name__)
+    return Read(total, digest.hexdigest())
 
 
-def expected(data: bytes) -> tuple[int, str]:
-    return len(data), hashlib.sha256(data).hexdigest()
+async def play(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    plan: Plan,
+    data: bytes,
+    peer_size: int,
+    closes_first: bool,
+    seen: Seen,
+) -> Read | None:
+    """One side of a pair: send ``data`` and read the peer's stream, one after the other
+    (``closes_first``) or at once. What it read; None when this side reset the pair."""
+    reading = None if closes_first else asyncio.create_task(read_all(reader, plan, peer_size, seen))
+    try:
+        await send(writer, plan, data)
+    except Aborted:
+        if reading is not None:
+            reading.cancel()
+            await asyncio.gather(reading, return_exceptions=True)
+        return None
+    except PEER_GONE:
+        pass  # the peer reset the pair: the read ends with it too
+    got = await (reading if reading is not None else read_all(reader, plan, peer_size, seen))
+    writer.close()
+    return got
 
 
 @dataclass
@@ -190,63 +266,82 @@ def seen(monkeypatch: pytest.MonkeyPatch) -> Seen:
     return out
 
 
+@dataclass
+class Endpoints:
+    """What the endpoint read of each pair's client stream, by seed (None: it reset the
+    pair itself), and its connections still being served."""
+
+    received: dict[int, Read | None] = dataclasses.field(default_factory=dict)
+    serving: set[asyncio.Task[None]] = dataclasses.field(default_factory=set)
+
+
 @pytest.fixture
-async def endpoint(seen: Seen) -> AsyncIterator[tuple[Endpoint, dict[int, tuple[int, str]]]]:
-    """An endpoint that plays each pair's endpoint plan: what it read, by seed."""
-    received: dict[int, tuple[int, str]] = {}
+async def endpoint(seen: Seen) -> AsyncIterator[tuple[Endpoint, Endpoints]]:
+    """An endpoint that plays each pair's endpoint plan."""
+    out = Endpoints()
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        small_buffers(writer.get_extra_info("socket"))
-        seed, _ = HEADER.unpack(await reader.readexactly(HEADER.size))
-        pair = Pair.draw(seed)
-        plan = pair.endpoint
-        reply = plan.stream(seed + 1)
-
-        async def reply_then_fin() -> None:
-            await send(writer, plan, reply)
-            writer.write_eof()
-
-        replying = asyncio.create_task(reply_then_fin())
-        received[seed] = await read_all(reader, plan, pair.client.size, seen)
-        await replying
-        writer.close()
+        task = asyncio.current_task()
+        assert task is not None
+        out.serving.add(task)
+        try:
+            try:
+                small_buffers(writer.get_extra_info("socket"))
+                seed, _ = HEADER.unpack(await reader.readexactly(HEADER.size))
+            except (asyncio.IncompleteReadError, *PEER_GONE):
+                writer.close()  # a client that reset before its header arrived
+                return
+            pair = Pair.draw(seed)
+            plan = pair.endpoint
+            out.received[seed] = await play(
+                reader, writer, plan, plan.stream(seed + 1), pair.client.size, False, seen
+            )
+        finally:
+            out.serving.discard(task)
 
     server = await asyncio.start_server(handle, "127.0.0.1", 0, limit=64 * KIB)
     port = server.sockets[0].getsockname()[1]
-    yield Endpoint("127.0.0.1", port, node_name="node-a", ready=True), received
+    yield Endpoint("127.0.0.1", port, node_name="node-a", ready=True), out
     server.close()
     await server.wait_closed()
 
 
-async def run_pair(port: int, pair: Pair, seen: Seen) -> tuple[int, str]:
-    """The client's side of ``pair``: what it read of the endpoint's reply."""
+async def run_pair(port: int, pair: Pair, seen: Seen) -> Read | None:
+    """The client's side of ``pair``: what it read of the endpoint's reply (None: it reset
+    the pair)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=64 * KIB)
     small_buffers(writer.get_extra_info("socket"))
-    data = pair.client.stream(pair.seed)
-    try:
-        writer.write(HEADER.pack(pair.seed, len(data)))
-        if pair.client_closes_first:
-            await send(writer, pair.client, data)
-            writer.write_eof()
-            return await read_all(reader, pair.client, pair.endpoint.size, seen)
-        reading = asyncio.create_task(read_all(reader, pair.client, pair.endpoint.size, seen))
-        await send(writer, pair.client, data)
-        writer.write_eof()
-        return await reading
-    finally:
-        writer.close()
+    plan = pair.client
+    writer.write(HEADER.pack(pair.seed, plan.size))
+    return await play(
+        reader,
+        writer,
+        plan,
+        plan.stream(pair.seed),
+        pair.endpoint.size,
+        pair.client_closes_first,
+        seen,
+    )
+
+
+def check_reset(pair: int, what: str, got: Read | None, stream: bytes, sent: int) -> None:
+    """The side that did not reset the pair: it was told (never a clean EOF), and what it
+    read was the start of the other side's stream, no more than that side sent."""
+    assert got is not None and got.error is not None, f"pair {pair}: {what} not reset: {got}"
+    assert got.size <= sent, f"pair {pair}: {what} read {got.size} bytes of {sent} sent"
+    assert got.sha256 == hashlib.sha256(stream[: got.size]).hexdigest(), f"pair {pair}: {what}"
 
 
 @pytest.mark.parametrize("settings", [MIXED, COPY], ids=["splice", "copy"])
 @pytest.mark.parametrize("base", [1000, 2000])
 async def test_48_mixed_pairs_at_once_every_byte_both_ways(
     tcp_listener: ListenerFactory,
-    endpoint: tuple[Endpoint, dict[int, tuple[int, str]]],
+    endpoint: tuple[Endpoint, Endpoints],
     settings: DataplaneSettings,
     base: int,
     seen: Seen,
 ) -> None:
-    ep, received = endpoint
+    ep, served = endpoint
     listener = await tcp_listener(
         make_balancer(TCP_NAME, [ep], settings=settings), settings=settings
     )
@@ -260,13 +355,27 @@ async def test_48_mixed_pairs_at_once_every_byte_both_ways(
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         pytest.fail(f"{len(pending)} of {PAIRS} pairs stopped moving (seeds from {base}):\n{state}")
-    # A client is done once it has the whole reply; its own bytes may still be on their way.
-    await wait_until(lambda: len(received) == PAIRS, timeout=30, what="the endpoint read all")
-    for pair, run in zip(pairs, runs, strict=True):
-        reply = pair.endpoint.stream(pair.seed + 1)
-        assert run.result() == expected(reply), f"reply of pair {pair.seed}"
-        assert received[pair.seed] == expected(pair.client.stream(pair.seed)), f"pair {pair.seed}"
+    # A client is done once it has read the whole reply; its own bytes may still be on
+    # their way, and a reset may still be reaching the endpoint.
     await wait_until(lambda: listener.active == 0, what="every pair closed")
+    await wait_until(lambda: not served.serving, timeout=10, what="the endpoint done")
+    resets = 0
+    for pair, run in zip(pairs, runs, strict=True):
+        up, down = pair.client.stream(pair.seed), pair.endpoint.stream(pair.seed + 1)
+        got_down, got_up = run.result(), served.received.get(pair.seed)
+        if pair.client.abort_after is not None:
+            resets += 1
+            assert got_down is None
+            if pair.seed in served.received:  # else the reset came before the header
+                check_reset(pair.seed, "endpoint", got_up, up, pair.client.abort_after)
+        elif pair.endpoint.abort_after is not None:
+            resets += 1
+            assert got_up is None, f"pair {pair.seed}"
+            check_reset(pair.seed, "client", got_down, down, pair.endpoint.abort_after)
+        else:
+            assert got_down == complete(down), f"reply of pair {pair.seed}"
+            assert got_up == complete(up), f"pair {pair.seed}"
+    assert resets > 0
     await wait_until(lambda: open_fds() <= fds, what="sockets and pipes closed")
     # The paths under test were taken: sends that fell short and what they held back sent
     # once the reader made room; with splicing on, pipes, muted sources, and directions
