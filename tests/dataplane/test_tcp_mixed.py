@@ -47,7 +47,7 @@ KIB = 1024
 MIB = KIB * KIB
 PAIRS = 48
 RST = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends a RST
-HEADER = struct.Struct("!QQ")  # the pair's seed, then how many bytes the client sends
+HEADER = struct.Struct("!Q")  # the pair's seed: the endpoint draws the same plans from it
 SMALL_BUFFER = 48 * KIB  # the test's sockets' receive buffers: the relay's sends fall short
 # Bulk directions splice early and in small pipes; a read of the copy path is 32 KiB.
 MIXED = DataplaneSettings(high_water=32 * KIB, splice_threshold=64 * KIB, splice_pipe_size=64 * KIB)
@@ -287,7 +287,7 @@ async def endpoint(seen: Seen) -> AsyncIterator[tuple[Endpoint, Endpoints]]:
         try:
             try:
                 small_buffers(writer.get_extra_info("socket"))
-                seed, _ = HEADER.unpack(await reader.readexactly(HEADER.size))
+                (seed,) = HEADER.unpack(await reader.readexactly(HEADER.size))
             except (asyncio.IncompleteReadError, *PEER_GONE):
                 writer.close()  # a client that reset before its header arrived
                 return
@@ -312,7 +312,7 @@ async def run_pair(port: int, pair: Pair, seen: Seen) -> Read | None:
     reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=64 * KIB)
     small_buffers(writer.get_extra_info("socket"))
     plan = pair.client
-    writer.write(HEADER.pack(pair.seed, plan.size))
+    writer.write(HEADER.pack(pair.seed))
     return await play(
         reader,
         writer,
