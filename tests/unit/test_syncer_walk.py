@@ -33,7 +33,7 @@ from uproxy.tracker import Kind, Tracker
 
 V4, V6 = IPFamily.V4, IPFamily.V6
 NODE = "node-a"
-PORTS = (
+PORTS: tuple[dict[str, Any], ...] = (
     {"name": "http", "port": 80, "protocol": "TCP"},
     {"name": "dns", "port": 53, "protocol": "UDP"},
     {"name": "metrics", "port": 9090, "protocol": "TCP"},
