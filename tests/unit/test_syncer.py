@@ -550,19 +550,26 @@ def dual_slices(name: str = "web") -> list[dict[str, Any]]:
 
 
 def make_dual(
-    hosts: tuple[str, ...] = ("0.0.0.0", "::"), *, laptop: bool = False
+    hosts: tuple[str, ...] = ("0.0.0.0", "::"),
+    *,
+    laptop: bool = False,
+    services: Collection[dict[str, Any]] = (),
+    slices: Collection[dict[str, Any]] = (),
+    port_range: str = "40000-40099",
 ) -> tuple[Tracker, Syncer, RecordingRules, RecordingLink, list[TableRow]]:
+    """A syncer of a node serving ``hosts``' families, its tracker listed with ``services``
+    and ``slices``."""
     tracker, rules, link = Tracker(), RecordingRules(), RecordingLink()
     rows: list[TableRow] = []
-    tracker.replace(Kind.SERVICE, [])
-    tracker.replace(Kind.ENDPOINT_SLICE, [])
+    tracker.replace(Kind.SERVICE, list(services))
+    tracker.replace(Kind.ENDPOINT_SLICE, list(slices))
     syncer = Syncer(
         tracker=tracker,
         rules=rules,
         listener_factory=Factory(),
         options=SyncerOptions(
             settings=Settings(
-                rules="none" if laptop else "iptables-restore", proxy_port_range="40000-40099"
+                rules="none" if laptop else "iptables-restore", proxy_port_range=port_range
             ),
             dataplane=DataplaneSettings(node_name="node-a"),
             listen_hosts=hosts,

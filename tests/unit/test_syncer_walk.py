@@ -23,16 +23,14 @@ from typing import Any
 import pytest
 
 from tests.factories import endpoint, endpoint_slice, service
-from tests.unit.test_syncer import Factory, FakeListener, RecordingLink, RecordingRules
-from uproxy.dataplane.settings import DataplaneSettings
+from tests.unit.test_syncer import FakeListener, RecordingLink, RecordingRules, make_dual
 from uproxy.model import IPFamily, Protocol, Traffic
 from uproxy.rules.base import Portal
-from uproxy.settings import Settings
-from uproxy.syncer import Syncer, SyncerOptions
+from uproxy.syncer import Syncer
 from uproxy.tracker import Kind, Tracker
 
 V4, V6 = IPFamily.V4, IPFamily.V6
-NODE = "node-a"
+NODE = "node-a"  # the node make_dual's syncer runs on
 PORTS: tuple[dict[str, Any], ...] = (
     {"name": "http", "port": 80, "protocol": "TCP"},
     {"name": "dns", "port": 53, "protocol": "UDP"},
@@ -145,21 +143,10 @@ class Objects:
 
 
 def make(objects: Objects | None = None) -> tuple[Tracker, Syncer, RecordingRules, RecordingLink]:
-    tracker, rules, link = Tracker(), RecordingRules(), RecordingLink()
-    tracker.replace(Kind.SERVICE, list(objects.services.values()) if objects else [])
-    tracker.replace(Kind.ENDPOINT_SLICE, list(objects.slices.values()) if objects else [])
-    syncer = Syncer(
-        tracker=tracker,
-        rules=rules,
-        listener_factory=Factory(),
-        options=SyncerOptions(
-            settings=Settings(
-                rules="iptables-restore", proxy_port_range="40000-41999", iptables_sync_period=3600
-            ),
-            dataplane=DataplaneSettings(node_name=NODE),
-            listen_hosts=("0.0.0.0", "::"),
-            link=link,
-        ),
+    tracker, syncer, rules, link, _ = make_dual(
+        services=objects.services.values() if objects else (),
+        slices=objects.slices.values() if objects else (),
+        port_range="40000-41999",
     )
     return tracker, syncer, rules, link
 
