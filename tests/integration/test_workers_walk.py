@@ -18,6 +18,7 @@ import hashlib
 import os
 import random
 import signal
+import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -42,9 +43,19 @@ CLIENTS = ("127.0.0.5", "127.0.0.6")  # client addresses, for affinity
 
 @dataclass
 class Svc:
+    port: int  # the service's port: the proxy listens on it (laptop mode) when it is free
     backends: tuple[str, ...]  # names, among the four
     affinity: bool = False
     algorithm: str = "round-robin"
+
+
+def free_port() -> int:
+    """A port nobody holds now: each service gets its own, so that no listener moves to a
+    port another service gave up (laptop mode's proxy ports follow the services' ports)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
 
 
 def write(path: Path, services: dict[str, Svc], backends: dict[str, NamedBackend]) -> None:
@@ -56,7 +67,7 @@ def write(path: Path, services: dict[str, Svc], backends: dict[str, NamedBackend
         docs.append(
             service(
                 name,
-                ports=[{"name": "http", "port": 1, "protocol": "TCP"}],
+                ports=[{"name": "http", "port": svc.port, "protocol": "TCP"}],
                 annotations={"uproxy.io/lb-algorithm": svc.algorithm},
                 **spec,
             )
@@ -181,7 +192,7 @@ async def test_every_step_serves_what_the_file_says(
 
     def draw() -> Svc:
         chosen = tuple(sorted(rng.sample(names, rng.choice([0, 1, 2, 3, 4, 4]))))
-        return Svc(chosen, rng.random() < 0.3, rng.choice(ALGORITHMS))
+        return Svc(free_port(), chosen, rng.random() < 0.3, rng.choice(ALGORITHMS))
 
     services = {f"s{i}": draw() for i in range(3)}
     count = len(services)
@@ -226,9 +237,7 @@ async def test_every_step_serves_what_the_file_says(
                         del services[name]
                         done.append(f"deleted {name}")
                     elif roll < 0.7:
-                        services[name] = Svc(
-                            draw().backends, services[name].affinity, services[name].algorithm
-                        )
+                        services[name].backends = draw().backends
                         done.append(f"endpoints of {name}")
                     elif roll < 0.85:
                         services[name].affinity = not services[name].affinity
