@@ -221,6 +221,7 @@ async def test_every_step_serves_what_the_file_says(
                     os.kill(victim, signal.SIGKILL)
                     done.append(f"killed worker {victim}")
                     await wait_for(functools.partial(replaced, pool, victim), timeout=5)
+                    where = f"seed {seed}, step {step} after {done[-3:]}"
                     await wait_for(
                         lambda: applied(proxy, services, backends), timeout=15, message=where
                     )
@@ -247,6 +248,7 @@ async def test_every_step_serves_what_the_file_says(
                         done.append(f"algorithm of {name}")
                     write(path, services, backends)
                     started = time.monotonic()
+                    where = f"seed {seed}, step {step} after {done[-3:]}"
                     await wait_for(
                         lambda: applied(proxy, services, backends), timeout=15, message=where
                     )
