@@ -5,9 +5,11 @@ ports, renamed, their externalIPs, LoadBalancer IPs and source ranges redrawn, n
 and ``externalTrafficPolicy: Local`` turned on or off, endpoints gone (anywhere, or on this
 node only); now and then hundreds of services come or move at once. Services draw their
 ports and addresses from small pools, so two of them sometimes claim the same externalIP or
-LoadBalancer IP and port. The backend syncs what changed (rule edits, staged rewrites, nft
-element deltas), and after every step the kernel must hold what a fresh load of the same
-portals gives:
+LoadBalancer IP and port. At one step in five someone else damages uproxy's rules first
+(a table deleted or flushed, a map or set emptied, a chain flushed, a rule or a jump
+deleted), and the backend's check and sync must put them back. The backend syncs what changed
+(rule edits, staged rewrites, nft element deltas), and after every step the kernel must hold
+what a fresh load of the same portals gives:
 
 * the iptables backends: exactly the rendered rule set (``build_rules``) of each family,
   beside someone else's rules, which stay as they were;
@@ -36,6 +38,7 @@ from tests.netns.helpers import (
     sync_op,
 )
 from tests.netns.test_dual_stack_rules import FOREIGN6, save6
+from tests.netns.test_nftables import DELETE_FIRST_HOST_RULE
 from tests.netns.test_rules import assert_installed
 from tests.netns.topology import Topology
 from uproxy.model import IPFamily, Protocol, ServicePortName, ip_family
@@ -241,6 +244,33 @@ def nft_tables() -> dict[str, Any]:
     return shell("sh", "-c", "nft list table ip uproxy; nft list table ip6 uproxy")
 
 
+# What someone else does to uproxy's rules now and then (a firewall reload, a hand-made fix):
+# shell lines run in the node before a step's check and sync, which must put it all back.
+NFT_DAMAGE = (
+    "nft delete table ip uproxy",
+    "nft flush table ip6 uproxy",
+    "nft flush map ip uproxy cluster-ips",
+    "nft flush set ip uproxy node-port-proxy-ports",
+    DELETE_FIRST_HOST_RULE,
+)
+
+
+def iptables_damage(mode: str) -> tuple[str, ...]:
+    v4, v6 = f"iptables-{mode}", f"ip6tables-{mode}"
+    jump = (
+        f"n=$({v4} -t nat -L PREROUTING -n --line-numbers | awk '/KUBE-PORTALS-CONTAINER/"
+        f'{{print $1; exit}}\'); [ -z "$n" ] || {v4} -t nat -D PREROUTING $n'
+    )
+    return (
+        f"{v4} -t nat -F KUBE-PORTALS-CONTAINER",
+        f"{v6} -t nat -F KUBE-PORTALS-HOST",
+        f"{v4} -t nat -D KUBE-PORTALS-HOST 1",
+        f"{v4} -t filter -F KUBE-PORTALS-REJECT",
+        f"{v6} -t nat -F KUBE-NODEPORT-CONTAINER",
+        jump,
+    )
+
+
 def of_family(portals: list[Portal], family: IPFamily) -> list[Portal]:
     return [p for p in portals if p.family is family]
 
@@ -260,13 +290,23 @@ def test_every_step_holds_what_a_fresh_load_holds(
         topo.run(topo.node, f"ip6tables-{mode}-restore", "--noflush", stdin=FOREIGN6)
         before = (save(topo, mode), save6(topo, mode))
         listings = [shell(f"iptables-{mode}-save"), shell(f"ip6tables-{mode}-save")]
+    damage = NFT_DAMAGE if backend == "nftables" else iptables_damage(mode)
+    rng = random.Random(seed)
     ops: list[dict[str, Any]] = []
-    for sync in syncs:
-        ops += [sync, *listings]
+    at: list[int] = []  # where each step's listings start among the results
+    for step, sync in enumerate(syncs):
+        if step and rng.random() < 0.2:
+            line = rng.choice(damage)
+            said[step].append(f"damage: {line}")
+            # "|| true": what it deletes may not be there (no such rule at this step).
+            ops += [shell("sh", "-c", f"{line} 2>/dev/null || true"), {"op": "check"}]
+        ops.append(sync)
+        at.append(len(ops))
+        ops += listings
     ops += [{"op": "check"}, {"op": "verify"}]
     results = run_ops(topo, backend, mode, ops, **CONFIG)
     assert results[-2:] == [True, True], "the backend's own check and verify"
-    per_step = 1 + len(listings)
+    assert sum("damage" in line for step in said for line in step) >= 3
     if backend == "nftables":
         # The same portals, loaded whole into another namespace at every step.
         fresh: list[dict[str, Any]] = []
@@ -275,7 +315,7 @@ def test_every_step_holds_what_a_fresh_load_holds(
         loaded = run_ops(topo, backend, mode, fresh, ns=topo.outside, **CONFIG)
     local = LocalTraffic(cidrs=PODS)
     for step in range(len(syncs)):
-        got = results[step * per_step + 1 : (step + 1) * per_step]
+        got = results[at[step] : at[step] + len(listings)]
         history = "; ".join(", ".join(s) for s in said[max(0, step - 2) : step + 1])
         where = f"seed {seed}, step {step} ({history})"
         if backend == "nftables":
