@@ -1,13 +1,18 @@
 """Random walks of a services file through the whole proxy with 2 workers, checked by traffic.
 
-A seed draws a sequence of edits to the services file the proxy reads: services added and
-deleted, their endpoints redrawn among four backends (none at all, now and then), ClientIP
-affinity and the balancing algorithm turned on and off; at some steps a worker is killed
-instead. After each step, once the control process has the file's state and both workers
-have applied it, every service is tried with real connections: a service with endpoints
-greets only with their names, all of them over 24 connections under round-robin, one of
-them per client address under affinity, and echoes 64 KiB whole (sha256); a service without
-endpoints never greets; a deleted service's port refuses (unless another service took it).
+A seed draws a sequence of edits to the services file the proxy reads: TCP and UDP services
+added and deleted, their endpoints redrawn among four backends (none at all, now and then),
+ClientIP affinity and the balancing algorithm turned on and off; at some steps a worker is
+killed instead. After each step, once the control process has the file's state and both
+workers have applied it, every service is tried with real traffic:
+
+* TCP: a service with endpoints greets only with their names, all of them over 24
+  connections under round-robin, one of them per client address under affinity, and echoes
+  64 KiB whole (sha256); a service without endpoints never greets; a deleted service's port
+  refuses;
+* UDP: every datagram (up to 1,400 bytes) comes back whole from an endpoint of the service,
+  all of one client socket's from one endpoint (a flow), all of one client address's under
+  affinity; a service without endpoints answers nothing.
 """
 
 from __future__ import annotations
@@ -43,22 +48,55 @@ CLIENTS = ("127.0.0.5", "127.0.0.6")  # client addresses, for affinity
 
 @dataclass
 class Svc:
+    protocol: str  # "TCP" or "UDP"
     port: int  # the service's port: the proxy listens on it (laptop mode) when it is free
     backends: tuple[str, ...]  # names, among the four
     affinity: bool = False
     algorithm: str = "round-robin"
 
 
-def free_port() -> int:
+def free_port(protocol: str) -> int:
     """A port nobody holds now: each service gets its own, so that no listener moves to a
     port another service gave up (laptop mode's proxy ports follow the services' ports)."""
-    with socket.socket() as sock:
+    kind = socket.SOCK_STREAM if protocol == "TCP" else socket.SOCK_DGRAM
+    with socket.socket(socket.AF_INET, kind) as sock:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
 
 
-def write(path: Path, services: dict[str, Svc], backends: dict[str, NamedBackend]) -> None:
+class _UdpEcho(asyncio.DatagramProtocol):
+    """Answers each datagram with its name, a colon and the datagram."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name.encode()
+        self.transport: asyncio.DatagramTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+        if self.transport is not None:
+            self.transport.sendto(self.name + b":" + data, addr)
+
+
+@dataclass
+class Backend:
+    """One endpoint address with a TCP greeter and a UDP echo on it."""
+
+    tcp: NamedBackend
+    udp: asyncio.DatagramTransport
+
+    @property
+    def host(self) -> str:
+        return self.tcp.host
+
+    def port(self, protocol: str) -> int:
+        port: int = self.tcp.port if protocol == "TCP" else self.udp.get_extra_info("sockname")[1]
+        return port
+
+
+def write(path: Path, services: dict[str, Svc], backends: dict[str, Backend]) -> None:
     docs: list[dict[str, Any]] = []
     for name, svc in sorted(services.items()):
         spec: dict[str, Any] = {}
@@ -67,7 +105,7 @@ def write(path: Path, services: dict[str, Svc], backends: dict[str, NamedBackend
         docs.append(
             service(
                 name,
-                ports=[{"name": "http", "port": svc.port, "protocol": "TCP"}],
+                ports=[{"name": "p", "port": svc.port, "protocol": svc.protocol}],
                 annotations={"uproxy.io/lb-algorithm": svc.algorithm},
                 **spec,
             )
@@ -79,7 +117,13 @@ def write(path: Path, services: dict[str, Svc], backends: dict[str, NamedBackend
                     f"{name}-{b}",
                     name,
                     endpoints=[endpoint(backends[b].host)],
-                    ports=[{"name": "http", "port": backends[b].port, "protocol": "TCP"}],
+                    ports=[
+                        {
+                            "name": "p",
+                            "port": backends[b].port(svc.protocol),
+                            "protocol": svc.protocol,
+                        }
+                    ],
                 )
             )
     tmp = path.with_suffix(".tmp")
@@ -87,21 +131,21 @@ def write(path: Path, services: dict[str, Svc], backends: dict[str, NamedBackend
     tmp.rename(path)  # the source never reads half a file
 
 
-def spn(name: str) -> ServicePortName:
-    return ServicePortName("default", name, "http", Protocol.TCP)
+def spn(name: str, svc: Svc) -> ServicePortName:
+    return ServicePortName("default", name, "p", Protocol(svc.protocol))
 
 
-def applied(proxy: Proxy, services: dict[str, Svc], backends: dict[str, NamedBackend]) -> bool:
+def applied(proxy: Proxy, services: dict[str, Svc], backends: dict[str, Backend]) -> bool:
     """The control process holds the file's state, and both workers have applied it."""
     pool = proxy.workers
     if pool is None or pool.pending() or len(pool.pids) != 2:
         return False
     if not all(w.ready.is_set() for w in pool._workers.values()):
         return False
-    if set(proxy.syncer.ports) != {spn(n) for n in services}:
+    if set(proxy.syncer.ports) != {spn(n, svc) for n, svc in services.items()}:
         return False
     for name, svc in services.items():
-        pp = proxy.syncer.ports[spn(name)]
+        pp = proxy.syncer.ports[spn(name, svc)]
         have = sorted(e.ip for e in pp.balancer.endpoints(Traffic.CLUSTER))
         if have != sorted(backends[b].host for b in svc.backends) or pp.cluster is None:
             return False
@@ -109,7 +153,7 @@ def applied(proxy: Proxy, services: dict[str, Svc], backends: dict[str, NamedBac
             return False
         if pp.port.lb_algorithm != LbAlgorithm(svc.algorithm):
             return False
-        listener = pool._listeners.get((spn(name), Traffic.CLUSTER, IPFamily.V4))
+        listener = pool._listeners.get((spn(name, svc), Traffic.CLUSTER, IPFamily.V4))
         if listener is None or listener.steered != svc.affinity:
             return False
     return True
@@ -149,13 +193,53 @@ async def echo(port: int, size: int = 64 * 1024) -> bool:
         writer.close()
 
 
+async def reply(sock: socket.socket, wait_s: float) -> bytes | None:
+    """The next datagram on ``sock`` within ``wait_s`` (the backends run on this loop)."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            return sock.recv(2048)
+        except BlockingIOError:
+            await asyncio.sleep(0.005)
+    return None
+
+
+async def check_udp(port: int, svc: Svc, said: str) -> None:
+    for client in CLIENTS:
+        answered: list[bytes] = []
+        for _ in range(2):  # two sockets of one address: two flows
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+                sock.setblocking(False)
+                sock.bind((client, 0))
+                flow: set[bytes] = set()
+                for size in (1, 200, 1400):
+                    data = os.urandom(size)
+                    sock.sendto(data, ("127.0.0.1", port))
+                    got = await reply(sock, 3.0 if svc.backends else 0.3)
+                    if not svc.backends:
+                        assert got is None, (said, got)
+                        return
+                    assert got is not None, (said, client, "no reply")
+                    name, _, body = got.partition(b":")
+                    assert body == data, (said, client, len(body), size)
+                    flow.add(name)
+                assert len(flow) == 1, (said, client, flow)  # one socket, one flow
+                answered += flow
+        assert {n.decode() for n in answered} <= set(svc.backends), (said, client, answered)
+        if svc.affinity:
+            assert len(set(answered)) == 1, (said, client, answered)
+
+
 async def check(proxy: Proxy, services: dict[str, Svc], gone: dict[str, int], where: str) -> None:
     taken = {pp.cluster.port for pp in proxy.syncer.ports.values() if pp.cluster is not None}
     for name, svc in sorted(services.items()):
-        pp = proxy.syncer.ports[spn(name)]
+        pp = proxy.syncer.ports[spn(name, svc)]
         assert pp.cluster is not None
         port = pp.cluster.port
         said = f"{where}: {name} {svc}"
+        if svc.protocol == "UDP":
+            await check_udp(port, svc, said)
+            continue
         if not svc.backends:
             assert await greet_from(CLIENTS[0], port) is None, said
             continue
@@ -175,16 +259,24 @@ async def check(proxy: Proxy, services: dict[str, Svc], gone: dict[str, int], wh
 
 
 @pytest.fixture
-async def backends() -> AsyncIterator[dict[str, NamedBackend]]:
-    started = {f"b{i}": await NamedBackend(f"b{i}", f"127.0.0.{40 + i}").start() for i in range(4)}
+async def backends() -> AsyncIterator[dict[str, Backend]]:
+    loop = asyncio.get_running_loop()
+    started: dict[str, Backend] = {}
+    for i in range(4):
+        name, host = f"b{i}", f"127.0.0.{40 + i}"
+        udp, _ = await loop.create_datagram_endpoint(
+            functools.partial(_UdpEcho, name), local_addr=(host, 0)
+        )
+        started[name] = Backend(await NamedBackend(name, host).start(), udp)
     yield started
     for b in started.values():
-        await b.close()
+        await b.tcp.close()
+        b.udp.close()
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 async def test_every_step_serves_what_the_file_says(
-    tmp_path: Path, backends: dict[str, NamedBackend], seed: int
+    tmp_path: Path, backends: dict[str, Backend], seed: int
 ) -> None:
     rng = random.Random(seed)
     names = sorted(backends)
@@ -192,7 +284,9 @@ async def test_every_step_serves_what_the_file_says(
 
     def draw() -> Svc:
         chosen = tuple(sorted(rng.sample(names, rng.choice([0, 1, 2, 3, 4, 4]))))
-        return Svc(free_port(), chosen, rng.random() < 0.3, rng.choice(ALGORITHMS))
+        protocol = rng.choice(["TCP", "TCP", "UDP"])
+        affinity = rng.random() < 0.3
+        return Svc(protocol, free_port(protocol), chosen, affinity, rng.choice(ALGORITHMS))
 
     services = {f"s{i}": draw() for i in range(3)}
     count = len(services)
@@ -232,9 +326,10 @@ async def test_every_step_serves_what_the_file_says(
                         services[f"s{count}"] = draw()
                         done.append(f"added s{count}")
                     elif roll < 0.45:
-                        pp = proxy.syncer.ports[spn(name)]
+                        pp = proxy.syncer.ports[spn(name, services[name])]
                         assert pp.cluster is not None
-                        gone[name] = pp.cluster.port
+                        if services[name].protocol == "TCP":
+                            gone[name] = pp.cluster.port
                         del services[name]
                         done.append(f"deleted {name}")
                     elif roll < 0.7:
