@@ -7,16 +7,20 @@ changed, their type moved between ClusterIP, NodePort and LoadBalancer, external
 and removed. After each step every service must be reachable on every one of its addresses
 from where a user would reach it (ClusterIP from a pod and from the node; node port,
 externalIP and LoadBalancer IP from outside, the node port from a pod too), answered by one
-of its endpoints with the body's length and sha256 (curl); a service without endpoints is
-refused at once; the addresses of a deleted service are no longer answered.
+of its endpoints with the body's length and sha256 (curl), in two rounds in a row; a
+service without endpoints is refused at once; the addresses of a deleted service are no
+longer answered. What fails names the curl error and the client port of each transfer, and
+ends with uproxy's last log lines.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import random
+import subprocess
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,7 +30,6 @@ from tests.e2e.conftest import StartProc, StartUproxy
 from tests.e2e.harness import (
     ServicesFile,
     connect_times_out,
-    curl,
     curl_status,
     slice_endpoint,
     url,
@@ -97,7 +100,25 @@ class Svc:
         return out
 
 
-def serves(net: Cluster, services: dict[int, Svc], tmp: Path) -> None:
+def answered(net: Cluster, ns: str, where: str, count: int) -> list[str]:
+    """The names of the backends that answered ``count`` POSTs (a new connection each), each
+    answer checked for the body's length and sha256; a transfer that failed is named by
+    curl's error and the client port it used."""
+    body = b"walk"
+    argv = ["curl", "-sS", "--fail", "--max-time", "3", "-H", "Expect:", "--data-binary", "walk"]
+    argv += ["-w", " port=%{local_port}\n", *([where] * count)]
+    done = subprocess.run(net.topo.exec_argv(ns, *argv), capture_output=True, text=True, timeout=60)
+    names = []
+    for line in done.stdout.splitlines():
+        if line.startswith("{"):  # an answer; each transfer then prints its " port=N"
+            got = json.loads(line)
+            assert (got["len"], got["sha256"]) == (len(body), hashlib.sha256(body).hexdigest())
+            names.append(got["name"])
+    assert len(names) == count, (ns, where, done.stdout, done.stderr)
+    return names
+
+
+def serves(net: Cluster, services: dict[int, Svc]) -> None:
     """Every address of every service answers as the file says (raises when one does not)."""
     for svc in services.values():
         names = {f"web-{i}" for i in svc.endpoints}
@@ -108,9 +129,14 @@ def serves(net: Cluster, services: dict[int, Svc], tmp: Path) -> None:
             # The first path (a pod to the ClusterIP) until every endpoint answered: each of
             # the two workers goes round the endpoints, and one of them takes 3 of 6.
             count = 6 if k == 0 else 2
-            answers = curl(net.topo, ns, where, body=b"walk", tmp=tmp, count=count, max_time=3)
-            got = {a.name for a in answers}
-            assert got == names if k == 0 else got <= names, (ns, where, answers)
+            got = set(answered(net, ns, where, count))
+            assert got == names if k == 0 else got <= names, (ns, where, got)
+
+
+def twice(net: Cluster, services: dict[int, Svc]) -> None:
+    """``serves``, and at once again: a state reached must hold, not flap."""
+    serves(net, services)
+    serves(net, services)
 
 
 def unanswered(net: Cluster, paths: list[tuple[str, str]]) -> None:
@@ -127,7 +153,6 @@ def test_every_step_answers_on_every_address(
     services: ServicesFile,
     start_proc: StartProc,
     start_uproxy: StartUproxy,
-    tmp_path: Path,
     rules: str,
     seed: int,
 ) -> None:
@@ -157,7 +182,8 @@ def test_every_step_answers_on_every_address(
     for _ in range(3):
         add()
     write()
-    start_uproxy(rules).wait_synced()
+    proxy = start_uproxy(rules)
+    proxy.wait_synced()
     done = ["start"]
     for step in range(STEPS + 1):
         gone: list[tuple[str, str]] = []
@@ -184,6 +210,13 @@ def test_every_step_answers_on_every_address(
                 done.append(f"externalIP of walk-{svc.number}: {svc.external}")
             write()
         where = f"seed {seed}, step {step} after {done[-3:]}"
-        wait_until_ok(lambda: serves(net, walk, tmp_path), timeout=15, message=where)
-        serves(net, walk, tmp_path)  # and once more, now that it holds (no flapping)
+        try:
+            wait_until_ok(functools.partial(twice, net, walk), timeout=15, message=where)
+        except pytest.fail.Exception:
+            try:
+                twice(net, walk)  # to say what is wrong
+            except AssertionError as exc:
+                said = proxy.proc.stderr_lines[-25:]
+                raise AssertionError(f"{where}: {exc}; uproxy said {said}") from exc
+            raise
         wait_until_ok(functools.partial(unanswered, net, gone), timeout=15, message=where)
