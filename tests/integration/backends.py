@@ -1,4 +1,5 @@
-"""Small real backends for end-to-end tests: each says its name, then echoes."""
+"""Small real backends for end-to-end tests: each says its name, then echoes (TCP), or answers
+each datagram with its name before it (UDP)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,21 @@ class _NamedEcho(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.transport is not None:
             self.transport.write(data)
+
+
+class NamedDatagramEcho(asyncio.DatagramProtocol):
+    """A UDP backend: answers each datagram with its name, a colon and the datagram."""
+
+    def __init__(self, name: bytes) -> None:
+        self.prefix = name + b":"
+        self.transport: asyncio.DatagramTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+        if self.transport is not None:
+            self.transport.sendto(self.prefix + data, addr)
 
 
 class NamedBackend:

@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import wait_for, wait_for_sync
 from tests.factories import endpoint, endpoint_slice, service
-from tests.integration.backends import NamedBackend, greet
+from tests.integration.backends import NamedBackend, NamedDatagramEcho, greet
 from tests.integration.procs import children
 from uproxy.localnet import has_loopback6
 from uproxy.model import IPFamily, Protocol, ServicePortName
@@ -246,7 +246,7 @@ async def test_one_udp_client_is_one_flow(tmp_path: Path, proxies: list[Proxy]) 
     echoes = []
     for ident in (b"u1", b"u2"):
         transport, _ = await loop.create_datagram_endpoint(
-            functools.partial(_Echo, ident), local_addr=("127.0.0.1", 0)
+            functools.partial(NamedDatagramEcho, ident), local_addr=("127.0.0.1", 0)
         )
         echoes.append(transport)
     path = tmp_path / "services.yaml"
@@ -294,7 +294,7 @@ async def test_udp_affinity_turned_on_keeps_a_client_address_in_one_worker_and_o
     it holds, and off again: flows then spread by the four-tuple hash."""
     loop = asyncio.get_running_loop()
     echo, _ = await loop.create_datagram_endpoint(
-        functools.partial(_Echo, b"u1"), local_addr=("127.0.0.1", 0)
+        functools.partial(NamedDatagramEcho, b"u1"), local_addr=("127.0.0.1", 0)
     )
     path = tmp_path / "services.yaml"
 
@@ -365,19 +365,6 @@ async def _reply(sock: socket.socket) -> bytes:
         except BlockingIOError:
             await asyncio.sleep(0.01)
     raise AssertionError("no reply within 3 s")
-
-
-class _Echo(asyncio.DatagramProtocol):
-    def __init__(self, ident: bytes) -> None:
-        self.ident = ident
-        self.transport: asyncio.DatagramTransport | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
-        if self.transport is not None:
-            self.transport.sendto(self.ident + data, addr)
 
 
 async def test_metrics_add_up_the_workers_exactly(

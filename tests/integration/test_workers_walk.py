@@ -35,7 +35,7 @@ import yaml
 
 from tests.conftest import wait_for
 from tests.factories import endpoint, endpoint_slice, service
-from tests.integration.backends import NamedBackend, greet
+from tests.integration.backends import NamedBackend, NamedDatagramEcho, greet
 from uproxy.model import IPFamily, LbAlgorithm, Protocol, ServicePortName, Traffic
 from uproxy.proxy import Proxy
 from uproxy.settings import Settings
@@ -63,21 +63,6 @@ def free_port(protocol: str) -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
-
-
-class _UdpEcho(asyncio.DatagramProtocol):
-    """Answers each datagram with its name, a colon and the datagram."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name.encode()
-        self.transport: asyncio.DatagramTransport | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
-        if self.transport is not None:
-            self.transport.sendto(self.name + b":" + data, addr)
 
 
 @dataclass
@@ -265,7 +250,7 @@ async def backends() -> AsyncIterator[dict[str, Backend]]:
     for i in range(4):
         name, host = f"b{i}", f"127.0.0.{40 + i}"
         udp, _ = await loop.create_datagram_endpoint(
-            functools.partial(_UdpEcho, name), local_addr=(host, 0)
+            functools.partial(NamedDatagramEcho, name.encode()), local_addr=(host, 0)
         )
         started[name] = Backend(await NamedBackend(name, host).start(), udp)
     yield started
