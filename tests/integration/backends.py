@@ -4,6 +4,8 @@ each datagram with its name before it (UDP)."""
 from __future__ import annotations
 
 import asyncio
+import socket
+import time
 
 
 class _NamedEcho(asyncio.Protocol):
@@ -33,6 +35,18 @@ class NamedDatagramEcho(asyncio.DatagramProtocol):
     def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
         if self.transport is not None:
             self.transport.sendto(self.prefix + data, addr)
+
+
+async def next_datagram(sock: socket.socket, wait_s: float) -> bytes | None:
+    """The next datagram on non-blocking ``sock`` within ``wait_s``, or None; polled, since
+    the backends it may come from run on this very loop."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            return sock.recv(2048)
+        except BlockingIOError:
+            await asyncio.sleep(0.005)
+    return None
 
 
 class NamedBackend:

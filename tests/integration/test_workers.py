@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import wait_for, wait_for_sync
 from tests.factories import endpoint, endpoint_slice, service
-from tests.integration.backends import NamedBackend, NamedDatagramEcho, greet
+from tests.integration.backends import NamedBackend, NamedDatagramEcho, greet, next_datagram
 from tests.integration.procs import children
 from uproxy.localnet import has_loopback6
 from uproxy.model import IPFamily, Protocol, ServicePortName
@@ -359,12 +359,9 @@ async def test_udp_affinity_turned_on_keeps_a_client_address_in_one_worker_and_o
 
 async def _reply(sock: socket.socket) -> bytes:
     """The next datagram (the echo backends run on this loop: never block it)."""
-    for _ in range(300):
-        try:
-            return sock.recv(100)
-        except BlockingIOError:
-            await asyncio.sleep(0.01)
-    raise AssertionError("no reply within 3 s")
+    got = await next_datagram(sock, 3.0)
+    assert got is not None, "no reply within 3 s"
+    return got
 
 
 async def test_metrics_add_up_the_workers_exactly(

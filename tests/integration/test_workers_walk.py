@@ -35,7 +35,7 @@ import yaml
 
 from tests.conftest import wait_for
 from tests.factories import endpoint, endpoint_slice, service
-from tests.integration.backends import NamedBackend, NamedDatagramEcho, greet
+from tests.integration.backends import NamedBackend, NamedDatagramEcho, greet, next_datagram
 from uproxy.model import IPFamily, LbAlgorithm, Protocol, ServicePortName, Traffic
 from uproxy.proxy import Proxy
 from uproxy.settings import Settings
@@ -178,17 +178,6 @@ async def echo(port: int, size: int = 64 * 1024) -> bool:
         writer.close()
 
 
-async def reply(sock: socket.socket, wait_s: float) -> bytes | None:
-    """The next datagram on ``sock`` within ``wait_s`` (the backends run on this loop)."""
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        try:
-            return sock.recv(2048)
-        except BlockingIOError:
-            await asyncio.sleep(0.005)
-    return None
-
-
 async def check_udp(port: int, svc: Svc, said: str) -> None:
     for client in CLIENTS:
         answered: list[bytes] = []
@@ -200,7 +189,7 @@ async def check_udp(port: int, svc: Svc, said: str) -> None:
                 for size in (1, 200, 1400):
                     data = os.urandom(size)
                     sock.sendto(data, ("127.0.0.1", port))
-                    got = await reply(sock, 3.0 if svc.backends else 0.3)
+                    got = await next_datagram(sock, 3.0 if svc.backends else 0.3)
                     if not svc.backends:
                         assert got is None, (said, got)
                         return

@@ -41,6 +41,21 @@ COMMIT
 """
 
 
+# The same in IPv6 (ip6tables), for dual-stack nodes.
+FOREIGN6 = """\
+*filter
+:OTHER6 - [0:0]
+-A INPUT -j OTHER6
+-A OTHER6 -p tcp -m tcp --dport 22 -j ACCEPT
+COMMIT
+*nat
+:OTHER6-NAT - [0:0]
+-A OUTPUT -j OTHER6-NAT
+-A OTHER6-NAT -p tcp -m tcp --dport 2222 -j DNAT --to-destination [fd00:200:2::2]:22
+COMMIT
+"""
+
+
 def sync_op(portals: Collection[Portal]) -> dict[str, Any]:
     return {"op": "sync", "portals": [portal_to_json(p) for p in sorted(portals)]}
 
@@ -99,8 +114,21 @@ def save(topo: Topology, mode: str) -> str:
     return topo.run(topo.node, f"iptables-{mode}-save")
 
 
+def save6(topo: Topology, mode: str) -> str:
+    return topo.run(topo.node, f"ip6tables-{mode}-save")
+
+
 def install_foreign(topo: Topology, mode: str) -> None:
     topo.run(topo.node, f"iptables-{mode}-restore", "--noflush", stdin=FOREIGN)
+
+
+def install_foreign6(topo: Topology, mode: str) -> None:
+    topo.run(topo.node, f"ip6tables-{mode}-restore", "--noflush", stdin=FOREIGN6)
+
+
+def shell_op(*argv: str, stdin: str | None = None) -> dict[str, Any]:
+    """The driver's operation that runs ``argv`` in the node (its stdout is the result)."""
+    return {"op": "shell", "argv": list(argv), "stdin": stdin}
 
 
 # The rule of chain synced-by names the process and commit that wrote the table.

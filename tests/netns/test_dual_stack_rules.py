@@ -13,7 +13,16 @@ from typing import Any
 import pytest
 
 from tests.netns.conftest import DUAL_STACK
-from tests.netns.helpers import ALL_BACKENDS, install_foreign, nft, run_ops, save, sync_op
+from tests.netns.helpers import (
+    ALL_BACKENDS,
+    install_foreign,
+    install_foreign6,
+    nft,
+    run_ops,
+    save,
+    save6,
+    sync_op,
+)
 from tests.netns.test_rules import assert_installed
 from tests.netns.topology import Topology
 from uproxy.model import IPFamily, Protocol, ServicePortName
@@ -34,28 +43,12 @@ V6 = [
     Portal(WEB, PortalKind.NODE_PORT, None, 30080, 40001, 0, (), IPFamily.V6),
     Portal(DNS, PortalKind.CLUSTER_IP, "fd00:96::53", 53, 40004),
 ]
-FOREIGN6 = """\
-*filter
-:OTHER6 - [0:0]
--A INPUT -j OTHER6
--A OTHER6 -p tcp -m tcp --dport 22 -j ACCEPT
-COMMIT
-*nat
-:OTHER6-NAT - [0:0]
--A OUTPUT -j OTHER6-NAT
--A OTHER6-NAT -p tcp -m tcp --dport 2222 -j DNAT --to-destination [fd00:200:2::2]:22
-COMMIT
-"""
 
 pytestmark = [
     pytest.mark.root,
     pytest.mark.parametrize("topo", [DUAL_STACK], indirect=True),
     pytest.mark.parametrize(("backend", "mode"), ALL_BACKENDS),
 ]
-
-
-def save6(topo: Topology, mode: str) -> str:
-    return topo.run(topo.node, f"ip6tables-{mode}-save")
 
 
 def snapshot(topo: Topology, mode: str) -> tuple[str, str, str]:
@@ -66,7 +59,7 @@ def test_both_families_exact_and_cleanup_leaves_nothing(
     topo: Topology, backend: str, mode: str
 ) -> None:
     install_foreign(topo, mode)
-    topo.run(topo.node, f"ip6tables-{mode}-restore", "--noflush", stdin=FOREIGN6)
+    install_foreign6(topo, mode)
     before = snapshot(topo, mode)
     ops = [sync_op(V4 + V6), sync_op(V4 + V6), {"op": "check"}, {"op": "verify"}]
     assert run_ops(topo, backend, mode, ops)[-2:] == [True, True]

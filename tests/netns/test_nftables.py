@@ -23,6 +23,7 @@ from tests.netns.helpers import (
     nft,
     nft_normalised,
     run_ops,
+    shell_op,
     sync_op,
 )
 from tests.netns.test_rules import DNS, PORTALS, REFUSALS, WEB
@@ -283,16 +284,13 @@ DELETE_FIRST_HOST_RULE = (
 
 
 def test_deleted_or_flushed_table_is_noticed_and_repaired(topo: Topology) -> None:
-    def shell(*argv: str) -> dict[str, Any]:
-        return {"op": "shell", "argv": list(argv)}
-
     script = [sync_op(PORTALS), {"op": "check"}]
-    script += [shell("nft", "delete", "table", "ip", "uproxy"), {"op": "check"}]
+    script += [shell_op("nft", "delete", "table", "ip", "uproxy"), {"op": "check"}]
     script += [sync_op(PORTALS), {"op": "check"}, {"op": "verify"}]
-    script += [shell("nft", "flush", "table", "ip", "uproxy"), {"op": "check"}]
+    script += [shell_op("nft", "flush", "table", "ip", "uproxy"), {"op": "check"}]
     script += [sync_op(PORTALS), {"op": "check"}, {"op": "verify"}]
     # A rule deleted from one chain (by handle: the first rule of portals-host).
-    script += [shell("sh", "-c", DELETE_FIRST_HOST_RULE), {"op": "check"}]
+    script += [shell_op("sh", "-c", DELETE_FIRST_HOST_RULE), {"op": "check"}]
     script += [sync_op(PORTALS), {"op": "verify"}]
     results = ops(topo, script)
     assert results[1] is True
@@ -343,21 +341,18 @@ def test_a_table_somebody_else_wrote_is_noticed_and_reloaded(topo: Topology) -> 
     # Another uproxy in the node loads its own services into the table and stops without
     # cleaning up; later the node's ruleset is restored from a file saved before uproxy's last
     # commit. Both leave the table's structure intact: only the stamp tells them apart.
-    def shell(*argv: str, stdin: str | None = None) -> dict[str, Any]:
-        return {"op": "shell", "argv": list(argv), "stdin": stdin}
-
     spec = {"name": "nftables", "mode": "nft", "host_ip": [topo.node_ip], "dial_mark": DIAL_MARK}
     other = json.dumps({"backend": spec, "ops": [sync_op(PORTALS[:1])]})
     saved = "/run/uproxy-test-saved-ruleset.nft"
     fewer = [p for p in PORTALS if p.service != DNS]
     script = [sync_op(PORTALS), {"op": "check"}]
-    script += [shell(sys.executable, "-m", "tests.netns.driver", stdin=other)]
+    script += [shell_op(sys.executable, "-m", "tests.netns.driver", stdin=other)]
     script += [{"op": "check"}, {"op": "verify"}, sync_op(PORTALS), {"op": "verify"}]
-    script += [shell("sh", "-c", f"nft list table ip uproxy > {saved}")]
+    script += [shell_op("sh", "-c", f"nft list table ip uproxy > {saved}")]
     script += [sync_op(fewer), {"op": "check"}]
-    script += [shell("sh", "-c", f"(echo 'delete table ip uproxy'; cat {saved}) | nft -f -")]
+    script += [shell_op("sh", "-c", f"(echo 'delete table ip uproxy'; cat {saved}) | nft -f -")]
     script += [{"op": "check"}, sync_op(fewer), {"op": "check"}, {"op": "verify"}]
-    script += [shell("rm", "-f", saved)]
+    script += [shell_op("rm", "-f", saved)]
     results = ops(topo, script)
     assert results[1] is True
     assert results[3:5] == [False, False]  # the other uproxy's elements: noticed

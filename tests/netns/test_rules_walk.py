@@ -32,12 +32,14 @@ from tests.netns.driver import many_portals
 from tests.netns.helpers import (
     ALL_BACKENDS,
     install_foreign,
+    install_foreign6,
     nft_normalised,
     run_ops,
     save,
+    save6,
+    shell_op,
     sync_op,
 )
-from tests.netns.test_dual_stack_rules import FOREIGN6, save6
 from tests.netns.test_nftables import DELETE_FIRST_HOST_RULE
 from tests.netns.test_rules import assert_installed
 from tests.netns.topology import Topology
@@ -100,15 +102,24 @@ class Service:
             ranges = tuple(r for r in self.source_ranges if ip_family(r) is fam)
             for ip in self.lb_ips:
                 if ip_family(ip) is fam:
-                    portal = Portal(
-                        self.name, PortalKind.LB_INGRESS, ip, self.port, external, short, ranges
+                    out.append(
+                        Portal(
+                            self.name, PortalKind.LB_INGRESS, ip, self.port, external, short, ranges
+                        )
                     )
-                    out.append(portal)
             if self.node_port:
-                portal = Portal(
-                    self.name, PortalKind.NODE_PORT, None, self.node_port, external, short, (), fam
+                out.append(
+                    Portal(
+                        self.name,
+                        PortalKind.NODE_PORT,
+                        None,
+                        self.node_port,
+                        external,
+                        short,
+                        (),
+                        fam,
+                    )
                 )
-                out.append(portal)
             if self.refused == "anywhere":
                 for port in {cluster, external}:
                     out.append(Portal.refusing(self.name, port, fam, anywhere=False))
@@ -236,12 +247,8 @@ def walk(seed: int) -> tuple[list[list[str]], list[dict[str, Any]], list[list[Po
     return said, syncs, portals
 
 
-def shell(*argv: str) -> dict[str, Any]:
-    return {"op": "shell", "argv": list(argv)}
-
-
 def nft_tables() -> dict[str, Any]:
-    return shell("sh", "-c", "nft list table ip uproxy; nft list table ip6 uproxy")
+    return shell_op("sh", "-c", "nft list table ip uproxy; nft list table ip6 uproxy")
 
 
 # What someone else does to uproxy's rules now and then (a firewall reload, a hand-made fix):
@@ -287,9 +294,9 @@ def test_every_step_holds_what_a_fresh_load_holds(
         listings = [nft_tables()]
     else:
         install_foreign(topo, mode)
-        topo.run(topo.node, f"ip6tables-{mode}-restore", "--noflush", stdin=FOREIGN6)
+        install_foreign6(topo, mode)
         before = (save(topo, mode), save6(topo, mode))
-        listings = [shell(f"iptables-{mode}-save"), shell(f"ip6tables-{mode}-save")]
+        listings = [shell_op(f"iptables-{mode}-save"), shell_op(f"ip6tables-{mode}-save")]
     damage = NFT_DAMAGE if backend == "nftables" else iptables_damage(mode)
     rng = random.Random(seed)
     ops: list[dict[str, Any]] = []
@@ -299,7 +306,7 @@ def test_every_step_holds_what_a_fresh_load_holds(
             line = rng.choice(damage)
             said[step].append(f"damage: {line}")
             # "|| true": what it deletes may not be there (no such rule at this step).
-            ops += [shell("sh", "-c", f"{line} 2>/dev/null || true"), {"op": "check"}]
+            ops += [shell_op("sh", "-c", f"{line} 2>/dev/null || true"), {"op": "check"}]
         ops.append(sync)
         at.append(len(ops))
         ops += listings
