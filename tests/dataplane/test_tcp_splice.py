@@ -136,6 +136,90 @@ async def test_64_mib_each_way_over_splice_with_a_half_close_first_from_either_s
     assert (to_endpoint.value - before[0], to_client.value - before[1]) == (64 * MIB, 64 * MIB)
 
 
+SMALL_SNDBUF = 4096  # the kernel doubles it: about 8 KiB a socket may hold unsent
+
+
+async def read_slowly(reader: asyncio.StreamReader) -> tuple[int, str]:
+    """Reads until EOF in small pieces, pausing now and then: the length and sha256."""
+    h, n, reads = hashlib.sha256(), 0, 0
+    while data := await reader.read(16 * 1024):
+        h.update(data)
+        n += len(data)
+        reads += 1
+        if reads % 64 == 0:
+            await asyncio.sleep(0.002)
+    return n, h.hexdigest()
+
+
+@pytest.mark.parametrize("settings", [SPLICE, COPY], ids=["splice", "copy"])
+async def test_what_is_held_back_leaves_over_several_flushes_whole_both_ways(
+    tcp_listener: ListenerFactory,
+    server: Callable[[Handler], Awaitable[Endpoint]],
+    monkeypatch: pytest.MonkeyPatch,
+    settings: DataplaneSettings,
+) -> None:
+    """The relay's own sockets hold only a few KiB unsent (SO_SNDBUF: the client's side
+    inherits it from the listening socket, the endpoint's is set as it is dialed), so a
+    read the peer's socket does not take whole is held back (the copy path's bytes, the
+    splice path's pipe) and flushed in many writes, each falling short again as the slow
+    reader makes room. 2 MiB each way at once, then a FIN from each side: every byte
+    arrives, in order."""
+    up, down = os.urandom(2 * MIB), os.urandom(2 * MIB)
+    short: dict[str, int] = {"to the client": 0, "to the endpoint": 0}
+
+    def counting(real: Callable[[relay._Side], None], toward: str) -> Callable[[relay._Side], None]:
+        def flush(side: relay._Side) -> None:
+            real(side)
+            if side.out is not None or (side.pipe is not None and side.pipe.held):
+                short[toward] += 1  # room for part of it only: the rest waits again
+
+        return flush
+
+    # An endpoint side holds what goes to the client, the client side what goes to the
+    # endpoint.
+    monkeypatch.setattr(
+        relay._EndpointSide, "flush", counting(relay._EndpointSide.flush, "to the client")
+    )
+    monkeypatch.setattr(
+        relay.Connection, "flush", counting(relay.Connection.flush, "to the endpoint")
+    )
+    dialed = relay._EndpointSide.__init__
+
+    def small_buffer(
+        side: relay._EndpointSide, conn: relay.Connection, sock: socket.socket
+    ) -> None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SMALL_SNDBUF)
+        dialed(side, conn, sock)
+
+    monkeypatch.setattr(relay._EndpointSide, "__init__", small_buffer)
+    got_up: list[tuple[int, str]] = []
+
+    async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        reading = asyncio.create_task(read_slowly(r))
+        await write_all(w, down)
+        w.write_eof()
+        got_up.append(await reading)
+        w.close()
+
+    ep = await server(handle)
+    listener = await tcp_listener(
+        make_balancer(TCP_NAME, [ep], settings=settings), settings=settings
+    )
+    assert listener.socket is not None
+    listener.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SMALL_SNDBUF)
+    reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
+    reading = asyncio.create_task(read_slowly(reader))
+    await write_all(writer, up)
+    writer.write_eof()
+    got_down = await asyncio.wait_for(reading, 60)
+    await wait_until(lambda: len(got_up) == 1, timeout=60, what="the endpoint read to EOF")
+    writer.close()
+    assert got_down == digest(down)
+    assert got_up == [digest(up)]
+    assert min(short.values()) > 0, short  # the paths under test were taken, each way
+    await wait_until(lambda: listener.active == 0, what="pair closed")
+
+
 @pytest.mark.parametrize(("size", "spliced"), [(512 * 1024, False), (2 * MIB, True)])
 async def test_a_pair_below_the_threshold_never_opens_a_pipe(
     backends: BackendFactory,
