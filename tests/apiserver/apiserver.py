@@ -99,9 +99,9 @@ class _Watcher:
         self.filter = flt
         self.bookmarks = bookmarks
         self.transport = transport
-        # Items: an _Event, a _Bookmark, "drop" (abort the stream), "end" (close it cleanly)
-        # or "gone" (an ERROR 410 event, then the end).
-        self.queue: asyncio.Queue[_Event | _Bookmark | str] = asyncio.Queue()
+        # Items: an _Event, a _Bookmark, "drop" (abort the stream), "end" (close it cleanly),
+        # "gone" (an ERROR 410 event, then the end) or bytes (written as they are).
+        self.queue: asyncio.Queue[_Event | _Bookmark | str | bytes] = asyncio.Queue()
 
 
 @dataclass(frozen=True, slots=True)
@@ -387,6 +387,16 @@ class ApiServerDouble:
             w.queue.put_nowait("end")
         return len(self._watchers)
 
+    def send_raw(self, kind: str, data: bytes) -> int:
+        """Write ``data`` as it is on every open watch stream of ``kind`` (after the events
+        queued before it): what a broken server or a proxy in the way might send."""
+        n = 0
+        for w in self._watchers:
+            if w.kind == str(kind):
+                w.queue.put_nowait(data)
+                n += 1
+        return n
+
     def send_bookmarks(self) -> int:
         n = 0
         for w in self._watchers:
@@ -585,14 +595,14 @@ class ApiServerDouble:
         deadline = loop.time() + timeout_s if timeout_s > 0 else None
         interval = self.bookmark_interval_s if w.bookmarks else None
         next_bookmark = loop.time() + interval if interval else None
-        held: _Event | _Bookmark | str | None = None  # taken from the queue, not sent yet
+        held: _Event | _Bookmark | str | bytes | None = None  # taken, not sent yet
         while True:
             now = loop.time()
             if deadline is not None and now >= deadline:
                 return  # a clean end of stream, as at timeoutSeconds
             if w.transport is None or w.transport.is_closing():
                 return  # the client went away: do not count it as an open watch
-            item: _Event | _Bookmark | str
+            item: _Event | _Bookmark | str | bytes
             if held is not None:
                 item, held = held, None
             elif interval and next_bookmark is not None and now >= next_bookmark:
@@ -610,6 +620,9 @@ class ApiServerDouble:
                     item = await asyncio.wait_for(w.queue.get(), max(0.0, wait))
                 except TimeoutError:
                     continue
+            if isinstance(item, bytes):
+                await response.write(item)
+                continue
             if item == "end":
                 return
             if item == "gone":

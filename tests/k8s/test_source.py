@@ -315,6 +315,60 @@ async def test_a_watch_never_answered_is_given_up_and_retried(
     assert any(kv["resource"] == "Service" and "Timeout" in kv["error"] for kv in failed), failed
 
 
+BAD_LINES = {
+    "not JSON": (b"<html>502 Bad Gateway</html>\n", "JSONDecodeError"),
+    "not an object": (b'["ADDED", {}]\n', "not an object"),
+    "no object": (b'{"type": "MODIFIED"}\n', "has no object"),
+    "an error": (
+        b'{"type": "ERROR", "object": {"kind": "Status", "code": 500, '
+        b'"message": "etcdserver: request timed out"}}\n',
+        "etcdserver: request timed out",
+    ),
+}
+
+
+@pytest.mark.parametrize("bad", sorted(BAD_LINES))
+async def test_a_watch_line_it_cannot_use_is_one_warning_and_the_watch_resumes(
+    apiserver: ApiServerDouble,
+    start_source: SourceFactory,
+    caplog: pytest.LogCaptureFixture,
+    bad: str,
+) -> None:
+    """Whatever a broken server (or a proxy in the way) puts in a watch stream: one warning
+    line without a traceback, the watch is opened again from the last version it had, and
+    the change that came right behind the bad line is not lost (no relist needed)."""
+    line, said = BAD_LINES[bad]
+    apiserver.create(SVC, service("a"))
+    tracker, _ = await start_source(backoff_max_s=0.2)
+    await wait_for(lambda: tracker.synced and apiserver.open_watches(SVC) == 1)
+    watches = apiserver.watch_count(SVC)
+    caplog.clear()
+    assert apiserver.send_raw(SVC, line) == 1
+    apiserver.create(SVC, service("b"))  # its event follows the bad line on the stream
+    await wait_for(lambda: names(tracker) == {"a", "b"}, timeout=5)
+    failed = [r for r in caplog.records if r.getMessage() == "Watch failed; retrying"]
+    assert len(failed) == 1, [r.getMessage() for r in caplog.records]
+    assert said in failed[0].kv["error"], failed[0].kv  # type: ignore[attr-defined]
+    assert failed[0].levelno == logging.WARNING and failed[0].exc_info is None
+    assert apiserver.watch_count(SVC) == watches + 1  # watched again, from where it was
+    assert apiserver.list_count(SVC) == 1  # never listed again
+
+
+async def test_a_watch_event_of_an_unknown_type_is_skipped_and_the_stream_goes_on(
+    apiserver: ApiServerDouble, start_source: SourceFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    apiserver.create(SVC, service("a"))
+    tracker, _ = await start_source()
+    await wait_for(lambda: tracker.synced and apiserver.open_watches(SVC) == 1)
+    watches = apiserver.watch_count(SVC)
+    apiserver.send_raw(SVC, b'{"type": "PATCHED", "object": {"metadata": {}}}\n')
+    apiserver.create(SVC, service("b"))
+    await wait_for(lambda: names(tracker) == {"a", "b"}, timeout=5)
+    skipped = [r for r in caplog.records if r.getMessage() == "Skipping unknown watch event"]
+    assert [r.kv for r in skipped] == [{"resource": "Service", "type": "PATCHED"}]  # type: ignore[attr-defined]
+    assert apiserver.watch_count(SVC) == watches  # the same stream carried on
+
+
 def source_of(client: ApiClient, *, backoff_max_s: float) -> tuple[Tracker, KubeSource]:
     """A KubeSource of its own API client (the fixture's has the double's kubeconfig)."""
     tracker = Tracker()
