@@ -123,11 +123,12 @@ def _cgroup_cpus(path: str = "/sys/fs/cgroup/cpu.max") -> int | None:
     try:
         with open(path) as f:
             quota, period = f.read().split()
-    except (OSError, ValueError):
+        if quota == "max":
+            return None
+        cpus = -(-int(quota) // int(period))
+    except (OSError, ValueError, ZeroDivisionError):
         return None
-    if quota == "max":
-        return None
-    return -(-int(quota) // int(period))
+    return cpus if cpus > 0 else None
 
 
 @dataclass(slots=True)
