@@ -775,7 +775,7 @@ def test_a_stop_drains_every_listener_at_once_and_a_second_signal_exits_now(
         clients.append(c)
         held.append(sink.accept()[0])
         proc.send_signal(signal.SIGTERM)
-        time.sleep(0.2)  # the first signal has started the drain
+        _wait_log(proc, "Stopping: draining connections")  # the first signal is in
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=3) == 143  # at once, not after the drain deadline
     finally:
