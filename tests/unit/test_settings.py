@@ -179,6 +179,23 @@ def test_settings_as_flags_parse_back_and_start_a_worker() -> None:
         (["--tcp-keepalive", "10h"], "--tcp-keepalive: must be 0 \\(off\\) or up to 32767s"),
         # 0 would announce every service again in a loop that never sleeps
         (["--config-sync-period", "0"], "--config-sync-period: must be positive"),
+        (["--dial-mark", "0x1g"], "--dial-mark: expected a mark like 0x1000, got '0x1g'$"),
+        (["--dial-mark", "0x100000000"], "--dial-mark: a mark is a 32-bit value"),
+        (["--udp-receive-buffer", "-1"], "--udp-receive-buffer: must be 0 or more bytes"),
+        (["--endpoint-eject-after", "-1"], "--endpoint-eject-after: must be 0 or more"),
+        (["--udp-max-flows", "0"], "--udp-max-flows: must be at least 1"),
+        (["--udp-timeout", "0s"], "--udp-timeout: must be positive"),
+        (["--iptables-sync-period", "0s"], "--iptables-sync-period: must be positive"),
+        (
+            ["--iptables-sync-period", "30s", "--iptables-min-sync-period", "1m"],
+            "--iptables-min-sync-period: longer than --iptables-sync-period",
+        ),
+        (["--conntrack-min", "-1"], "--conntrack-min: must be 0 or more"),
+        (["--oom-score-adj", "1001"], "--oom-score-adj: must be -1000 to 1000"),
+        (["--metrics-bind-address", "127.0.0.1:70000"], "--metrics-bind-address: port out of"),
+        (["--nodeport-addresses", "10.0.0.0/33"], "--nodeport-addresses: not a CIDR"),
+        (["--nodeport-addresses", ","], "--nodeport-addresses: an empty entry"),
+        (["--workers", "300"], "--workers: must be 0 to 256, got 300"),
     ],
 )
 def test_bad_flags(argv: list[str], needle: str) -> None:
@@ -248,6 +265,29 @@ def test_config_wrong_type_fails_with_one_line(tmp_path: Path, patch: str, needl
         base = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\n"
     cfg = tmp_path / "c.yaml"
     cfg.write_text(base + patch + "\n")
+    with pytest.raises(SettingsError, match=needle) as err:
+        parse_settings(["--config", str(cfg)])
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        (b"mode: userspace: again\n", ": line 3: not valid YAML$"),
+        (b"hostnameOverride: \xff\xfe\n", ": not UTF-8 text$"),
+        (None, ": Is a directory$"),  # a path that cannot be read as a file
+        (b"uproxy:\n  dialMark: true\n", "uproxy.dialMark"),
+    ],
+)
+def test_a_config_file_that_cannot_be_used_fails_with_one_line(
+    tmp_path: Path, content: bytes | None, needle: str
+) -> None:
+    cfg = tmp_path / "config.yaml"
+    if content is None:
+        cfg.mkdir()
+    else:
+        head = b"apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n"
+        cfg.write_bytes(head + content)
     with pytest.raises(SettingsError, match=needle) as err:
         parse_settings(["--config", str(cfg)])
     assert "\n" not in str(err.value)
