@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import copy
+import random
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from tests.factories import endpoint, endpoint_slice, service
 from uproxy.model import Endpoint, LbAlgorithm, Protocol, ServicePortName
-from uproxy.objects import InvalidObject, endpoint_slice as convert_slice, service_ports
+from uproxy.objects import (
+    InvalidObject,
+    endpoint_slice as convert_slice,
+    node_info,
+    service_ports,
+)
 
 
 def test_service_ports_carry_every_field() -> None:
@@ -317,3 +325,80 @@ def test_malformed_slices_name_the_field(case: str, obj: dict[str, Any], field: 
     with pytest.raises(InvalidObject) as err:
         convert_slice(obj)
     assert field in err.value.field, (case, str(err.value))
+
+
+def _full_objects() -> list[dict[str, Any]]:
+    """A Service, an EndpointSlice and a Node with every field the conversions read."""
+    svc = service(ports=[{"name": "http", "port": 80, "protocol": "TCP", "nodePort": 30080}])
+    svc["metadata"]["annotations"] = {"uproxy.io/lb-algorithm": "random"}
+    svc["spec"].update(
+        type="LoadBalancer",
+        clusterIPs=["10.96.0.10"],
+        ipFamilies=["IPv4"],
+        externalIPs=["192.0.2.1"],
+        loadBalancerSourceRanges=["10.0.0.0/8"],
+        sessionAffinity="ClientIP",
+        sessionAffinityConfig={"clientIP": {"timeoutSeconds": 60}},
+        externalTrafficPolicy="Local",
+        internalTrafficPolicy="Cluster",
+        healthCheckNodePort=30999,
+    )
+    svc["status"] = {"loadBalancer": {"ingress": [{"ip": "198.51.100.1"}]}}
+    eps = endpoint_slice(
+        "web-1",
+        endpoints=[
+            endpoint("10.1.0.1", ready=True, serving=True, terminating=False, nodeName="n",
+                     zone="a", hints={"forZones": [{"name": "a"}], "forNodes": [{"name": "n"}]}),
+            endpoint("10.1.0.2", ready=False),
+        ],
+    )  # fmt: skip
+    node = {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": "n", "labels": {"topology.kubernetes.io/zone": "a"}},
+        "spec": {"podCIDR": "10.244.1.0/24", "podCIDRs": ["10.244.1.0/24"]},
+    }
+    return [svc, eps, node]
+
+
+def _places(obj: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
+    if path:
+        yield path
+    items = (
+        obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    )
+    for key, value in items:
+        yield from _places(value, (*path, key))
+
+
+def test_any_field_of_the_wrong_kind_is_an_invalid_object_never_a_crash() -> None:
+    """5,000 seeded objects, each a full one with one or two fields replaced (by a null, a
+    boolean, numbers out of range, strings, lists, objects) or removed: a conversion either
+    works or raises InvalidObject (one line naming the field); never another exception."""
+    rng = random.Random(5)
+    wrong: list[Any] = [None, True, 0, -1, 70000, 2**40, 1.5, "", "x", "10.0.0.1", "::1"]
+    wrong += [[], [None], [1], {}, {"a": 1}, "TCP", "UDP", "SCTP", "Local", "ClientIP"]
+    converts = [service_ports, convert_slice, node_info]
+    invalid = 0
+    for _ in range(5000):
+        which = rng.randrange(3)
+        obj = copy.deepcopy(_full_objects()[which])
+        places = list(_places(obj))
+        for _ in range(rng.randrange(1, 3)):
+            path = rng.choice(places)
+            parent = obj
+            try:
+                for key in path[:-1]:
+                    parent = parent[key]
+                if isinstance(parent, dict) and rng.random() < 0.2:
+                    del parent[path[-1]]
+                else:
+                    parent[path[-1]] = copy.deepcopy(rng.choice(wrong))
+            except (KeyError, IndexError, TypeError):
+                continue  # the place went with an earlier change
+        try:
+            converts[which](obj)
+        except InvalidObject as exc:
+            assert "\n" not in str(exc)
+            invalid += 1
+    assert invalid > 1000  # the changes did reach fields that are checked
