@@ -363,13 +363,16 @@ class Proxy:
                 raise StartupError(f"cannot use --services file: {e}") from None
             self._spawn("file-source", self.file_source.run())
             return
-        from uproxy.sources.kube import KubeSource, make_api_client
+        from uproxy.sources.kube import KubeConfigError, KubeSource, make_api_client
 
         try:
             client = await make_api_client(kubeconfig=s.kubeconfig, master=s.master)
+        except KubeConfigError as e:  # says which file, what is wrong, or what to pass
+            raise StartupError(f"cannot configure the Kubernetes client: {e}") from None
         except Exception as e:
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise StartupError(
-                f"cannot configure the Kubernetes client: {e}; pass --kubeconfig or "
+                f"cannot configure the Kubernetes client: {first}; pass --kubeconfig or "
                 "--master, or --services FILE to run without a cluster"
             ) from None
         source = KubeSource(

@@ -62,7 +62,9 @@ class Settings:
         None,
         flag="--kubeconfig",
         config="clientConnection.kubeconfig",
-        help="Path to a kubeconfig file; default: in-cluster config inside a pod, else $KUBECONFIG",
+        help="Path to a kubeconfig file; default: in-cluster config inside a pod, else "
+        "$KUBECONFIG (paths joined by ':' are merged, as kubectl merges them), else "
+        "~/.kube/config",
     )
     master: str | None = opt(
         None,

@@ -11,6 +11,8 @@ import asyncio
 import contextlib
 import gc
 import logging
+import subprocess
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import cast
@@ -408,6 +410,79 @@ async def test_a_rotated_token_file_is_read_again(
         with contextlib.suppress(asyncio.CancelledError):
             await task
         await client.close()
+
+
+async def test_kubeconfig_env_of_several_files_is_merged_and_its_token_file_followed(
+    apiserver: ApiServerDouble, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """$KUBECONFIG as kubectl users set it: paths joined by ':', a missing one skipped. The
+    context is in the first file, the cluster and the user (with a rotated tokenFile,
+    relative to its own file's directory) in the last."""
+    config = yaml.safe_load(apiserver.write_kubeconfig(tmp_path / "full").read_text())
+    (tmp_path / "contexts").write_text(
+        yaml.safe_dump({"contexts": config["contexts"], "current-context": "double"})
+    )
+    creds = tmp_path / "creds"
+    creds.mkdir()
+    token = creds / "token"
+    token.write_text(apiserver.token)
+    config["users"][0]["user"] = {"tokenFile": "token"}
+    del config["contexts"], config["current-context"]
+    (creds / "kubeconfig").write_text(yaml.safe_dump(config))
+    joined = f"{tmp_path / 'contexts'}:{tmp_path / 'missing'}:{creds / 'kubeconfig'}"
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("KUBECONFIG", joined)
+    apiserver.create(SVC, service("a"))
+    client = await make_api_client(kubeconfig=None, master=None)
+    tracker, source = source_of(client, backoff_max_s=0.5)
+    task = asyncio.create_task(source.run())
+    try:
+        assert client.configuration.host == apiserver.url
+        await wait_for(lambda: tracker.synced and names(tracker) == {"a"}, timeout=5)
+        apiserver.token = "rotated-" + apiserver.token
+        token.write_text(apiserver.token)
+        apiserver.drop_watches()
+        apiserver.create(SVC, service("b"))
+        await wait_for(lambda: names(tracker) == {"a", "b"}, timeout=5)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await client.close()
+
+
+@pytest.mark.parametrize(
+    ("content", "said"),
+    [
+        (None, ": no such file$"),
+        (b"clusters: [\n", ": line 2: not valid YAML$"),
+        (b"", ": not a kubeconfig \\(expected a YAML mapping\\)$"),
+        (b"- a list\n", ": not a kubeconfig"),
+        (b"clusters: 5\ncurrent-context: c\n", "^cannot load Kubernetes configuration .*: \\w+"),
+    ],
+)
+async def test_a_kubeconfig_that_cannot_be_used_is_one_line_naming_it(
+    tmp_path: Path, content: bytes | None, said: str
+) -> None:
+    path = tmp_path / "kubeconfig"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(KubeConfigError, match=said) as err:
+        await make_api_client(kubeconfig=str(path), master=None)
+    assert str(path) in str(err.value) and "\n" not in str(err.value)
+
+
+def test_uproxy_with_a_missing_kubeconfig_says_so_in_one_line(tmp_path: Path) -> None:
+    missing = tmp_path / "kubeconfig"
+    argv = [sys.executable, "-m", "uproxy.cli", "--kubeconfig", str(missing), "--rules", "none"]
+    argv += ["--healthz-bind-address", "", "--metrics-bind-address", ""]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert done.stderr.splitlines()[-1] == (
+        f"uproxy: error: cannot configure the Kubernetes client: cannot read Kubernetes "
+        f"configuration {missing}: no such file"
+    )
+    assert "Traceback" not in done.stderr and "Config not found" not in done.stderr
 
 
 async def test_silent_stream_is_restarted(

@@ -102,8 +102,10 @@ async def make_api_client(*, kubeconfig: str | None, master: str | None) -> ApiC
     """An API client configured as kube-proxy would be.
 
     ``--kubeconfig`` when given; otherwise in-cluster config inside a pod; otherwise
-    ``$KUBECONFIG`` or ``~/.kube/config``. ``--master`` overrides the server address of
-    whichever was loaded (or is used alone, without credentials, when nothing else exists).
+    ``$KUBECONFIG`` (one path, or several joined by ``:``, merged as kubectl merges them) or
+    ``~/.kube/config``. ``--master`` overrides the server address of whichever was loaded
+    (or is used alone, without credentials, when nothing else exists). A configuration that
+    cannot be used is a KubeConfigError of one line.
     """
     cfg = Configuration()
     source = _config_source(kubeconfig=kubeconfig, master=master)
@@ -111,12 +113,20 @@ async def make_api_client(*, kubeconfig: str | None, master: str | None) -> ApiC
         if source == "in-cluster":
             _load_incluster_config(client_configuration=cfg)
         elif source is not None:
+            docs = _read_kubeconfigs(source)
             await load_kube_config(config_file=source, client_configuration=cfg)
-            _follow_token_file(cfg, source)
+            _follow_token_file(cfg, _token_file(docs))
     except ConfigException as exc:
         raise KubeConfigError(f"cannot load Kubernetes configuration {source}: {exc}") from None
     except OSError as exc:
         raise KubeConfigError(f"cannot read Kubernetes configuration {source}: {exc}") from None
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        if isinstance(exc, KubeConfigError):
+            raise
+        # The library's own reading of a kubeconfig whose fields are of the wrong kind.
+        raise KubeConfigError(
+            f"cannot load Kubernetes configuration {source}: {_describe(exc)}"
+        ) from None
     if master:
         cfg.host = master.rstrip("/")
     return ApiClient(configuration=cfg)
@@ -125,31 +135,84 @@ async def make_api_client(*, kubeconfig: str | None, master: str | None) -> ApiC
 _load_incluster_config: Callable[..., None] = load_incluster_config
 
 
-def _token_file(kubeconfig: str) -> str | None:
-    """The ``tokenFile`` of the current context's user in ``kubeconfig``, if it has one
-    (a relative path is relative to the kubeconfig's directory)."""
-    with open(kubeconfig, encoding="utf-8") as fh:
-        doc = yaml.safe_load(fh)
-    if not isinstance(doc, dict):
-        return None
-    current = doc.get("current-context")
-    contexts = {c.get("name"): c.get("context") or {} for c in doc.get("contexts") or []}
-    user_name = (contexts.get(current) or {}).get("user")
-    users = {u.get("name"): u.get("user") or {} for u in doc.get("users") or []}
-    path = (users.get(user_name) or {}).get("tokenFile")
-    if not isinstance(path, str) or not path:
-        return None
-    return os.path.join(os.path.dirname(os.path.abspath(kubeconfig)), path)
+def _read_kubeconfigs(source: str) -> list[tuple[str, Mapping[str, Any]]]:
+    """Each kubeconfig file ``source`` names, parsed: one path, or several joined by ``:``
+    (``$KUBECONFIG``), of which those that do not exist are skipped, as kubectl does, as
+    long as one does. A file that cannot be read, or is not a YAML mapping, is a
+    KubeConfigError of one line (the client library would fail on it with a traceback, or
+    with a message about a missing key)."""
+    paths = [os.path.expanduser(p) for p in source.split(os.pathsep) if p]
+    docs: list[tuple[str, Mapping[str, Any]]] = []
+    for path in paths:
+        try:
+            with open(path, "rb") as fh:
+                raw = fh.read()
+        except FileNotFoundError:
+            if len(paths) > 1:
+                continue
+            raise KubeConfigError(
+                f"cannot read Kubernetes configuration {path}: no such file"
+            ) from None
+        except OSError as exc:
+            raise KubeConfigError(
+                f"cannot read Kubernetes configuration {path}: {exc.strerror or exc}"
+            ) from None
+        try:
+            doc = yaml.safe_load(raw)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" line {mark.line + 1}:" if mark is not None else ""
+            raise KubeConfigError(
+                f"Kubernetes configuration {path}:{where} not valid YAML"
+            ) from None
+        if not isinstance(doc, Mapping):
+            raise KubeConfigError(
+                f"Kubernetes configuration {path}: not a kubeconfig (expected a YAML mapping)"
+            )
+        docs.append((path, doc))
+    if not docs:
+        raise KubeConfigError(f"cannot read Kubernetes configuration {source}: no such file")
+    return docs
 
 
-def _follow_token_file(cfg: Configuration, kubeconfig: str) -> None:
-    """Read a kubeconfig's ``tokenFile`` again when it changes, and at least every minute.
+def _named(entries: Any, key: str) -> Iterable[tuple[Any, Mapping[str, Any]]]:
+    """(name, ``entry[key]``) of each well-formed entry of a kubeconfig list."""
+    for entry in entries if isinstance(entries, list) else ():
+        if isinstance(entry, Mapping):
+            body = entry.get(key)
+            yield entry.get("name"), body if isinstance(body, Mapping) else {}
+
+
+def _token_file(docs: list[tuple[str, Mapping[str, Any]]]) -> str | None:
+    """The ``tokenFile`` of the current context's user, if it has one, merged as the client
+    library merges the files: the first context and user of a name win, the last
+    ``current-context`` wins; a relative path is relative to the file that named it."""
+    current: Any = None
+    contexts: dict[Any, Mapping[str, Any]] = {}
+    users: dict[Any, tuple[str, Mapping[str, Any]]] = {}
+    for path, doc in docs:
+        if "current-context" in doc:
+            current = doc["current-context"]
+        for name, context in _named(doc.get("contexts"), "context"):
+            contexts.setdefault(name, context)
+        for name, user in _named(doc.get("users"), "user"):
+            users.setdefault(name, (path, user))
+    user_name = contexts.get(current, {}).get("user")
+    where, user = users.get(user_name, ("", {}))
+    token_file = user.get("tokenFile")
+    if not isinstance(token_file, str) or not token_file:
+        return None
+    return os.path.join(os.path.dirname(os.path.abspath(where)), token_file)
+
+
+def _follow_token_file(cfg: Configuration, path: str | None) -> None:
+    """Read a kubeconfig's ``tokenFile`` (``path``) again when it changes, and at least
+    every minute.
 
     kubernetes_asyncio reads it once; a projected service-account token (kubeadm's
     kube-proxy kubeconfig names one) is rotated, and with the first token uproxy would get
     401s for ever while serving what it last knew. client-go caches the file for a minute.
     """
-    path = _token_file(kubeconfig)
     if path is None:
         return
     seen: dict[str, float] = {"mtime": -1.0, "read_at": float("-inf")}
