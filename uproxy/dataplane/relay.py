@@ -519,17 +519,16 @@ class _Side:
         except OSError as exc:
             self.failed(peer, exc.errno)
             return
-        if self.eof:
-            self._pass_fin()
-        elif self.readable:
+        # Nothing is held once the EOF is in (a direction reads its EOF only after all it
+        # read has been written): what follows a flush is more reading, never the FIN.
+        if self.readable:
             self.pump()
 
     def _end(self) -> None:
-        """EOF from this socket: pass the FIN on once what was read has been written."""
+        """EOF from this spliced socket (its pipe is empty): pass the FIN on."""
         self.eof = True
         self.readable = False
-        if self.out is None and (self.pipe is None or not self.pipe.held):
-            self._pass_fin()
+        self._pass_fin()
 
     def _pass_fin(self) -> None:
         self.done = True
