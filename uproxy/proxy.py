@@ -359,8 +359,12 @@ class Proxy:
 
             try:
                 await self.file_source.load_initial()
-            except (ServicesFileError, OSError) as e:
+            except ServicesFileError as e:
                 raise StartupError(f"cannot use --services file: {e}") from None
+            except OSError as e:
+                raise StartupError(
+                    f"cannot use --services file {s.services}: {e.strerror or e}"
+                ) from None
             self._spawn("file-source", self.file_source.run())
             return
         from uproxy.sources.kube import KubeConfigError, KubeSource, make_api_client

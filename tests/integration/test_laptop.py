@@ -7,6 +7,8 @@ import contextlib
 import hashlib
 import logging
 import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -289,3 +291,23 @@ async def test_healthz_says_503_while_uproxy_drains(
     finally:
         writer.close()
         await stopping
+
+
+@pytest.mark.parametrize("what", ["a directory", "not YAML"])
+def test_a_services_file_that_cannot_be_read_at_start_is_one_line(
+    tmp_path: Path, what: str
+) -> None:
+    path = tmp_path / "services.yaml"
+    if what == "a directory":
+        path.mkdir()
+        said = f"cannot use --services file {path}: Is a directory"
+    else:
+        path.write_text("kind: Service\n  spec: [\n")
+        said = f"cannot use --services file: {path}: line 2 column 7: not valid YAML"
+    argv = [sys.executable, "-m", "uproxy.cli", "--services", str(path), "--rules", "none"]
+    argv += ["--healthz-bind-address", "", "--metrics-bind-address", ""]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    last = done.stderr.splitlines()[-1]
+    assert last.startswith(f"uproxy: error: {said}"), done.stderr
+    assert "Traceback" not in done.stderr
