@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -67,3 +68,14 @@ async def test_invalid_portal_is_rules_error() -> None:
     )
     with pytest.raises(RulesError, match="has no address"):
         await backend.sync([portal])
+
+
+async def test_a_program_that_hangs_is_killed_and_is_one_line(tmp_path: Path) -> None:
+    """A rules program stuck (say, behind a lock another tool holds): given up at the
+    deadline with one line, and killed, not left behind."""
+    pid_file = tmp_path / "pid"
+    script = f"echo $$ > {pid_file}; exec sleep 30"
+    with pytest.raises(RulesError, match=r"^sh did not finish within 0.3s$"):
+        await command.run(["sh", "-c", script], stdin="*nat\nCOMMIT\n", timeout_s=0.3)
+    pid = int(pid_file.read_text())
+    assert not Path(f"/proc/{pid}").exists()  # killed and reaped
