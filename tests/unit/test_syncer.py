@@ -391,6 +391,47 @@ async def test_a_start_takes_the_last_runs_ports_back_and_leaves_the_others_alon
     assert s3 is not None and s3.port == 40051
 
 
+@pytest.mark.parametrize("via", ["node port", "externalIP", "LoadBalancer IP"])
+async def test_a_start_gives_an_external_listener_its_last_port_back(via: str) -> None:
+    # A Local policy: external traffic has a listener of its own, which the last run's node
+    # port, externalIP or LoadBalancer IP rules lead to; it gets that port back as the
+    # cluster listener gets its own.
+    port = [{"name": "http", "port": 80, "protocol": "TCP", "nodePort": 30080}]
+    svc = service(
+        "lb",
+        cluster_ip="10.96.0.5",
+        type="LoadBalancer",
+        ports=port,
+        externalIPs=["192.0.2.7"],
+        externalTrafficPolicy="Local",
+    )
+    svc["status"] = {"loadBalancer": {"ingress": [{"ip": "198.51.100.7"}]}}
+    tracker = Tracker()
+    tracker.replace(Kind.SERVICE, [svc])
+    tracker.replace(Kind.ENDPOINT_SLICE, [])
+    external_key = {
+        "node port": ("", "tcp", 30080),
+        "externalIP": ("192.0.2.7", "tcp", 80),
+        "LoadBalancer IP": ("198.51.100.7", "tcp", 80),
+    }[via]
+    rules = RecordingRules()
+    rules.previous_ports = {("10.96.0.5", "tcp", 80): 40060, external_key: 40061}
+    syncer = Syncer(
+        tracker=tracker,
+        rules=rules,
+        listener_factory=Factory(),
+        options=SyncerOptions(
+            settings=Settings(rules="iptables-restore", proxy_port_range="40060-40069"),
+            dataplane=DataplaneSettings(node_name="node-a"),
+            listen_hosts=("0.0.0.0",),
+        ),
+    )
+    await syncer.sync()
+    pp = syncer.ports[spn("lb")]
+    assert pp.cluster is not None and pp.external is not None
+    assert (pp.cluster.port, pp.external.port) == (40060, 40061)
+
+
 def node_port_service(name: str, node_port: int) -> dict[str, Any]:
     ports = [{"name": "http", "port": 80, "protocol": "TCP", "nodePort": node_port}]
     return service(
