@@ -36,6 +36,7 @@ from tests.e2e.harness import (
     wait_until_ok,
 )
 from tests.e2e.manifests import backend_argv, web_service, web_slice
+from tests.netns.helpers import nft, save
 
 STEPS = 10
 RULES = [pytest.param("auto", id="restore"), pytest.param("nftables", id="nftables")]
@@ -146,6 +147,25 @@ def unanswered(net: Cluster, paths: list[tuple[str, str]]) -> None:
             assert connect_times_out(net.topo, ns, where), (ns, where)
 
 
+def kernel_state(net: Cluster, rules: str) -> str:
+    """What the node's kernel holds for the service range when a step fails: the rules that
+    name it and the connections tracked to it (for a failure seen once, to be read later)."""
+    ruleset = (
+        nft(net.topo, "list", "ruleset")
+        if rules == "nftables"
+        else save(net.topo, "nft") + save(net.topo, "legacy")  # where the rules went
+    )
+    marks = ("10.96.", "reject", "REJECT", "elements")  # portals, refusals, nft set contents
+    portals = [r.strip() for r in ruleset.splitlines() if any(m in r for m in marks)]
+    tracked = subprocess.run(
+        net.topo.exec_argv(net.topo.node, "conntrack", "-L", "-d", "10.96.0.0/16"),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    ).stdout.splitlines()
+    return f"rules naming 10.96.* {portals}; conntrack to 10.96.* {tracked}"
+
+
 @pytest.mark.parametrize("seed", [1])
 @pytest.mark.parametrize("rules", RULES)
 def test_every_step_answers_on_every_address(
@@ -217,6 +237,8 @@ def test_every_step_answers_on_every_address(
                 twice(net, walk)  # to say what is wrong
             except AssertionError as exc:
                 said = proxy.proc.stderr_lines[-25:]
-                raise AssertionError(f"{where}: {exc}; uproxy said {said}") from exc
+                raise AssertionError(
+                    f"{where}: {exc}; uproxy said {said}; {kernel_state(net, rules)}"
+                ) from exc
             raise
         wait_until_ok(functools.partial(unanswered, net, gone), timeout=15, message=where)
