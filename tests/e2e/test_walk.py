@@ -10,7 +10,8 @@ externalIP and LoadBalancer IP from outside, the node port from a pod too), answ
 of its endpoints with the body's length and sha256 (curl), in two rounds in a row; a
 service without endpoints is refused at once; the addresses of a deleted service are no
 longer answered. What fails names the curl error and the client port of each transfer, and
-ends with uproxy's last log lines.
+ends with uproxy's last log lines and what the node's kernel holds for the service range
+(rules and conntrack entries).
 """
 
 from __future__ import annotations
