@@ -118,17 +118,32 @@ def default_worker_count(*, laptop: bool) -> int:
     return max(1, min(cpus, quota) if quota else cpus)
 
 
-def _cgroup_cpus(path: str = "/sys/fs/cgroup/cpu.max") -> int | None:
-    """CPUs the cgroup v2 quota allows (rounded up), None when unlimited or unknown."""
+def _cgroup_cpus(root: str = "/sys/fs/cgroup") -> int | None:
+    """CPUs the CPU quota of this process's cgroup allows (rounded up: a limit of 1.5 CPUs is
+    worth two workers), as a container sees its cgroup under ``root``: cgroup v2's
+    ``cpu.max``, else cgroup v1's ``cpu.cfs_quota_us`` over ``cpu.cfs_period_us`` (nodes
+    still on v1). None when unlimited or unknown."""
     try:
-        with open(path) as f:
-            quota, period = f.read().split()
-        if quota == "max":
+        quota, period = _read(f"{root}/cpu.max").split()
+    except (OSError, ValueError):
+        for v1 in (f"{root}/cpu", f"{root}/cpu,cpuacct"):
+            try:
+                quota, period = _read(f"{v1}/cpu.cfs_quota_us"), _read(f"{v1}/cpu.cfs_period_us")
+                break
+            except OSError:
+                continue
+        else:
             return None
-        cpus = -(-int(quota) // int(period))
-    except (OSError, ValueError, ZeroDivisionError):
+    try:
+        cpus = -(-int(quota) // int(period))  # "max" (v2) is not a number; -1 (v1) is < 1
+    except (ValueError, ZeroDivisionError):
         return None
     return cpus if cpus > 0 else None
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read().strip()
 
 
 @dataclass(slots=True)

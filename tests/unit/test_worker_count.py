@@ -29,16 +29,36 @@ from uproxy import workers
         ("100000 0\n", None),
     ],
 )
-def test_the_cgroup_quota_in_cpus_rounded_up(
+def test_the_cgroup_v2_quota_in_cpus_rounded_up(
     tmp_path: Path, content: str, cpus: int | None
 ) -> None:
-    cpu_max = tmp_path / "cpu.max"
-    cpu_max.write_text(content)
-    assert workers._cgroup_cpus(str(cpu_max)) == cpus
+    (tmp_path / "cpu.max").write_text(content)
+    assert workers._cgroup_cpus(str(tmp_path)) == cpus
+
+
+@pytest.mark.parametrize("controller", ["cpu", "cpu,cpuacct"])
+@pytest.mark.parametrize(
+    ("quota", "period", "cpus"),
+    [("-1", "100000", None), ("150000", "100000", 2), ("200000", "100000", 2), ("x", "1", None)],
+)
+def test_the_cgroup_v1_quota_when_there_is_no_v2_file(
+    tmp_path: Path, controller: str, quota: str, period: str, cpus: int | None
+) -> None:
+    """Nodes still on cgroup v1: the CFS quota over its period, as the container sees it."""
+    v1 = tmp_path / controller
+    v1.mkdir()
+    (v1 / "cpu.cfs_quota_us").write_text(quota + "\n")
+    (v1 / "cpu.cfs_period_us").write_text(period + "\n")
+    assert workers._cgroup_cpus(str(tmp_path)) == cpus
 
 
 def test_no_cgroup_file_is_no_limit(tmp_path: Path) -> None:
-    assert workers._cgroup_cpus(str(tmp_path / "absent")) is None
+    assert workers._cgroup_cpus(str(tmp_path)) is None
+
+
+def test_this_machine_s_cgroup_reads_as_a_number_or_no_limit() -> None:
+    cpus = workers._cgroup_cpus()
+    assert cpus is None or cpus >= 1
 
 
 @pytest.mark.parametrize(
