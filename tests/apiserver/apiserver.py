@@ -192,6 +192,7 @@ class ApiServerDouble:
         self._continuations: dict[str, tuple[str, int, list[Obj]]] = {}
         self._watchers: set[_Watcher] = set()
         self._held: dict[str, asyncio.Event] = {}
+        self._broken_lists: dict[str, list[bytes]] = {}
         self._swallowing: set[str] = set()  # kinds whose new watches get no answer
         self._swallowed: dict[str, int] = {}
         self._runner: web.AppRunner | None = None
@@ -405,6 +406,11 @@ class ApiServerDouble:
                 n += 1
         return n
 
+    def break_lists(self, kind: str, *bodies: bytes) -> None:
+        """Answer the next lists of ``kind`` (one each) with these bodies, status 200: what
+        a broken server or a proxy in the way might send."""
+        self._broken_lists.setdefault(str(kind), []).extend(bodies)
+
     def hold_lists(self, kind: str) -> None:
         """Make lists of ``kind`` wait until ``release_lists``."""
         self._held.setdefault(str(kind), asyncio.Event())
@@ -508,6 +514,9 @@ class ApiServerDouble:
         held = self._held.get(kind)
         if held is not None:
             await held.wait()
+        broken = self._broken_lists.get(kind)
+        if broken:
+            return web.Response(body=broken.pop(0), content_type="application/json")
         q = request.query
         res = _RESOURCES[kind]
         token = q.get("continue")

@@ -356,6 +356,29 @@ async def test_a_watch_line_it_cannot_use_is_one_warning_and_the_watch_resumes(
     assert apiserver.list_count(SVC) == 1  # never listed again
 
 
+async def test_a_list_it_cannot_use_is_one_warning_and_listed_again(
+    apiserver: ApiServerDouble, start_source: SourceFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Lists answered 200 with what is not a list: each is one warning line without a
+    traceback, then the listing is asked for again and the source syncs."""
+    apiserver.create(SVC, service("a"))
+    broken = {
+        b"<html>502 Bad Gateway</html>": "JSONDecodeError",
+        b'["not", "a", "list"]': "not an object",
+        b'{"kind": "ServiceList", "metadata": {}}': "no items or metadata",
+        b'{"kind": "ServiceList", "metadata": {}, "items": []}': "no resourceVersion",
+    }
+    apiserver.break_lists(SVC, *broken)
+    tracker, _ = await start_source(backoff_max_s=0.2)
+    await wait_for(lambda: tracker.synced and names(tracker) == {"a"}, timeout=10)
+    failed = [r for r in caplog.records if r.getMessage() == "Listing failed; retrying"]
+    assert len(failed) == len(broken), [r.getMessage() for r in caplog.records]
+    for record, said in zip(failed, broken.values(), strict=True):
+        assert said in record.kv["error"], record.kv  # type: ignore[attr-defined]
+        assert record.exc_info is None
+    assert apiserver.list_count(SVC) == len(broken) + 1
+
+
 async def test_a_watch_event_of_an_unknown_type_is_skipped_and_the_stream_goes_on(
     apiserver: ApiServerDouble, start_source: SourceFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
