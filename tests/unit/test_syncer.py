@@ -361,6 +361,20 @@ async def test_a_laptop_port_freed_and_claimed_in_one_sync_is_retried_soon(
     assert new is not None and new.port == unused_tcp_port and syncer.retry_after() is None
 
 
+def restarted(tracker: Tracker, rules: RecordingRules, port_range: str) -> Syncer:
+    """A node's syncer over the last run's rules (``rules.previous_ports``)."""
+    return Syncer(
+        tracker=tracker,
+        rules=rules,
+        listener_factory=Factory(),
+        options=SyncerOptions(
+            settings=Settings(rules="iptables-restore", proxy_port_range=port_range),
+            dataplane=DataplaneSettings(node_name="node-a"),
+            listen_hosts=("0.0.0.0",),
+        ),
+    )
+
+
 async def test_a_start_takes_the_last_runs_ports_back_and_leaves_the_others_alone() -> None:
     # The last run's rules still lead 10.96.0.0:80 to 40050, and 10.96.9.9:80 (a service gone
     # since) to 40051: s0 gets 40050 back; nobody gets 40051 until the new rules are in.
@@ -369,16 +383,7 @@ async def test_a_start_takes_the_last_runs_ports_back_and_leaves_the_others_alon
     tracker.replace(Kind.ENDPOINT_SLICE, [])
     rules = RecordingRules()
     rules.previous_ports = {("10.96.0.0", "tcp", 80): 40050, ("10.96.9.9", "tcp", 80): 40051}
-    syncer = Syncer(
-        tracker=tracker,
-        rules=rules,
-        listener_factory=Factory(),
-        options=SyncerOptions(
-            settings=Settings(rules="iptables-restore", proxy_port_range="40050-40053"),
-            dataplane=DataplaneSettings(node_name="node-a"),
-            listen_hosts=("0.0.0.0",),
-        ),
-    )
+    syncer = restarted(tracker, rules, "40050-40053")
     await syncer.sync()
     got = {name: syncer.ports[spn(name)].cluster for name in ("s0", "s1", "s2")}
     assert all(lst is not None for lst in got.values())
@@ -416,16 +421,7 @@ async def test_a_start_gives_an_external_listener_its_last_port_back(via: str) -
     }[via]
     rules = RecordingRules()
     rules.previous_ports = {("10.96.0.5", "tcp", 80): 40060, external_key: 40061}
-    syncer = Syncer(
-        tracker=tracker,
-        rules=rules,
-        listener_factory=Factory(),
-        options=SyncerOptions(
-            settings=Settings(rules="iptables-restore", proxy_port_range="40060-40069"),
-            dataplane=DataplaneSettings(node_name="node-a"),
-            listen_hosts=("0.0.0.0",),
-        ),
-    )
+    syncer = restarted(tracker, rules, "40060-40069")
     await syncer.sync()
     pp = syncer.ports[spn("lb")]
     assert pp.cluster is not None and pp.external is not None
