@@ -155,6 +155,8 @@ class NodeInfo:
     """What uproxy needs to know about the node it runs on."""
 
     name: str
+    # Its IPs as kube-proxy reads them (``status.addresses``): the first InternalIP (else
+    # ExternalIP), then the first of the other family, internal ones first.
     addresses: tuple[str, ...] = ()
     zone: str | None = None
     deleting: bool = False

@@ -25,6 +25,7 @@ from uproxy.model import (
     Protocol,
     ServicePort,
     ServicePortName,
+    ip_family,
 )
 
 log = logging.getLogger("uproxy.objects")
@@ -507,11 +508,14 @@ def node_info(obj: Obj) -> NodeInfo:
     name = c.string(meta.get("name"), "metadata.name")
     labels = c.mapping(meta.get("labels"), "metadata.labels")
     status = c.mapping(obj.get("status"), "status")
-    addresses = []
+    internal: list[str] = []
+    external: list[str] = []
     for i, raw in enumerate(c.seq(status.get("addresses"), "status.addresses")):
         a = c.mapping(raw, "status.addresses[{}]", i, required=True)
         if a.get("type") in ("InternalIP", "ExternalIP"):
-            addresses.append(c.ip(a.get("address"), "status.addresses[{}].address", i))
+            ip = c.ip(a.get("address"), "status.addresses[{}].address", i)
+            (internal if a.get("type") == "InternalIP" else external).append(ip)
+    addresses = _host_ips(internal + external)
     spec = c.mapping(obj.get("spec"), "spec")
     taints = []
     for i, raw in enumerate(c.seq(spec.get("taints"), "spec.taints")):
@@ -526,6 +530,16 @@ def node_info(obj: Obj) -> NodeInfo:
         taints=tuple(taints),
         pod_cidrs=_pod_cidrs(c, spec),
     )
+
+
+def _host_ips(ips: list[str]) -> list[str]:
+    """The node's IPs from its addresses, InternalIPs first: the first one, then the first
+    of the other family, if any (kube-proxy's reading of a dual-stack node)."""
+    if not ips:
+        return []
+    primary = ip_family(ips[0])
+    other = next((ip for ip in ips if ip_family(ip) is not primary), None)
+    return [ips[0]] if other is None else [ips[0], other]
 
 
 def _pod_cidrs(c: _Checker, spec: Obj) -> tuple[str, ...]:

@@ -155,6 +155,7 @@ class Proxy:
         self._finite: set[asyncio.Task[None]] = set()  # tasks that may end (``_spawn``)
         self._stopped = asyncio.Event()
         self.failure: str | None = None
+        self._node_ips: tuple[str, ...] | None = None  # this Node's, as first seen (API)
         self.synced = asyncio.Event()
         self._prepare: asyncio.Task[None] | None = None
 
@@ -301,6 +302,27 @@ class Proxy:
             self.rules.set_local_traffic(local)
             self.syncer.force_rules_sync()
 
+    def _follow_node_ips(self) -> None:
+        """This Node's IPs changed: stop (draining), to be started again with them, as
+        kube-proxy does. The address the host portals DNAT to is found when uproxy starts;
+        a node that got another one would keep sending its own service traffic to the old
+        one. The exit status says why (``failure``)."""
+        node = self.tracker.node
+        if node is None or not node.addresses or self.settings.laptop:
+            return
+        if self._node_ips is None:
+            self._node_ips = node.addresses
+            return
+        if node.addresses == self._node_ips or self.failure is not None:
+            return
+        was, now = ",".join(self._node_ips), ",".join(node.addresses)
+        log.warning(
+            "This node's IPs changed: stopping, to start again with them",
+            extra=kv(node=node.name, was=was, now=now),
+        )
+        self.failure = f"this node's IPs changed from {was} to {now}: start uproxy again"
+        self._stopped.set()
+
     def _healthz_server(self) -> HealthzServer | None:
         addr = parse_hostport(self.settings.healthz_bind_address)
         if addr is None:
@@ -442,6 +464,7 @@ class Proxy:
         node = self.tracker.node
         self.health.set_node_eligible(node is None or node.eligible)
         self._follow_node_cidrs()
+        self._follow_node_ips()
         # Before every source has listed, a sync does nothing: requesting one would only
         # spend the rate limiter's burst and delay the first real sync by a min period.
         if not self.tracker.synced:

@@ -1,9 +1,13 @@
-"""--detect-local-mode NodeCIDR: the pods' CIDRs are the Node's spec.podCIDRs, read through the
+"""The Node as the whole proxy follows it on a node (against the API-server double).
+
+--detect-local-mode NodeCIDR: the pods' CIDRs are the Node's spec.podCIDRs, read through the
 API server when the Node is listed and followed when they change (the rules are told, and a
-rules sync follows), with the whole proxy against the API-server double."""
+rules sync follows). The Node's IPs: when they change, uproxy stops to be started again with
+them, as kube-proxy does."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Collection
 from pathlib import Path
 from typing import Any
@@ -103,3 +107,23 @@ async def test_node_cidr_follows_the_nodes_pod_cidrs(
     apiserver.update("Node", with_pod_cidrs())
     await wait_for(lambda: rules.told(LocalTraffic()), timeout=10, message="no podCIDRs")
     assert proxy.local_traffic == LocalTraffic()
+
+
+async def test_a_change_of_the_nodes_ips_stops_uproxy_to_start_again(
+    apiserver: ApiServerDouble, proxy_with: Any
+) -> None:
+    apiserver.create("Node", node(NODE, ip="192.0.2.10"))
+    proxy = await proxy_with(RecordingRules())
+    await wait_for(lambda: proxy.tracker.node is not None, message="the Node listed")
+    apiserver.update("Node", node(NODE, zone="zone-b", ip="192.0.2.10"))  # not its IPs
+    await wait_for(lambda: proxy.tracker.node is not None and proxy.tracker.node.zone == "zone-b")
+    moved = node(NODE, zone="zone-b", ip="192.0.2.10")
+    moved["status"]["addresses"].append({"type": "ExternalIP", "address": "203.0.113.10"})
+    # An ExternalIP beside an InternalIP of the same family: not one of its IPs (had it
+    # counted, the stop below would name it).
+    apiserver.update("Node", moved)
+    apiserver.update("Node", node(NODE, zone="zone-b", ip="192.0.2.99"))
+    await asyncio.wait_for(proxy.wait(), 10)  # what run() waits for before it stops
+    assert proxy.failure == (
+        "this node's IPs changed from 192.0.2.10 to 192.0.2.99: start uproxy again"
+    )

@@ -402,3 +402,27 @@ def test_any_field_of_the_wrong_kind_is_an_invalid_object_never_a_crash() -> Non
             assert "\n" not in str(exc)
             invalid += 1
     assert invalid > 1000  # the changes did reach fields that are checked
+
+
+@pytest.mark.parametrize(
+    ("addresses", "ips"),
+    [
+        ([("InternalIP", "10.0.0.1"), ("InternalIP", "fd00::1")], ("10.0.0.1", "fd00::1")),
+        ([("ExternalIP", "203.0.113.1"), ("InternalIP", "10.0.0.1")], ("10.0.0.1",)),
+        ([("ExternalIP", "203.0.113.1")], ("203.0.113.1",)),
+        ([("InternalIP", "fd00::1"), ("ExternalIP", "203.0.113.1")], ("fd00::1", "203.0.113.1")),
+        ([("InternalIP", "10.0.0.1"), ("InternalIP", "10.0.0.2")], ("10.0.0.1",)),
+        ([("Hostname", "node-a")], ()),
+    ],
+)
+def test_a_nodes_ips_are_read_as_kube_proxy_reads_them(
+    addresses: list[tuple[str, str]], ips: tuple[str, ...]
+) -> None:
+    """The first InternalIP (else ExternalIP), then the first of the other family."""
+    obj = {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": "node-a"},
+        "status": {"addresses": [{"type": t, "address": a} for t, a in addresses]},
+    }
+    assert node_info(obj).addresses == ips
