@@ -32,25 +32,12 @@ from tests.e2e.manifests import (
     web_slice,
 )
 from tests.e2e.saved import normalized
-from tests.netns.helpers import FOREIGN
+from tests.netns.helpers import FOREIGN, FOREIGN6
 
 pytestmark = [pytest.mark.root]
 
 MODES = ("nft", "legacy")
 PROGRAMS = tuple(f"{p}tables-{m}" for p in ("ip", "ip6") for m in MODES)
-# Someone else's IPv6 rules (the IPv4 ones are tests.netns.helpers.FOREIGN).
-FOREIGN6 = """\
-*filter
-:OTHER6 - [0:0]
--A INPUT -j OTHER6
--A OTHER6 -p tcp -m tcp --dport 22 -j ACCEPT
-COMMIT
-*nat
-:OTHER6-NAT - [0:0]
--A OUTPUT -j OTHER6-NAT
--A PREROUTING -p tcp -m tcp --dport 2222 -j DNAT --to-destination [fd00:200:2::2]:22
-COMMIT
-"""
 
 
 FOREIGN_NFT = """\

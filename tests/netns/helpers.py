@@ -50,6 +50,7 @@ FOREIGN6 = """\
 COMMIT
 *nat
 :OTHER6-NAT - [0:0]
+-A PREROUTING -p tcp -m tcp --dport 2222 -j DNAT --to-destination [fd00:200:2::2]:22
 -A OUTPUT -j OTHER6-NAT
 -A OTHER6-NAT -p tcp -m tcp --dport 2222 -j DNAT --to-destination [fd00:200:2::2]:22
 COMMIT
