@@ -116,13 +116,13 @@ async def make_api_client(*, kubeconfig: str | None, master: str | None) -> ApiC
             docs = _read_kubeconfigs(source)
             await load_kube_config(config_file=source, client_configuration=cfg)
             _follow_token_file(cfg, _token_file(docs))
+    except KubeConfigError:
+        raise  # already one line naming the file (``_read_kubeconfigs``)
     except ConfigException as exc:
         raise KubeConfigError(f"cannot load Kubernetes configuration {source}: {exc}") from None
     except OSError as exc:
         raise KubeConfigError(f"cannot read Kubernetes configuration {source}: {exc}") from None
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
-        if isinstance(exc, KubeConfigError):
-            raise
         # The library's own reading of a kubeconfig whose fields are of the wrong kind.
         raise KubeConfigError(
             f"cannot load Kubernetes configuration {source}: {_describe(exc)}"
