@@ -46,6 +46,18 @@ import socket
 import struct
 from collections.abc import Callable, Hashable, Sequence
 
+from uproxy.netlink import (
+    NLM_F_DUMP,
+    NLM_F_REQUEST,
+    NLMSG,
+    NLMSG_DONE,
+    NLMSG_ERROR,
+    align4,
+    attr,
+    attribute,
+    message,
+)
+
 log = logging.getLogger("uproxy.rules.watch")
 
 # NETLINK_NETFILTER, and nf_tables' messages on it (linux/netfilter/nfnetlink.h, nf_tables.h).
@@ -57,14 +69,7 @@ NFTA_TABLE_NAME = 1
 NFT_MSG_NEWGEN = 15
 NFT_MSG_GETGEN = 16
 NFTA_GEN_ID = 1
-NLMSG_ERROR = 2
-NLMSG_DONE = 3
-NLM_F_REQUEST = 1
-NLM_F_DUMP = 0x300
-_NLMSG = struct.Struct("=IHHII")  # len, type, flags, seq, pid (host order)
 _NFGENMSG = struct.Struct("=BBH")  # family, version, res_id (big-endian, unused here)
-_NLATTR = struct.Struct("=HH")  # len, type
-_NLA_TYPE_MASK = 0x3FFF
 _GEN_MODULO = 1 << 32
 
 # IPT_SO_GET_INFO (linux/netfilter_ipv4/ip_tables.h) and struct ipt_getinfo; IPv6 has the
@@ -85,48 +90,30 @@ Token = Hashable
 FULL_SYNC_PERIOD_S = 3600.0
 
 
-def _align4(n: int) -> int:
-    return (n + 3) & ~3
-
-
 def getgen_request(seq: int) -> bytes:
     """The NFT_MSG_GETGEN request: nlmsghdr plus an nfgenmsg for AF_UNSPEC."""
     body = _NFGENMSG.pack(socket.AF_UNSPEC, 0, 0)
     msg_type = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETGEN
-    return _NLMSG.pack(_NLMSG.size + len(body), msg_type, NLM_F_REQUEST, seq, 0) + body
+    return message(msg_type, NLM_F_REQUEST, seq, body)
 
 
 def parse_generation(data: bytes) -> int | None:
     """The NFTA_GEN_ID of an NFT_MSG_NEWGEN reply; None for an error or anything unexpected."""
     offset = 0
-    while offset + _NLMSG.size <= len(data):
-        length, msg_type, _flags, _seq, _pid = _NLMSG.unpack_from(data, offset)
-        if length < _NLMSG.size or offset + length > len(data):
+    while offset + NLMSG.size <= len(data):
+        length, msg_type, _flags, _seq, _pid = NLMSG.unpack_from(data, offset)
+        if length < NLMSG.size or offset + length > len(data):
             return None
         if msg_type == (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWGEN:
-            return _gen_attribute(data[offset + _NLMSG.size + _NFGENMSG.size : offset + length])
+            return _gen_attribute(data[offset + NLMSG.size + _NFGENMSG.size : offset + length])
         if msg_type == NLMSG_ERROR:
             return None
-        offset += _align4(length)
-    return None
-
-
-def _attribute(attrs: bytes, wanted: int) -> bytes | None:
-    """The payload of the first netlink attribute of type ``wanted``; None when absent or
-    when the attributes are malformed."""
-    offset = 0
-    while offset + _NLATTR.size <= len(attrs):
-        length, attr_type = _NLATTR.unpack_from(attrs, offset)
-        if length < _NLATTR.size or offset + length > len(attrs):
-            return None
-        if attr_type & _NLA_TYPE_MASK == wanted:
-            return attrs[offset + _NLATTR.size : offset + length]
-        offset += _align4(length)
+        offset += align4(length)
     return None
 
 
 def _gen_attribute(attrs: bytes) -> int | None:
-    raw = _attribute(attrs, NFTA_GEN_ID)
+    raw = attribute(attrs, NFTA_GEN_ID)
     if raw is None or len(raw) != 4:
         return None
     value: int = struct.unpack(">I", raw)[0]
@@ -157,7 +144,7 @@ def gettable_dump_request(seq: int) -> bytes:
     body = _NFGENMSG.pack(socket.AF_UNSPEC, 0, 0)
     msg_type = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETTABLE
     flags = NLM_F_REQUEST | NLM_F_DUMP
-    return _NLMSG.pack(_NLMSG.size + len(body), msg_type, flags, seq, 0) + body
+    return message(msg_type, flags, seq, body)
 
 
 def parse_tables(data: bytes) -> tuple[list[tuple[int, str]], bool] | None:
@@ -165,16 +152,16 @@ def parse_tables(data: bytes) -> tuple[list[tuple[int, str]], bool] | None:
     ended (NLMSG_DONE); None for an error reply or anything malformed."""
     found: list[tuple[int, str]] = []
     offset = 0
-    while offset + _NLMSG.size <= len(data):
-        length, msg_type, _flags, _seq, _pid = _NLMSG.unpack_from(data, offset)
-        if length < _NLMSG.size or offset + length > len(data):
+    while offset + NLMSG.size <= len(data):
+        length, msg_type, _flags, _seq, _pid = NLMSG.unpack_from(data, offset)
+        if length < NLMSG.size or offset + length > len(data):
             return None
         if msg_type == NLMSG_DONE:
             return found, True
         if msg_type == NLMSG_ERROR:
             return None
         if msg_type == (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWTABLE:
-            start = offset + _NLMSG.size
+            start = offset + NLMSG.size
             family = data[start]
             name = _string_attribute(
                 data[start + _NFGENMSG.size : offset + length], NFTA_TABLE_NAME
@@ -182,12 +169,12 @@ def parse_tables(data: bytes) -> tuple[list[tuple[int, str]], bool] | None:
             if name is None:
                 return None
             found.append((family, name))
-        offset += _align4(length)
+        offset += align4(length)
     return found, False
 
 
 def _string_attribute(attrs: bytes, wanted: int) -> str | None:
-    raw = _attribute(attrs, wanted)
+    raw = attribute(attrs, wanted)
     return None if raw is None else raw.split(b"\0", 1)[0].decode("ascii", "replace")
 
 
@@ -223,40 +210,35 @@ NLA_F_NESTED = 0x8000
 _ERRNO = struct.Struct("=i")
 
 
-def _nlattr(attr_type: int, payload: bytes) -> bytes:
-    length = _NLATTR.size + len(payload)
-    return _NLATTR.pack(length, attr_type) + payload + bytes(_align4(length) - length)
-
-
 def getsetelem_request(seq: int, nfproto: int, table: str, name: str, key: bytes) -> bytes:
     """NFT_MSG_GETSETELEM for one element of one set or map, by its key (the key's bytes as
     the kernel holds them: each part of a concatenation padded to 4 bytes)."""
-    element = _nlattr(
+    element = attr(
         NFTA_LIST_ELEM | NLA_F_NESTED,
-        _nlattr(NFTA_SET_ELEM_KEY | NLA_F_NESTED, _nlattr(NFTA_DATA_VALUE, key)),
+        attr(NFTA_SET_ELEM_KEY | NLA_F_NESTED, attr(NFTA_DATA_VALUE, key)),
     )
     attrs = (
-        _nlattr(NFTA_SET_ELEM_LIST_TABLE, table.encode("ascii") + b"\0")
-        + _nlattr(NFTA_SET_ELEM_LIST_SET, name.encode("ascii") + b"\0")
-        + _nlattr(NFTA_SET_ELEM_LIST_ELEMENTS | NLA_F_NESTED, element)
+        attr(NFTA_SET_ELEM_LIST_TABLE, table.encode("ascii") + b"\0")
+        + attr(NFTA_SET_ELEM_LIST_SET, name.encode("ascii") + b"\0")
+        + attr(NFTA_SET_ELEM_LIST_ELEMENTS | NLA_F_NESTED, element)
     )
     body = _NFGENMSG.pack(nfproto, 0, 0) + attrs
     msg_type = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETSETELEM
-    return _NLMSG.pack(_NLMSG.size + len(body), msg_type, NLM_F_REQUEST, seq, 0) + body
+    return message(msg_type, NLM_F_REQUEST, seq, body)
 
 
 def parse_element_reply(data: bytes) -> bool | None:
     """True for an NFT_MSG_NEWSETELEM reply (the element is there), False for ENOENT (no such
     element, set or table), None for any other error or anything unexpected."""
-    if len(data) < _NLMSG.size:
+    if len(data) < NLMSG.size:
         return None
-    length, msg_type, _flags, _seq, _pid = _NLMSG.unpack_from(data, 0)
-    if length < _NLMSG.size or length > len(data):
+    length, msg_type, _flags, _seq, _pid = NLMSG.unpack_from(data, 0)
+    if length < NLMSG.size or length > len(data):
         return None
     if msg_type == (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWSETELEM:
         return True
-    if msg_type == NLMSG_ERROR and length >= _NLMSG.size + _ERRNO.size:
-        code: int = _ERRNO.unpack_from(data, _NLMSG.size)[0]
+    if msg_type == NLMSG_ERROR and length >= NLMSG.size + _ERRNO.size:
+        code: int = _ERRNO.unpack_from(data, NLMSG.size)[0]
         return False if code == -errno.ENOENT else None
     return None
 

@@ -1,0 +1,64 @@
+"""What every netlink reader of uproxy shares: the message and attribute headers, and walking
+them with a bound at every step.
+
+Replies come from the kernel, but a parser here must still never raise on what it does not
+expect, nor loop on a length that does not move it forward: every reader answers "unknown"
+(None) for anything malformed, and its caller treats unknown as the safe case. Users:
+``uproxy.rules.watch`` (nf_tables' generation, tables and set elements) and ``uproxy.nodeip``
+(this host's addresses).
+"""
+
+from __future__ import annotations
+
+import struct
+
+NLMSG_ERROR = 2
+NLMSG_DONE = 3
+NLM_F_REQUEST = 1
+NLM_F_DUMP = 0x300
+NLMSG = struct.Struct("=IHHII")  # len, type, flags, seq, pid (host order)
+NLATTR = struct.Struct("=HH")  # len, type
+NLA_TYPE_MASK = 0x3FFF
+
+
+def align4(n: int) -> int:
+    return (n + 3) & ~3
+
+
+def message(msg_type: int, flags: int, seq: int, body: bytes) -> bytes:
+    """One netlink message: its header, then ``body``."""
+    return NLMSG.pack(NLMSG.size + len(body), msg_type, flags, seq, 0) + body
+
+
+def messages(data: bytes) -> list[tuple[int, bytes]] | None:
+    """Each message of ``data`` as (type, payload after the header); None when a length is
+    out of bounds. Trailing bytes too short for a header are ignored, as the kernel pads."""
+    out: list[tuple[int, bytes]] = []
+    offset = 0
+    while offset + NLMSG.size <= len(data):
+        length, msg_type, _flags, _seq, _pid = NLMSG.unpack_from(data, offset)
+        if length < NLMSG.size or offset + length > len(data):
+            return None
+        out.append((msg_type, data[offset + NLMSG.size : offset + length]))
+        offset += align4(length)
+    return out
+
+
+def attribute(attrs: bytes, wanted: int) -> bytes | None:
+    """The payload of the first netlink attribute of type ``wanted``; None when absent or
+    when the attributes are malformed."""
+    offset = 0
+    while offset + NLATTR.size <= len(attrs):
+        length, attr_type = NLATTR.unpack_from(attrs, offset)
+        if length < NLATTR.size or offset + length > len(attrs):
+            return None
+        if attr_type & NLA_TYPE_MASK == wanted:
+            return attrs[offset + NLATTR.size : offset + length]
+        offset += align4(length)
+    return None
+
+
+def attr(attr_type: int, payload: bytes) -> bytes:
+    """One netlink attribute, padded to its alignment."""
+    length = NLATTR.size + len(payload)
+    return NLATTR.pack(length, attr_type) + payload + bytes(align4(length) - length)
