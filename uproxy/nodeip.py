@@ -5,15 +5,34 @@ Traffic from the node itself to a service address is DNATed to node-IP:proxy-por
 Each family the node serves needs its own: the source address of that family's default route,
 else its first global address (for IPv6: global scope, so ULA counts and link-local does
 not). Read from the routing table, without sending anything.
+
+That address can go (a DHCP lease renewed with another one, an interface moved): the proxy
+asks every second whether it is still this host's (``addresses_now``: one netlink dump of the
+family's addresses, no process), and takes the family's new primary address when it is not.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import json
+import socket
+import struct
 import subprocess
 
 from uproxy.model import IPFamily
+from uproxy.netlink import NLM_F_DUMP, NLM_F_REQUEST, NLMSG_DONE, attribute, message, messages
+
+# rtnetlink's address messages (linux/rtnetlink.h, linux/if_addr.h).
+RTM_NEWADDR = 20
+RTM_GETADDR = 22
+IFA_ADDRESS = 1
+IFA_LOCAL = 2
+IFA_FLAGS = 8
+IFA_F_DADFAILED = 0x08
+IFA_F_TENTATIVE = 0x40
+_IFADDRMSG = struct.Struct("=BBBBI")  # family, prefixlen, flags, scope, index
+_AF = {IPFamily.V4: socket.AF_INET, IPFamily.V6: socket.AF_INET6}
+_ADDRESS_BYTES = {socket.AF_INET: 4, socket.AF_INET6: 16}
 
 
 def _ip_json(*args: str) -> list[dict[str, object]]:
@@ -77,3 +96,63 @@ def primary_ipv4(preferred: tuple[str, ...] = ()) -> str | None:
 
 def is_unspecified(ip: str) -> bool:
     return ipaddress.ip_address(ip).is_unspecified
+
+
+def getaddr_dump_request(family: IPFamily, seq: int) -> bytes:
+    """RTM_GETADDR as a dump of every address of one family."""
+    body = _IFADDRMSG.pack(_AF[family], 0, 0, 0, 0)
+    return message(RTM_GETADDR, NLM_F_REQUEST | NLM_F_DUMP, seq, body)
+
+
+def parse_addresses(data: bytes) -> tuple[list[str], bool] | None:
+    """The usable addresses of each RTM_NEWADDR in ``data`` (an IPv6 address still in, or
+    failed, duplicate address detection is not), and whether the dump ended (NLMSG_DONE); None
+    for an error reply or anything malformed."""
+    parsed = messages(data)
+    if parsed is None:
+        return None
+    found: list[str] = []
+    for msg_type, payload in parsed:
+        if msg_type == NLMSG_DONE:
+            return found, True
+        if msg_type != RTM_NEWADDR:
+            return None  # NLMSG_ERROR, or not what was asked for
+        if len(payload) < _IFADDRMSG.size:
+            return None
+        af, _prefix, flags, _scope, _index = _IFADDRMSG.unpack_from(payload)
+        attrs = payload[_IFADDRMSG.size :]
+        wide = attribute(attrs, IFA_FLAGS)  # the flags beyond the header's 8 bits
+        if wide is not None and len(wide) == 4:
+            flags = struct.unpack("=I", wide)[0]
+        # IFA_LOCAL is an IPv4 interface's own address (IFA_ADDRESS is the peer's on a
+        # point-to-point link); IPv6 gives IFA_ADDRESS only.
+        raw = attribute(attrs, IFA_LOCAL)
+        if raw is None:
+            raw = attribute(attrs, IFA_ADDRESS)
+        if raw is None or af not in _ADDRESS_BYTES or len(raw) != _ADDRESS_BYTES[af]:
+            return None
+        if not flags & (IFA_F_TENTATIVE | IFA_F_DADFAILED):
+            found.append(socket.inet_ntop(af, raw))
+    return found, False
+
+
+def addresses_now(family: IPFamily, seq: int = 1) -> frozenset[str] | None:
+    """Every usable address of one family on this host (any scope), read over netlink in a
+    few tens of microseconds; None when it cannot be read (the caller keeps what it has)."""
+    try:
+        with socket.socket(
+            socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, socket.NETLINK_ROUTE
+        ) as sock:
+            sock.settimeout(1.0)
+            sock.send(getaddr_dump_request(family, seq))
+            out: set[str] = set()
+            while True:
+                parsed = parse_addresses(sock.recv(65536))
+                if parsed is None:
+                    return None
+                found, done = parsed
+                out.update(found)
+                if done:
+                    return frozenset(out)
+    except OSError:
+        return None

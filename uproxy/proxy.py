@@ -21,9 +21,10 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Collection, Coroutine, Mapping
+from dataclasses import replace
 from typing import Any
 
-from uproxy import localnet, metrics, priority
+from uproxy import localnet, metrics, nodeip, priority
 from uproxy.dataplane.limits import raise_nofile_limit
 from uproxy.dataplane.settings import DataplaneSettings
 from uproxy.health import HealthzServer, ProxyHealth
@@ -35,7 +36,7 @@ from uproxy.model import IPFamily, ServicePortName
 from uproxy.rules.base import RulesBackend, RulesError
 from uproxy.rules.nodeports import NodePortReservations
 from uproxy.runner import BoundedFrequencyRunner
-from uproxy.settings import Settings, parse_hostport
+from uproxy.settings import PRIMARY, Settings, parse_hostport
 from uproxy.sources.file import FileSource
 from uproxy.syncer import ProxiedPort, Syncer, SyncerOptions, TableRow, open_listener
 from uproxy.tracker import Tracker
@@ -156,6 +157,7 @@ class Proxy:
         self._stopped = asyncio.Event()
         self.failure: str | None = None
         self._node_ips: tuple[str, ...] | None = None  # this Node's, as first seen (API)
+        self._no_host_ip: set[str] = set()  # host addresses gone, with no other one (said)
         self.synced = asyncio.Event()
         self._prepare: asyncio.Task[None] | None = None
 
@@ -573,11 +575,70 @@ class Proxy:
                 counts[family][key] = len(frozenset().union(*ips))
         self.healthchecks.set_local_endpoints(counts[IPFamily.V4], ipv6=counts[IPFamily.V6])
 
+    async def _follow_host_ips(self) -> None:
+        """Each family's host address (where the node's own traffic to a service is DNATed:
+        its primary address when uproxy started) is still this host's; one that went away (a
+        DHCP lease renewed with another address) is replaced by the family's primary address
+        now, from the next sync on. The check is one netlink read per family.
+
+        An address from ``--bind-address`` stays: the operator chose it. With
+        ``--nodeport-addresses primary`` the NodePorts answer on the old address too, and the
+        sockets that hold them are bound to it: uproxy stops instead, to be started again
+        with the new one, as for a change of its Node's IPs (``_follow_node_ips``).
+        """
+        if self.rules.name == "none":
+            return
+        for stack in self.stacks:
+            if stack.host_ip == stack.listen_ip:  # --bind-address
+                continue
+            now = nodeip.addresses_now(stack.family)
+            if now is None or stack.host_ip in now:
+                continue
+            new = await asyncio.to_thread(nodeip.primary_address, stack.family)
+            if new is None or new not in now:
+                if stack.host_ip not in self._no_host_ip:
+                    self._no_host_ip.add(stack.host_ip)
+                    log.warning(
+                        "This node's address is gone and it has no other: its own traffic to "
+                        "services fails until it has one",
+                        extra=kv(family=stack.family.label, was=stack.host_ip),
+                    )
+                continue
+            if tuple(self.settings.nodeport_addresses) == (PRIMARY,):
+                log.warning(
+                    "This node's address changed: stopping, to start again with it "
+                    "(--nodeport-addresses primary)",
+                    extra=kv(family=stack.family.label, was=stack.host_ip, now=new),
+                )
+                self.failure = (
+                    f"this node's {stack.family.label} address changed from {stack.host_ip} "
+                    f"to {new} and --nodeport-addresses is primary: start uproxy again"
+                )
+                self._stopped.set()
+                return
+            self.rules.set_host_ip(stack.family, new)
+            self.stacks = tuple(
+                replace(s, host_ip=new) if s.family is stack.family else s for s in self.stacks
+            )
+            self._no_host_ip.discard(stack.host_ip)
+            log.warning(
+                "This node's address changed: its own traffic to services goes to the new one",
+                extra=kv(family=stack.family.label, was=stack.host_ip, now=new),
+            )
+            self.syncer.force_rules_sync()
+            self._queue_sync()
+
     async def _check_rules(self) -> None:
         while True:
             await asyncio.sleep(RULES_CHECK_INTERVAL_S)
             if self.rules is None or self.syncer is None or not self.tracker.synced:
                 continue
+            try:
+                await self._follow_host_ips()
+            except Exception as e:  # the rules check below must go on
+                log.error("Checking this node's addresses failed", extra=kv(err=e))
+            if self._stopped.is_set():
+                return
             try:
                 ok = await self.rules.check()
             except Exception as e:

@@ -20,6 +20,7 @@ import yaml
 from tests.apiserver import ApiServerDouble
 from tests.conftest import wait_for
 from tests.factories import service
+from uproxy.model import IPFamily
 from uproxy.proxy import Proxy
 from uproxy.rules.base import LocalTraffic, Portal
 from uproxy.settings import Settings
@@ -45,6 +46,9 @@ class BlockingRules:
         await self.gate.wait()
 
     def set_local_traffic(self, local: LocalTraffic) -> None:
+        return None
+
+    def set_host_ip(self, family: IPFamily, host_ip: str) -> None:
         return None
 
     async def check(self) -> bool:

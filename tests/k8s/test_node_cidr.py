@@ -18,6 +18,7 @@ from tests.apiserver import ApiServerDouble
 from tests.conftest import wait_for
 from tests.k8s.conftest import NODE
 from tests.k8s.helpers import node
+from uproxy.model import IPFamily
 from uproxy.proxy import Proxy
 from uproxy.rules.base import LocalTraffic, Portal
 from uproxy.settings import Settings
@@ -40,6 +41,9 @@ class RecordingRules:
 
     def set_local_traffic(self, local: LocalTraffic) -> None:
         self.events.append(("local", local))
+
+    def set_host_ip(self, family: IPFamily, host_ip: str) -> None:
+        self.events.append(("host", (family, host_ip)))
 
     async def check(self) -> bool:
         return True

@@ -85,6 +85,9 @@ class RecordingRules:
     def set_local_traffic(self, local: LocalTraffic) -> None:
         return None
 
+    def set_host_ip(self, family: IPFamily, host_ip: str) -> None:
+        return None
+
     async def check(self) -> bool:
         return True
 

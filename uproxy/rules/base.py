@@ -164,6 +164,10 @@ class RulesBackend(TypingProtocol):
     def set_local_traffic(self, local: LocalTraffic) -> None:
         """Tell pods apart this way from the next sync on (the Node's podCIDRs can change)."""
 
+    def set_host_ip(self, family: IPFamily, host_ip: str) -> None:
+        """DNAT the node's own traffic of ``family`` to ``host_ip`` from the next sync on (the
+        address found at start went away); ValueError unless it can be a DNAT target."""
+
     async def check(self) -> bool:
         """Cheap check that the installed rules are still in place (False: resync now)."""
 

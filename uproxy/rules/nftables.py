@@ -120,7 +120,7 @@ import shutil
 import socket
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from uproxy.model import IPFamily
@@ -861,6 +861,17 @@ class NftablesBackend:
                 table.layout = _layout(table.family, table.stack, self._options, local)
             self.local = local
             self._reload = True
+
+    def set_host_ip(self, family: IPFamily, host_ip: str) -> None:
+        """A new layout (its host rules DNAT there): the next sync loads the tables whole."""
+        table = self._tables.get(family)
+        if table is None or table.stack.host_ip == host_ip:
+            return
+        check_host_ip(host_ip)
+        table.stack = replace(table.stack, host_ip=host_ip)
+        table.layout = _layout(table.family, table.stack, self._options, self.local)
+        self.host_ip = next(iter(self._tables.values())).stack.host_ip
+        self._reload = True
 
     @property
     def _where(self) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
+from uproxy.model import IPFamily
 from uproxy.rules.base import LocalTraffic, Portal
 from uproxy.rules.previous import NO_PREVIOUS, Previous
 
@@ -24,6 +25,9 @@ class NoRules:
         self.portals = frozenset(portals)
 
     def set_local_traffic(self, local: LocalTraffic) -> None:
+        return None
+
+    def set_host_ip(self, family: IPFamily, host_ip: str) -> None:
         return None
 
     async def check(self) -> bool:

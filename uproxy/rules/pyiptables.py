@@ -48,6 +48,7 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 from uproxy.lifeline import die_with_parent
@@ -71,6 +72,7 @@ from uproxy.rules.portals import (
     PortalRule,
     RuleBuilder,
     RuleSet,
+    check_host_ip,
     insert_positions,
     mark_match,
     split_by_family,
@@ -431,6 +433,15 @@ class IptcBackend:
         if local != self.local:
             self._builders = {f: _builder(s, self._options, local) for f, s in self._stacks.items()}
             self.local = local
+
+    def set_host_ip(self, family: IPFamily, host_ip: str) -> None:
+        stack = self._stacks.get(family)
+        if stack is None or stack.host_ip == host_ip:
+            return
+        check_host_ip(host_ip)
+        self._stacks[family] = stack = replace(stack, host_ip=host_ip)
+        self._builders[family] = _builder(stack, self._options, self.local)
+        self.host_ip = next(iter(self._stacks.values())).host_ip
 
     async def _call(self, family: IPFamily, name: str, *args: Any, **kwargs: Any) -> Any:
         """Run ``_Worker.name`` for ``family``: on the worker thread for the first family, in

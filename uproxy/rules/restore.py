@@ -50,6 +50,7 @@ import logging
 import shutil
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from uproxy.log import V2, kv
@@ -74,6 +75,7 @@ from uproxy.rules.portals import (
     PortalRule,
     RuleBuilder,
     RuleSet,
+    check_host_ip,
     split_by_family,
     stacks,
 )
@@ -341,6 +343,16 @@ class RestoreBackend:
             for fam in self._families.values():
                 fam.builder = _builder(fam.stack, self._options, local)
             self.local = local
+
+    def set_host_ip(self, family: IPFamily, host_ip: str) -> None:
+        fam = self._families.get(family)
+        if fam is None or fam.stack.host_ip == host_ip:
+            return
+        check_host_ip(host_ip)
+        stack = replace(fam.stack, host_ip=host_ip)
+        fam.builder = _builder(stack, self._options, self.local)
+        fam.stack = stack
+        self.host_ip = next(iter(self._families.values())).stack.host_ip
 
     async def _read_jumps(self, mode: str, family: IPFamily) -> dict[str, SavedTable]:
         self.reads += 1

@@ -1,0 +1,116 @@
+"""The node's address changes under a running uproxy (a DHCP lease renewed with another
+address): the node's own traffic to a ClusterIP is DNATed to the node's address and the proxy
+port, so the host portals must follow the new address, or that traffic goes nowhere.
+
+The node's primary address (``10.200.3.1`` on ``eth0``, the default route's interface) is
+swapped for ``10.200.3.9`` at once: the new one is added beside it and the old one deleted
+with ``promote_secondaries`` on, as a lease renewal with another address looks to the node.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.cluster import Cluster
+from tests.e2e.conftest import StartProc, StartUproxy
+from tests.e2e.harness import ServicesFile, Uproxy, curl, curl_status, wait_until_ok
+from tests.e2e.manifests import WEB_IP, WEB_NODE_PORT, backend_argv, lb_web
+from tests.netns.helpers import nft, save
+from tests.netns.topology import NODE_IP, Topology
+
+pytestmark = [pytest.mark.root]
+
+NEW_NODE_IP = "10.200.3.9"
+OLD = re.compile(rf"\b{re.escape(NODE_IP)}\b")
+
+
+def move_node_address(topo: Topology) -> None:
+    topo.run(topo.node, "sysctl", "-qw", "net.ipv4.conf.eth0.promote_secondaries=1")
+    topo.run(topo.node, "ip", "addr", "add", f"{NEW_NODE_IP}/24", "dev", "eth0")
+    topo.run(topo.node, "ip", "addr", "del", f"{NODE_IP}/24", "dev", "eth0")
+    routes = topo.run(topo.node, "ip", "route", "show", "default")
+    assert "via" in routes, f"the default route went with the address: {routes!r}"
+
+
+def installed(topo: Topology, rules: str) -> str:
+    """The host portal rules as installed: uproxy's nft table, or the nat table."""
+    if rules == "nftables":
+        return nft(topo, "list", "table", "ip", "uproxy")
+    out = save(topo, "legacy" if rules == "iptables" else "nft")
+    return "\n".join(line for line in out.splitlines() if "KUBE-PORTALS-HOST" in line)
+
+
+@pytest.mark.parametrize(
+    "rules",
+    ["nftables", "auto", "iptables"],
+    ids=["nftables", "restore", "python-iptables"],
+)
+def test_the_nodes_own_traffic_follows_its_new_address(
+    net: Cluster,
+    services: ServicesFile,
+    start_proc: StartProc,
+    start_uproxy: StartUproxy,
+    rules: str,
+    tmp_path: Path,
+) -> None:
+    topo = net.topo
+    start_proc(topo.backend, backend_argv(net), ready_line=True)
+    services.put(*lb_web(net))
+    services.write()
+    proxy = start_uproxy(rules)
+    proxy.wait_synced()
+    body = b"node" * 300
+    curl(topo, topo.node, f"http://{WEB_IP}/", body=body, tmp=tmp_path, count=2)
+    assert OLD.search(installed(topo, rules)), "the host portals do not DNAT to the node's address"
+
+    move_node_address(topo)
+
+    wait_until_ok(
+        lambda: curl(topo, topo.node, f"http://{WEB_IP}/", body=body, tmp=tmp_path, max_time=2),
+        timeout=10,
+        message="the node's own traffic to a ClusterIP after its address changed",
+    )
+    rules_now = installed(topo, rules)
+    assert NEW_NODE_IP in rules_now
+    assert not OLD.search(rules_now), rules_now
+    # Pods never went through the host portals: still served.
+    curl(topo, topo.pod, f"http://{WEB_IP}/", body=body, tmp=tmp_path, count=2)
+    said = [line for line in proxy.proc.stderr_lines if "This node's address changed" in line]
+    assert len(said) == 1, proxy.proc.stderr_lines
+    assert f'was="{NODE_IP}"' in said[0] or f"was={NODE_IP}" in said[0]
+    assert NEW_NODE_IP in said[0]
+
+
+def test_with_nodeports_on_the_primary_address_uproxy_stops_to_start_again(
+    net: Cluster, services: ServicesFile, start_proc: StartProc, tmp_path: Path
+) -> None:
+    """``--nodeport-addresses primary``: the NodePort rules and sockets are the old address's
+    too, so uproxy stops with status 1 and one line, for its supervisor to start it again
+    (as for a change of its Node's IPs); started again, it serves on the new address."""
+    topo = net.topo
+    start_proc(topo.backend, backend_argv(net), ready_line=True)
+    services.put(*lb_web(net))
+    services.write()
+    extra = ["--nodeport-addresses", "primary"]
+    first = Uproxy(topo, topo.node, services=services.path, rules="nftables", extra=extra)
+    second: Uproxy | None = None
+    try:
+        first.wait_synced()
+        move_node_address(topo)
+        code = first.proc.popen.wait(timeout=15)
+        lines = first.proc.stderr_lines
+        assert code == 1, lines
+        assert any("stopping, to start again with it" in line for line in lines), lines
+        assert f"changed from {NODE_IP} to {NEW_NODE_IP}" in lines[-1], lines
+        assert not [line for line in lines if "Traceback" in line], lines
+        second = Uproxy(topo, topo.node, services=services.path, rules="nftables", extra=extra)
+        second.wait_synced()
+        curl(topo, topo.node, f"http://{WEB_IP}/", body=b"again", tmp=tmp_path)
+        assert curl_status(topo, topo.outside, f"http://{NEW_NODE_IP}:{WEB_NODE_PORT}/") == 0
+    finally:
+        first.stop()
+        if second is not None:
+            assert second.stop() == 0
