@@ -463,6 +463,30 @@ async def test_a_killed_worker_is_replaced_and_the_others_connections_carry_on(
     assert "intact" in outcomes
 
 
+async def test_a_stop_does_not_wait_past_its_deadline_for_a_worker_that_hangs(
+    tmp_path: Path, backends: list[NamedBackend], proxies: list[Proxy]
+) -> None:
+    """A worker that does not act on SIGTERM (stopped here; in life, stuck) is killed once the
+    drain deadline and its grace are over; the other drains and exits on its own."""
+    proxy = await serving_web(tmp_path / "services.yaml", backends, proxies)
+    pool = proxy.workers
+    assert pool is not None
+    processes = [w.process for w in pool._workers.values()]
+    hung, healthy = processes
+    os.kill(hung.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        await asyncio.wait_for(pool.stop(drain=True, timeout=0.5), 10)
+        took = time.monotonic() - started
+    finally:
+        if hung.returncode is None:
+            os.kill(hung.pid, signal.SIGKILL)
+    assert hung.returncode == -signal.SIGKILL
+    assert healthy.returncode == 0
+    assert 0.5 + 2.0 <= took < 0.5 + 2.0 + 3.0, took  # the deadline (+ its grace), not more
+    assert pool.pids == []
+
+
 async def test_a_dead_workers_clients_wait_for_its_replacement_and_no_other_client_moves(
     tmp_path: Path, backends: list[NamedBackend], proxies: list[Proxy]
 ) -> None:
