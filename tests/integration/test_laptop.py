@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import logging
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -18,13 +20,16 @@ import yaml
 
 from tests.conftest import wait_for
 from tests.factories import endpoint, endpoint_slice, service
-from tests.integration.backends import NamedBackend, greet
+from tests.integration.backends import NamedBackend, NamedDatagramEcho, greet, next_datagram
+from uproxy import syncer as syncer_module
+from uproxy.dataplane import sockets
 from uproxy.model import Protocol, ServicePortName
 from uproxy.proxy import Proxy
 from uproxy.rules import NoRules, RulesError
 from uproxy.settings import Settings
 
 WEB = ServicePortName("default", "web", "http", Protocol.TCP)
+DNS = ServicePortName("default", "dns", "dns", Protocol.UDP)
 
 
 def write_services(path: Path, backends: list[NamedBackend], *, svc_port: int = 0) -> None:
@@ -159,6 +164,66 @@ async def test_service_port_taken_falls_back_to_an_os_port(
         lambda: (c := syncer.ports[WEB].cluster) is not None and c.port == taken, timeout=5
     )
     assert await greet("127.0.0.1", taken) == "b1"
+
+
+async def test_a_udp_service_port_still_held_at_a_retry_stays_elsewhere_then_moves_home(
+    tmp_path: Path, proxy_for: Proxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The service's UDP port is held by another program through the first retry: the
+    listener stays on its own port (and serves); freed, the listener moves home."""
+    checks: list[bool] = []
+
+    def counted(protocol: Protocol, host: str, port: int) -> bool:
+        checks.append(free := sockets.port_free(protocol, host, port))
+        return free
+
+    monkeypatch.setattr(syncer_module, "port_free", counted)
+    loop = asyncio.get_running_loop()
+    echo, _ = await loop.create_datagram_endpoint(
+        functools.partial(NamedDatagramEcho, b"u1"), local_addr=("127.0.0.1", 0)
+    )
+    holder = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    holder.bind(("127.0.0.1", 0))
+    held = holder.getsockname()[1]
+    client = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    client.setblocking(False)
+    try:
+        docs = [
+            service("dns", ports=[{"name": "dns", "port": held, "protocol": "UDP"}]),
+            endpoint_slice(
+                "dns-0",
+                "dns",
+                endpoints=[endpoint("127.0.0.1")],
+                ports=[
+                    {"name": "dns", "port": echo.get_extra_info("sockname")[1], "protocol": "UDP"}
+                ],
+            ),
+        ]
+        path = Path(proxy_for.settings.services or "")
+        path.write_text(yaml.safe_dump_all(docs))
+        await proxy_for.start()
+        await asyncio.wait_for(proxy_for.synced.wait(), 5)
+        syncer = proxy_for.syncer
+        elsewhere = syncer.ports[DNS].cluster
+        assert elsewhere is not None and elsewhere.port != held
+        await wait_for(lambda: len(checks) >= 1, timeout=5, message="a retry")
+        assert checks == [False]  # still held: it stays
+        assert syncer.ports[DNS].cluster is elsewhere
+        client.sendto(b"q1", ("127.0.0.1", elsewhere.port))
+        assert await next_datagram(client, 5) == b"u1:q1"
+        holder.close()
+        await wait_for(
+            lambda: (c := syncer.ports[DNS].cluster) is not None and c.port == held,
+            timeout=10,
+            message="the listener on the service's port",
+        )
+        assert checks[-1] is True
+        client.sendto(b"q2", ("127.0.0.1", held))
+        assert await next_datagram(client, 5) == b"u1:q2"
+    finally:
+        holder.close()
+        client.close()
+        echo.close()
 
 
 def two_services(path: Path, ports: dict[str, int], backends: list[NamedBackend]) -> None:
