@@ -5,6 +5,7 @@ from __future__ import annotations
 import _socket
 import asyncio
 import contextlib
+import errno
 import gc
 import os
 import socket
@@ -25,7 +26,7 @@ from tests.dataplane.conftest import (
     wait_until,
 )
 from uproxy import metrics
-from uproxy.dataplane import relay, sockets
+from uproxy.dataplane import poller, relay, sockets
 from uproxy.dataplane.settings import DataplaneSettings
 from uproxy.model import Endpoint
 
@@ -161,6 +162,51 @@ async def test_a_dial_that_completes_as_its_deadline_fires_loses_nothing(
     assert len(held) == 5
     assert failed.value == failed_before  # every first dial stood
     assert b.accepted == 5  # and none was made twice
+
+
+async def test_an_epoll_set_that_refuses_a_socket_fails_that_connection_alone(
+    backends: BackendFactory, tcp_listener: ListenerFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The relay's epoll set cannot take a socket (ENOSPC: fs.epoll.max_user_watches reached;
+    or ENOMEM). The accepted client's: that client is reset and nothing of it is kept. The
+    dialed endpoint's: a failed dial, and the next attempt serves the client whole. Either
+    way the next connection is served."""
+    b = await backends("echo")
+    listener = await tcp_listener(
+        make_balancer(TCP_NAME, [b.endpoint], settings=FAST), settings=FAST
+    )
+    register = poller.EdgePoller.register
+    refuse: list[type] = []  # the next registrations to refuse, by the kind of handler
+
+    def maybe_refuse(self: poller.EdgePoller, fd: int, handler: object, events: int) -> None:
+        if refuse and type(handler) is refuse[0]:
+            refuse.pop(0)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        register(self, fd, handler, events)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(poller.EdgePoller, "register", maybe_refuse)
+    failed = metrics.DIAL_ATTEMPTS.labels("failed")
+    failed_before, accepted_before = failed.value, b.accepted
+
+    refuse.append(relay.Connection)
+    # A reset, whenever the client sees it (as it connects, or as it reads): b"" would be a
+    # FIN, and the client would take what it read for a whole reply.
+    with pytest.raises(ConnectionResetError):
+        await asyncio.wait_for(echo_through(listener.port, b"lost"), 5)
+    assert not refuse
+    payload = os.urandom(256 << 10)
+    assert digest(await echo_through(listener.port, payload)) == digest(payload)
+
+    refuse.append(relay._EndpointSide)
+    payload = os.urandom(256 << 10)
+    assert digest(await echo_through(listener.port, payload)) == digest(payload)
+    assert not refuse
+    assert failed.value - failed_before == 1
+    await wait_until(lambda: listener.active == 0, what="pairs closed")
+    # The reset client was never dialed for: the served two, and the refused dial (its
+    # loopback handshake was done before its socket was refused, and it was closed).
+    assert b.accepted - accepted_before == 3
+    await wait_until(lambda: b.open == 0, what="the endpoint's connections closed")
 
 
 def keepalive_of(sock: _socket.socket) -> tuple[int, int, int]:
