@@ -15,16 +15,18 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.cluster import Cluster
-from tests.e2e.conftest import StartProc, StartUproxy
-from tests.e2e.harness import ServicesFile, Uproxy, curl, curl_status, wait_until_ok
-from tests.e2e.manifests import WEB_IP, WEB_NODE_PORT, backend_argv, lb_web
-from tests.netns.helpers import nft, save
-from tests.netns.topology import NODE_IP, Topology
+from tests.e2e.conftest import DUAL_STACK, StartProc, StartUproxy
+from tests.e2e.harness import ServicesFile, Uproxy, curl, curl_status, url, wait_until_ok
+from tests.e2e.manifests import WEB_IP, WEB_IP6, WEB_NODE_PORT, backend_argv, dual_web, lb_web
+from tests.netns.helpers import nft
+from tests.netns.topology import NODE_IP, NODE_IP6, Topology, add_ip6
 
 pytestmark = [pytest.mark.root]
 
 NEW_NODE_IP = "10.200.3.9"
+NEW_NODE_IP6 = "fd00:200:3::9"
 OLD = re.compile(rf"\b{re.escape(NODE_IP)}\b")
+OLD6 = re.compile(rf"{re.escape(NODE_IP6)}(?![0-9a-f:])")
 
 
 def move_node_address(topo: Topology) -> None:
@@ -35,11 +37,18 @@ def move_node_address(topo: Topology) -> None:
     assert "via" in routes, f"the default route went with the address: {routes!r}"
 
 
-def installed(topo: Topology, rules: str) -> str:
+def move_node_address6(topo: Topology) -> None:
+    """IPv6 has no primary and secondary addresses: the new one is added, the old deleted."""
+    add_ip6(topo.node, "eth0", NEW_NODE_IP6)
+    topo.run(topo.node, "ip", "-6", "addr", "del", f"{NODE_IP6}/64", "dev", "eth0")
+
+
+def installed(topo: Topology, rules: str, family: int = 4) -> str:
     """The host portal rules as installed: uproxy's nft table, or the nat table."""
     if rules == "nftables":
-        return nft(topo, "list", "table", "ip", "uproxy")
-    out = save(topo, "legacy" if rules == "iptables" else "nft")
+        return nft(topo, "list", "table", "ip" if family == 4 else "ip6", "uproxy")
+    mode = "legacy" if rules == "iptables" else "nft"
+    out = topo.run(topo.node, f"{'ip' if family == 4 else 'ip6'}tables-{mode}-save")
     return "\n".join(line for line in out.splitlines() if "KUBE-PORTALS-HOST" in line)
 
 
@@ -82,6 +91,42 @@ def test_the_nodes_own_traffic_follows_its_new_address(
     assert len(said) == 1, proxy.proc.stderr_lines
     assert f'was="{NODE_IP}"' in said[0] or f"was={NODE_IP}" in said[0]
     assert NEW_NODE_IP in said[0]
+
+
+@pytest.mark.parametrize("net", [DUAL_STACK], indirect=True)
+@pytest.mark.parametrize("rules", ["nftables", "auto"], ids=["nftables", "restore"])
+def test_on_a_dual_stack_node_each_family_follows_its_own_address(
+    net: Cluster,
+    services: ServicesFile,
+    start_proc: StartProc,
+    start_uproxy: StartUproxy,
+    rules: str,
+    tmp_path: Path,
+) -> None:
+    topo = net.topo
+    start_proc(topo.backend, backend_argv(net), ready_line=True)
+    services.put(*dual_web(net))
+    services.write()
+    proxy = start_uproxy(rules)
+    proxy.wait_synced()
+    body = b"six" * 300
+    curl(topo, topo.node, url(WEB_IP6), body=body, tmp=tmp_path)
+    assert OLD6.search(installed(topo, rules, 6))
+
+    move_node_address6(topo)
+
+    wait_until_ok(
+        lambda: curl(topo, topo.node, url(WEB_IP6), body=body, tmp=tmp_path, max_time=2),
+        timeout=10,
+        message="the node's own IPv6 traffic to a ClusterIP after its address changed",
+    )
+    rules6 = installed(topo, rules, 6)
+    assert NEW_NODE_IP6 in rules6 and not OLD6.search(rules6), rules6
+    # The IPv4 family kept its address and its rules.
+    assert OLD.search(installed(topo, rules, 4))
+    curl(topo, topo.node, url(WEB_IP), body=body, tmp=tmp_path)
+    said = [line for line in proxy.proc.stderr_lines if "This node's address changed" in line]
+    assert len(said) == 1 and "IPv6" in said[0] and NEW_NODE_IP6 in said[0], said
 
 
 def test_with_nodeports_on_the_primary_address_uproxy_stops_to_start_again(
