@@ -192,7 +192,7 @@ class ApiServerDouble:
         self._continuations: dict[str, tuple[str, int, list[Obj]]] = {}
         self._watchers: set[_Watcher] = set()
         self._held: dict[str, asyncio.Event] = {}
-        self._broken_lists: dict[str, list[bytes]] = {}
+        self._broken_lists: dict[str, list[tuple[int, bytes]]] = {}
         self._swallowing: set[str] = set()  # kinds whose new watches get no answer
         self._swallowed: dict[str, int] = {}
         self._runner: web.AppRunner | None = None
@@ -406,10 +406,10 @@ class ApiServerDouble:
                 n += 1
         return n
 
-    def break_lists(self, kind: str, *bodies: bytes) -> None:
-        """Answer the next lists of ``kind`` (one each) with these bodies, status 200: what
-        a broken server or a proxy in the way might send."""
-        self._broken_lists.setdefault(str(kind), []).extend(bodies)
+    def break_lists(self, kind: str, *bodies: bytes, status: int = 200) -> None:
+        """Answer the next lists of ``kind`` (one each) with these bodies and ``status``:
+        what a broken server, a proxy in the way or a refusal (RBAC's 403) sends."""
+        self._broken_lists.setdefault(str(kind), []).extend((status, b) for b in bodies)
 
     def hold_lists(self, kind: str) -> None:
         """Make lists of ``kind`` wait until ``release_lists``."""
@@ -516,7 +516,8 @@ class ApiServerDouble:
             await held.wait()
         broken = self._broken_lists.get(kind)
         if broken:
-            return web.Response(body=broken.pop(0), content_type="application/json")
+            status, raw = broken.pop(0)
+            return web.Response(body=raw, status=status, content_type="application/json")
         q = request.query
         res = _RESOURCES[kind]
         token = q.get("continue")

@@ -379,6 +379,46 @@ async def test_a_list_it_cannot_use_is_one_warning_and_listed_again(
     assert apiserver.list_count(SVC) == len(broken) + 1
 
 
+FORBIDDEN = (
+    b'{"kind":"Status","apiVersion":"v1","metadata":{},"status":"Failure","message":'
+    b'"services is forbidden: User \\"system:serviceaccount:kube-system:uproxy\\" cannot list '
+    b'resource \\"services\\" in API group \\"\\" at the cluster scope","reason":"Forbidden",'
+    b'"details":{"kind":"services"},"code":403}'
+)
+BAD_GATEWAY = (
+    b"<html>\r\n<head><title>502 Bad Gateway</title></head>\r\n<body>\r\n"
+    b"<center><h1>502 Bad Gateway</h1></center>\r\n</body>\r\n</html>\r\n"
+)
+
+
+async def test_a_list_refused_is_one_line_saying_why_and_listed_again(
+    apiserver: ApiServerDouble, start_source: SourceFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A list answered with an error: RBAC's 403 (the API server's Status, whose message
+    names the user and the resource), a proxy's 502 page. Each is one warning line with the
+    status and what the answer said (a page on one line), no traceback; listed again, the
+    source syncs once the server answers."""
+    apiserver.create(SVC, service("a"))
+    apiserver.break_lists(SVC, FORBIDDEN, FORBIDDEN, status=403)
+    apiserver.break_lists(SVC, BAD_GATEWAY, status=502)
+    tracker, _ = await start_source(backoff_max_s=0.2)
+    await wait_for(lambda: tracker.synced and names(tracker) == {"a"}, timeout=10)
+    failed = [r for r in caplog.records if r.getMessage() == "Listing failed; retrying"]
+    errors = [r.kv["error"] for r in failed]  # type: ignore[attr-defined]
+    forbidden = (
+        '403 services is forbidden: User "system:serviceaccount:kube-system:uproxy" cannot '
+        'list resource "services" in API group "" at the cluster scope'
+    )
+    assert [e.split(": ", 1)[1] for e in errors] == [
+        forbidden,
+        forbidden,
+        "502 <html> <head><title>502 Bad Gateway</title></head> <body> <center><h1>502 Bad "
+        "Gateway</h1></center> </body> </html>",
+    ], errors
+    assert all(r.exc_info is None and r.levelno == logging.WARNING for r in failed)
+    assert apiserver.list_count(SVC) == 4
+
+
 async def test_a_watch_event_of_an_unknown_type_is_skipped_and_the_stream_goes_on(
     apiserver: ApiServerDouble, start_source: SourceFactory, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -789,7 +789,8 @@ def _status_message(raw: bytes) -> str:
     try:
         body = json.loads(raw)
     except ValueError:
-        return raw[:200].decode("utf-8", errors="replace")
+        # Not the API server's Status (a proxy's HTML page, say): on one line, for the log.
+        return " ".join(raw[:1000].decode("utf-8", errors="replace").split())[:200]
     if isinstance(body, Mapping):
         return str(body.get("message") or body.get("reason") or "")
     return ""
