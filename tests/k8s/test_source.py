@@ -104,6 +104,37 @@ async def test_lists_then_follows_changes(
     assert apiserver.last_params[("watch", "Node")]["fieldSelector"] == f"metadata.name={NODE}"
 
 
+async def test_a_node_it_cannot_read_is_one_warning_and_the_last_good_one_stays(
+    apiserver: ApiServerDouble, start_source: SourceFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """This Node updated into something uproxy cannot read (a taint that is not an object):
+    one warning naming the field, and the Node as last read stays (its zone, its IPs). A
+    good update is taken again; deleted while unreadable, the last good one is marked as
+    being deleted (not eligible for load balancers' traffic)."""
+    apiserver.create("Node", node(NODE, zone="zone-a", ip="192.0.2.10"))
+    tracker, _ = await start_source()
+    await wait_for(lambda: tracker.node is not None and tracker.node.zone == "zone-a")
+    bad = node(NODE, zone="zone-b", ip="192.0.2.20")
+    bad["spec"]["taints"] = ["not-an-object"]
+    caplog.clear()
+    apiserver.update("Node", bad)
+    await wait_for(
+        lambda: any(r.getMessage() == "Skipping invalid object" for r in caplog.records),
+        message="the warning",
+    )
+    skipped = [r for r in caplog.records if r.getMessage() == "Skipping invalid object"]
+    assert len(skipped) == 1 and skipped[0].kv["field"] == "spec.taints[0]", skipped[0].kv  # type: ignore[attr-defined]
+    assert tracker.node is not None
+    assert (tracker.node.zone, tracker.node.addresses) == ("zone-a", ("192.0.2.10",))
+
+    apiserver.update("Node", node(NODE, zone="zone-c", ip="192.0.2.10"))
+    await wait_for(lambda: tracker.node is not None and tracker.node.zone == "zone-c")
+    apiserver.update("Node", bad)
+    apiserver.delete("Node", bad)
+    await wait_for(lambda: tracker.node is not None and tracker.node.deleting, message="deleting")
+    assert tracker.node.zone == "zone-c" and not tracker.node.eligible
+
+
 async def test_nothing_is_synced_before_both_lists(
     apiserver: ApiServerDouble, start_source: SourceFactory
 ) -> None:
