@@ -10,7 +10,10 @@ expect, nor loop on a length that does not move it forward: every reader answers
 
 from __future__ import annotations
 
+import socket
 import struct
+from collections.abc import Callable
+from typing import TypeVar
 
 NLMSG_ERROR = 2
 NLMSG_DONE = 3
@@ -19,6 +22,8 @@ NLM_F_DUMP = 0x300
 NLMSG = struct.Struct("=IHHII")  # len, type, flags, seq, pid (host order)
 NLATTR = struct.Struct("=HH")  # len, type
 NLA_TYPE_MASK = 0x3FFF
+
+_T = TypeVar("_T")
 
 
 def align4(n: int) -> int:
@@ -62,3 +67,28 @@ def attr(attr_type: int, payload: bytes) -> bytes:
     """One netlink attribute, padded to its alignment."""
     length = NLATTR.size + len(payload)
     return NLATTR.pack(length, attr_type) + payload + bytes(align4(length) - length)
+
+
+def dump(
+    protocol: int, request: bytes, parse: Callable[[bytes], tuple[list[_T], bool] | None]
+) -> list[_T] | None:
+    """Send a dump ``request`` on a new netlink socket of ``protocol`` and gather what
+    ``parse`` finds in each reply until it says the dump ended (its second value); None when
+    the socket fails, a read waits more than a second, or ``parse`` says unknown."""
+    try:
+        with socket.socket(
+            socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, protocol
+        ) as sock:
+            sock.settimeout(1.0)
+            sock.send(request)
+            out: list[_T] = []
+            while True:
+                parsed = parse(sock.recv(65536))
+                if parsed is None:
+                    return None
+                found, done = parsed
+                out.extend(found)
+                if done:
+                    return out
+    except OSError:
+        return None

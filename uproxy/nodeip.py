@@ -20,7 +20,15 @@ import struct
 import subprocess
 
 from uproxy.model import IPFamily
-from uproxy.netlink import NLM_F_DUMP, NLM_F_REQUEST, NLMSG_DONE, attribute, message, messages
+from uproxy.netlink import (
+    NLM_F_DUMP,
+    NLM_F_REQUEST,
+    NLMSG_DONE,
+    attribute,
+    dump,
+    message,
+    messages,
+)
 
 # rtnetlink's address messages (linux/rtnetlink.h, linux/if_addr.h).
 RTM_NEWADDR = 20
@@ -139,20 +147,5 @@ def parse_addresses(data: bytes) -> tuple[list[str], bool] | None:
 def addresses_now(family: IPFamily, seq: int = 1) -> frozenset[str] | None:
     """Every usable address of one family on this host (any scope), read over netlink in a
     few tens of microseconds; None when it cannot be read (the caller keeps what it has)."""
-    try:
-        with socket.socket(
-            socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, socket.NETLINK_ROUTE
-        ) as sock:
-            sock.settimeout(1.0)
-            sock.send(getaddr_dump_request(family, seq))
-            out: set[str] = set()
-            while True:
-                parsed = parse_addresses(sock.recv(65536))
-                if parsed is None:
-                    return None
-                found, done = parsed
-                out.update(found)
-                if done:
-                    return frozenset(out)
-    except OSError:
-        return None
+    found = dump(socket.NETLINK_ROUTE, getaddr_dump_request(family, seq), parse_addresses)
+    return None if found is None else frozenset(found)

@@ -10,7 +10,9 @@ with ``promote_secondaries`` on, as a lease renewal with another address looks t
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -52,80 +54,85 @@ def installed(topo: Topology, rules: str, family: int = 4) -> str:
     return "\n".join(line for line in out.splitlines() if "KUBE-PORTALS-HOST" in line)
 
 
+Serving = Callable[[str, list[dict[str, Any]]], Uproxy]
+
+
+@pytest.fixture
+def serving(
+    net: Cluster, services: ServicesFile, start_proc: StartProc, start_uproxy: StartUproxy
+) -> Serving:
+    """Start the backends and uproxy (``--rules`` as given) serving these manifests."""
+
+    def start(rules: str, manifests: list[dict[str, Any]]) -> Uproxy:
+        start_proc(net.topo.backend, backend_argv(net), ready_line=True)
+        services.put(*manifests)
+        services.write()
+        proxy = start_uproxy(rules)
+        proxy.wait_synced()
+        return proxy
+
+    return start
+
+
+def answered_again(topo: Topology, target: str, body: bytes, tmp: Path) -> None:
+    wait_until_ok(
+        lambda: curl(topo, topo.node, target, body=body, tmp=tmp, max_time=2),
+        timeout=10,
+        message=f"the node's own traffic to {target} after its address changed",
+    )
+
+
+def said_changed(proxy: Uproxy) -> list[str]:
+    return [line for line in proxy.proc.stderr_lines if "This node's address changed" in line]
+
+
 @pytest.mark.parametrize(
     "rules",
     ["nftables", "auto", "iptables"],
     ids=["nftables", "restore", "python-iptables"],
 )
 def test_the_nodes_own_traffic_follows_its_new_address(
-    net: Cluster,
-    services: ServicesFile,
-    start_proc: StartProc,
-    start_uproxy: StartUproxy,
-    rules: str,
-    tmp_path: Path,
+    net: Cluster, serving: Serving, rules: str, tmp_path: Path
 ) -> None:
     topo = net.topo
-    start_proc(topo.backend, backend_argv(net), ready_line=True)
-    services.put(*lb_web(net))
-    services.write()
-    proxy = start_uproxy(rules)
-    proxy.wait_synced()
+    proxy = serving(rules, lb_web(net))
     body = b"node" * 300
-    curl(topo, topo.node, f"http://{WEB_IP}/", body=body, tmp=tmp_path, count=2)
+    curl(topo, topo.node, url(WEB_IP), body=body, tmp=tmp_path, count=2)
     assert OLD.search(installed(topo, rules)), "the host portals do not DNAT to the node's address"
 
     move_node_address(topo)
 
-    wait_until_ok(
-        lambda: curl(topo, topo.node, f"http://{WEB_IP}/", body=body, tmp=tmp_path, max_time=2),
-        timeout=10,
-        message="the node's own traffic to a ClusterIP after its address changed",
-    )
+    answered_again(topo, url(WEB_IP), body, tmp_path)
     rules_now = installed(topo, rules)
     assert NEW_NODE_IP in rules_now
     assert not OLD.search(rules_now), rules_now
     # Pods never went through the host portals: still served.
-    curl(topo, topo.pod, f"http://{WEB_IP}/", body=body, tmp=tmp_path, count=2)
-    said = [line for line in proxy.proc.stderr_lines if "This node's address changed" in line]
+    curl(topo, topo.pod, url(WEB_IP), body=body, tmp=tmp_path, count=2)
+    said = said_changed(proxy)
     assert len(said) == 1, proxy.proc.stderr_lines
-    assert f'was="{NODE_IP}"' in said[0] or f"was={NODE_IP}" in said[0]
-    assert NEW_NODE_IP in said[0]
+    assert NODE_IP in said[0] and NEW_NODE_IP in said[0], said
 
 
 @pytest.mark.parametrize("net", [DUAL_STACK], indirect=True)
 @pytest.mark.parametrize("rules", ["nftables", "auto"], ids=["nftables", "restore"])
 def test_on_a_dual_stack_node_each_family_follows_its_own_address(
-    net: Cluster,
-    services: ServicesFile,
-    start_proc: StartProc,
-    start_uproxy: StartUproxy,
-    rules: str,
-    tmp_path: Path,
+    net: Cluster, serving: Serving, rules: str, tmp_path: Path
 ) -> None:
     topo = net.topo
-    start_proc(topo.backend, backend_argv(net), ready_line=True)
-    services.put(*dual_web(net))
-    services.write()
-    proxy = start_uproxy(rules)
-    proxy.wait_synced()
+    proxy = serving(rules, dual_web(net))
     body = b"six" * 300
     curl(topo, topo.node, url(WEB_IP6), body=body, tmp=tmp_path)
     assert OLD6.search(installed(topo, rules, 6))
 
     move_node_address6(topo)
 
-    wait_until_ok(
-        lambda: curl(topo, topo.node, url(WEB_IP6), body=body, tmp=tmp_path, max_time=2),
-        timeout=10,
-        message="the node's own IPv6 traffic to a ClusterIP after its address changed",
-    )
+    answered_again(topo, url(WEB_IP6), body, tmp_path)
     rules6 = installed(topo, rules, 6)
     assert NEW_NODE_IP6 in rules6 and not OLD6.search(rules6), rules6
     # The IPv4 family kept its address and its rules.
     assert OLD.search(installed(topo, rules, 4))
     curl(topo, topo.node, url(WEB_IP), body=body, tmp=tmp_path)
-    said = [line for line in proxy.proc.stderr_lines if "This node's address changed" in line]
+    said = said_changed(proxy)
     assert len(said) == 1 and "IPv6" in said[0] and NEW_NODE_IP6 in said[0], said
 
 

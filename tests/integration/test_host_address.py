@@ -77,6 +77,11 @@ class Host:
     def primary_address(self, family: IPFamily, preferred: tuple[str, ...] = ()) -> str | None:
         return self.primary if family is IPFamily.V4 else None
 
+    async def read_again(self, times: int) -> None:
+        """Until the proxy has read the addresses ``times`` more times."""
+        reads = self.reads
+        await wait_for(lambda: self.reads >= reads + times, message=f"{times} more checks")
+
 
 @pytest.fixture
 def host(monkeypatch: pytest.MonkeyPatch) -> Host:
@@ -125,8 +130,7 @@ async def test_a_host_address_that_went_away_is_replaced_by_the_primary_one(
     rules = RecordingRules()
     proxy = await started(rules)
     assert [s.host_ip for s in proxy.stacks] == [START_IP]
-    reads = host.reads
-    await wait_for(lambda: host.reads >= reads + 3, message="three checks of the addresses")
+    await host.read_again(3)
     assert rules.hosts == []  # still there: nothing to do
 
     host.addresses, host.primary = frozenset({NEW_IP}), NEW_IP
@@ -140,8 +144,7 @@ async def test_a_host_address_that_went_away_is_replaced_by_the_primary_one(
     said = [r for r in caplog.records if "address changed" in r.getMessage()]
     assert len(said) == 1
     assert said[0].kv == {"family": "IPv4", "was": START_IP, "now": NEW_IP}  # type: ignore[attr-defined]
-    reads = host.reads
-    await wait_for(lambda: host.reads >= reads + 3, message="three more checks")
+    await host.read_again(3)
     assert rules.hosts == [(IPFamily.V4, NEW_IP)]  # once
 
 
@@ -152,15 +155,13 @@ async def test_gone_with_no_other_it_is_said_once_and_kept_until_one_comes(
     rules = RecordingRules()
     proxy = await started(rules)
     host.addresses, host.primary = frozenset(), None
-    reads = host.reads
-    await wait_for(lambda: host.reads >= reads + 5, message="five checks without an address")
+    await host.read_again(5)
     gone = [r for r in caplog.records if "has no other" in r.getMessage()]
     assert len(gone) == 1
     assert rules.hosts == [] and [s.host_ip for s in proxy.stacks] == [START_IP]
 
     host.addresses = frozenset({START_IP})  # back: nothing to do
-    reads = host.reads
-    await wait_for(lambda: host.reads >= reads + 3, message="three checks with it back")
+    await host.read_again(3)
     assert rules.hosts == []
     host.addresses, host.primary = frozenset({NEW_IP}), NEW_IP
     await wait_for(lambda: rules.hosts == [(IPFamily.V4, NEW_IP)], message="the new address")
@@ -170,8 +171,7 @@ async def test_unreadable_addresses_change_nothing(host: Host, started: Any) -> 
     rules = RecordingRules()
     await started(rules)
     host.addresses, host.primary = None, NEW_IP
-    reads = host.reads
-    await wait_for(lambda: host.reads >= reads + 3, message="three unreadable checks")
+    await host.read_again(3)
     assert rules.hosts == []
 
 

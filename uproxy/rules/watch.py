@@ -55,6 +55,7 @@ from uproxy.netlink import (
     align4,
     attr,
     attribute,
+    dump,
     message,
 )
 
@@ -182,20 +183,8 @@ def nft_tables(seq: int = 1) -> frozenset[tuple[int, str]] | None:
     """Every nf_tables table of this network namespace as (NFPROTO family, name), read over
     netlink without the ``nft`` program; None when that cannot be read (no permission, no
     nf_tables). Families: 2 ip, 10 ip6, 1 inet (``socket.AF_INET``... values)."""
-    try:
-        with _netfilter_socket() as sock:
-            sock.send(gettable_dump_request(seq))
-            out: set[tuple[int, str]] = set()
-            while True:
-                parsed = parse_tables(sock.recv(65536))
-                if parsed is None:
-                    return None
-                found, done = parsed
-                out.update(found)
-                if done:
-                    return frozenset(out)
-    except OSError:
-        return None
+    found = dump(NETLINK_NETFILTER, gettable_dump_request(seq), parse_tables)
+    return None if found is None else frozenset(found)
 
 
 NFT_MSG_NEWSETELEM = 12
