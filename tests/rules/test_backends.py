@@ -81,3 +81,50 @@ async def test_a_program_that_hangs_is_killed_and_is_one_line(tmp_path: Path) ->
         await asyncio.wait_for(hung, 10)  # not killed: it would wait out the sleep
     pid = int(pid_file.read_text())
     assert not Path(f"/proc/{pid}").exists()  # killed and reaped
+
+
+async def test_a_cleanup_refused_everywhere_is_one_line_with_one_hint(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each program refused (a sandbox that denies what CAP_NET_ADMIN would allow): named
+    once each, the way to fix it said once, and no "--rules none", which does not clean."""
+    from uproxy.model import IPFamily
+    from uproxy.rules import cleanup_all, nftables, restore
+
+    async def refused_tables() -> bool:
+        raise command.permission_error("nft")
+
+    async def refused_mode(mode: str, family: IPFamily = IPFamily.V4) -> bool:
+        raise command.permission_error(
+            f"ip{'6' if family is IPFamily.V6 else ''}tables-{mode}-save"
+        )
+
+    monkeypatch.setattr(command, "has_net_admin", lambda: True)
+    monkeypatch.setattr(nftables, "cleanup_tables", refused_tables)
+    monkeypatch.setattr(restore, "cleanup_mode", refused_mode)
+    with pytest.raises(RulesError) as caught:
+        await cleanup_all()
+    said = str(caught.value)
+    assert said == (
+        "nft, iptables-nft-save, ip6tables-nft-save, iptables-legacy-save, "
+        f"ip6tables-legacy-save: permission denied; {command.PRIVILEGE_FIX}"
+    )
+
+
+@pytest.mark.root
+def test_cleanup_without_privileges_says_so_in_one_line(tmp_path: Path) -> None:
+    """``uproxy --cleanup`` run without CAP_NET_ADMIN (root with every capability bounded
+    away, as a container without them): exit status 1 and one line."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        ["setpriv", "--no-new-privs", "--bounding-set", "-all", "--",
+         sys.executable, "-m", "uproxy.cli", "--cleanup"],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.splitlines() == [
+        f"uproxy: error: cleanup failed: this process lacks CAP_NET_ADMIN; {command.PRIVILEGE_FIX}"
+    ], done.stderr

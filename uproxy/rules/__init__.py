@@ -131,19 +131,27 @@ async def cleanup_all() -> bool:
     could not be removed (a program missing where the kernel has tables it would read, no
     permission) is one RulesError for all, raised after everything else was removed.
     """
+    from uproxy.rules import command
     from uproxy.rules.nftables import cleanup_tables
     from uproxy.rules.restore import FAMILIES, MODES, cleanup_mode
 
+    if command.has_net_admin() is False:
+        raise RulesError(f"this process lacks CAP_NET_ADMIN; {command.PRIVILEGE_FIX}")
     removed = False
     problems: list[str] = []
+    denied: list[str] = []  # programs refused: one line for all of them, and one hint
     steps = [cleanup_tables] + [
         functools.partial(cleanup_mode, mode, family) for mode in MODES for family in FAMILIES
     ]
     for step in steps:  # each on its own: one that fails leaves the others to do theirs
         try:
             removed = await step() or removed
+        except command.PermissionDenied as exc:
+            denied.append(exc.program)
         except RulesError as exc:
             problems.append(str(exc))
+    if denied:
+        problems.append(f"{', '.join(denied)}: permission denied; {command.PRIVILEGE_FIX}")
     if problems:
         raise RulesError("; ".join(problems))
     if not removed:

@@ -18,9 +18,8 @@ from uproxy.rules.base import RulesError
 log = logging.getLogger("uproxy.rules.command")
 
 DEFAULT_TIMEOUT_S = 60.0
-_FIX = (
-    "run as root or with CAP_NET_ADMIN (and CAP_NET_RAW for legacy iptables), or use --rules none"
-)
+PRIVILEGE_FIX = "run as root or with CAP_NET_ADMIN (and CAP_NET_RAW for legacy iptables)"
+_FIX = f"{PRIVILEGE_FIX}, or use --rules none"
 _PERMISSION_MARKERS = ("Permission denied", "must be root", "Operation not permitted")
 _PACKAGES = {"nft": "nftables", "conntrack": "conntrack"}  # else: iptables
 
@@ -62,8 +61,16 @@ def missing_permission(backend: str) -> str | None:
     return None
 
 
+class PermissionDenied(RulesError):
+    """A rules program was refused for lack of privilege (``program`` names it)."""
+
+    def __init__(self, program: str) -> None:
+        super().__init__(f"{program}: permission denied; {_FIX}")
+        self.program = program
+
+
 def permission_error(program: str) -> RulesError:
-    return RulesError(f"{program}: permission denied; {_FIX}")
+    return PermissionDenied(program)
 
 
 async def run(
