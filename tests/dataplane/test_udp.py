@@ -592,3 +592,33 @@ async def test_refusals_are_not_counted_against_an_endpoint_with_ejection_off(
     replies = [await asker(to, b"x%d" % i, within_s=0.3) for i in range(8)]
     assert sum(r is None for r in replies) == 4  # every other flow, for good
     assert all(r == b"ax%d" % i for i, r in enumerate(replies) if r is not None)
+
+
+async def test_a_flow_whose_socket_cannot_connect_is_a_failed_dial_and_the_rest_serve(
+    udp_backends: UdpBackendFactory,
+    udp_listener: UdpListenerFactory,
+    asker: Callable[..., Awaitable[bytes | None]],
+) -> None:
+    """The flow's socket is refused at connect (the kernel says EACCES for a broadcast
+    address, without a packet sent; a route that went away says ENETUNREACH): the datagram
+    is dropped as a lost one would be, counted as a failed dial against that endpoint, which
+    after three is left out; no socket is kept, and other flows are answered throughout."""
+    (ep_a, _) = await udp_backends("a")
+    unreachable = Endpoint("255.255.255.255", 53, node_name=NODE)
+    ejections = metrics.ENDPOINT_EJECTIONS.labels(str(UDP_NAME))
+    ejected_before = ejections.value
+    settings = DataplaneSettings(udp_timeout_s=5, eject_base_s=30)
+    listener = await udp_listener(make_balancer(UDP_NAME, [ep_a, unreachable], settings=settings))
+    failed = listener.stats.dial_failed
+    failed_before = failed.value
+    to = ("127.0.0.1", listener.port)
+    replies = [await asker(to, b"q%d" % i, within_s=0.3) for i in range(12)]
+    assert [r is None for r in replies[:6]] == [False, True] * 3  # round robin, until out
+    assert all(r == b"aq%d" % i for i, r in enumerate(replies) if r is not None)
+    assert replies[6:] == [b"aq%d" % i for i in range(6, 12)]  # out: every flow answered
+    assert failed.value - failed_before == 3
+    assert ejections.value == ejected_before + 1
+    # Flows of the answered clients only (the earliest may have expired): none was kept for
+    # a refused one, and none holds a socket to the unreachable endpoint.
+    assert 0 < listener.active <= 9
+    assert {flow.endpoint for flow in listener.flows.values()} == {ep_a}
