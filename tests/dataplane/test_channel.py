@@ -3,7 +3,7 @@
 The kernel hands a received packet's sockets over one by one and closes those it cannot
 install (EMFILE), flagging the packet MSG_CTRUNC. The messages are still whole: the worker
 must keep them all and keep its channel, not take the packet for a broken stream and stop
-(which dropped every connection it relayed).
+(which dropped every connection it relayed), and take sockets again once it has fds to spare.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from uproxy.model import IPFamily, Protocol, ServicePortName, Traffic
 ROOT = Path(__file__).resolve().parents[2]
 SOCKETS = MESSAGES_PER_PACKET - 1  # and the closing Forget: one packet
 HEADROOM = 5  # fds the receiver can still open
+AGAIN = 3  # sockets sent once it has fds to spare again
 
 RECEIVER = """
 import asyncio, json, os, resource, socket, sys
@@ -42,24 +43,30 @@ from uproxy.dataplane.messages import Channel, Forget, OpenListener
 
 async def main() -> None:
     fd, headroom = int(sys.argv[1]), int(sys.argv[2])
-    got = {"open": 0, "sockets": 0, "closed": False}
-    done = asyncio.Event()
+    got = {"open": 0, "sockets": 0, "closed": False, "again": 0}
+    first, second = asyncio.Event(), asyncio.Event()
+    filler, held = [], []
 
     def on_message(message, sock):
         if isinstance(message, OpenListener):
-            got["open"] += 1
-            got["sockets"] += sock is not None
+            if first.is_set():
+                got["again"] += sock is not None
+            else:
+                got["open"] += 1
+                got["sockets"] += sock is not None
+            if sock is not None:
+                held.append(sock)
         if isinstance(message, Forget):
-            done.set()
+            (second if first.is_set() else first).set()
 
     def on_closed():
         got["closed"] = True
-        done.set()
+        first.set()
+        second.set()
 
     channel = Channel(socket.socket(fileno=fd), on_message=on_message, on_closed=on_closed)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
-    filler = []
     try:
         while True:
             filler.append(os.open("/dev/null", os.O_RDONLY))
@@ -67,10 +74,16 @@ async def main() -> None:
         pass
     for fd in filler[:headroom]:  # exactly this many fds left
         os.close(fd)
+    del filler[:headroom]
     print("ready", flush=True)
-    await asyncio.wait_for(done.wait(), 10)
+    await asyncio.wait_for(first.wait(), 10)
     got["missed"] = channel.sockets_missed
     got["still_open"] = not channel.closed
+    for fd in filler:  # fds to spare again
+        os.close(fd)
+    print("freed", flush=True)
+    await asyncio.wait_for(second.wait(), 10)
+    got["missed_after"] = channel.sockets_missed
     print(json.dumps(got), flush=True)
 
 asyncio.run(main())
@@ -97,13 +110,12 @@ async def test_a_packet_with_more_sockets_than_fds_left_keeps_the_channel() -> N
         assert child.stdout is not None
         ready = await asyncio.wait_for(child.stdout.readline(), 10)
         assert ready.strip() == b"ready"
-        for i in range(SOCKETS):
-            sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
-            sock.listen(1)
-            name = ServicePortName("ns", f"svc{i}", "p", Protocol.TCP)
-            channel.send(OpenListener(name, Traffic.CLUSTER, IPFamily.V4), sock.detach())
+        send_listeners(channel, SOCKETS, prefix="svc")
         channel.send(Forget(ServicePortName("ns", "end", "p", Protocol.TCP), IPFamily.V4))
+        freed = await asyncio.wait_for(child.stdout.readline(), 10)
+        assert freed.strip() == b"freed"
+        send_listeners(channel, AGAIN, prefix="again")
+        channel.send(Forget(ServicePortName("ns", "end2", "p", Protocol.TCP), IPFamily.V4))
         out, err = await asyncio.wait_for(child.communicate(), 15)
     finally:
         if child.returncode is None:
@@ -118,6 +130,19 @@ async def test_a_packet_with_more_sockets_than_fds_left_keeps_the_channel() -> N
     assert got["still_open"] and not got["closed"]
     assert "open-file limit" in log  # one clear line says why
     assert log.count("Channel lost sockets") == 1
+    # With fds to spare again, sockets come with their messages again, and it says so.
+    assert got["again"] == AGAIN and got["missed_after"] == 0
+    assert log.count("Channel receives sockets again") == 1
+
+
+def send_listeners(channel: Channel, count: int, *, prefix: str) -> None:
+    """``count`` OpenListener messages, each with a listening socket of its own."""
+    for i in range(count):
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(1)
+        name = ServicePortName("ns", f"{prefix}{i}", "p", Protocol.TCP)
+        channel.send(OpenListener(name, Traffic.CLUSTER, IPFamily.V4), sock.detach())
 
 
 # --- applying a long run of messages: the loop's other work runs in between -----------------
