@@ -156,6 +156,8 @@ def _disturb_plan(args: argparse.Namespace) -> disturb.Plan:
     plan = dataclasses.replace(plan, connections=_plan(args).durations.ka_connections)
     if args.disturb_services:
         plan = dataclasses.replace(plan, services=args.disturb_services)
+    if args.runs:  # a generation of filler services per big sync (``disturb.filler_ip``)
+        plan = dataclasses.replace(plan, rounds=min(args.runs, disturb.MAX_GENERATION - 1))
     return plan
 
 

@@ -1,7 +1,9 @@
 """The table of ``bench.disturb``: keep-alive latency through uproxy during its control work.
 
 Each rules backend gets four rows (undisturbed, big sync, rules repair, and a big sync
-while the workers are saturated), each p99 beside uproxy's own undisturbed p99 and
+while the workers are saturated). The first three run in rounds: their p99 is the median
+round's, with the rounds' range, and the row's other figures are that round's. Each p99 is
+beside uproxy's own undisturbed p99 and
 HAProxy's plain keep-alive p99 from the peers of the same run (``haproxy-2cpu``, both CPUs
 as here, and pinned ``haproxy``; none for the saturated run, a connection run), with the CPU
 each of uproxy's roles spent during the run and what the disturbance did.
@@ -51,6 +53,16 @@ def _what(key: str, f: dict[str, Any], services: int) -> str:
     return ""
 
 
+def _p99(key: str, f: dict[str, Any], entry: dict[str, Any]) -> str:
+    """The p99 in bold; with its rounds' range when there were several."""
+    rounds = entry.get("rounds", {}).get(key, [])
+    cell = f"**{f['p99_ms']:.3f}**"
+    if len(rounds) > 1:
+        p99s = [r["p99_ms"] for r in rounds]
+        cell += f" ({min(p99s):.3f}-{max(p99s):.3f})"
+    return cell
+
+
 def _rows(rules: str, entry: dict[str, Any], summary: dict[str, Any]) -> list[str]:
     base = entry.get("undisturbed", {}).get("p99_ms")
     h2, h1 = _haproxy_p99(summary, "haproxy-2cpu"), _haproxy_p99(summary, "haproxy")
@@ -64,7 +76,7 @@ def _rows(rules: str, entry: dict[str, Any], summary: dict[str, Any]) -> list[st
             title,
             f"{f.get('wall_s', 0):.0f}",
             f"{f['p50_ms']:.3f}",
-            f"**{f['p99_ms']:.3f}**",
+            _p99(key, f, entry),
             f"{f['p999_ms']:.2f}",
             f"{f['max_ms']:.1f}",
             f"{f['errors']:.0f}",
@@ -96,6 +108,19 @@ def _start_line(rules: str, entry: dict[str, Any]) -> str:
     )
 
 
+def _rounds_note(disturb: dict[str, Any]) -> str:
+    counts = {
+        len(e.get("rounds", {}).get("big_sync", [])) for e in disturb.get("backends", {}).values()
+    }
+    n = max(counts, default=0)
+    if n <= 1:
+        return ""
+    return (
+        f"The first three runs of each backend ran {n} times: the p99 shown is the median "
+        "round's, with the rounds' range, and the row's other figures are that round's."
+    )
+
+
 def markdown(disturb: dict[str, Any] | None, summary: dict[str, Any]) -> list[str]:
     if not disturb:
         return []
@@ -112,7 +137,8 @@ def markdown(disturb: dict[str, Any] | None, summary: dict[str, Any]) -> list[st
         "while its rules are flushed and repaired (see `bench/disturb.py`). Ratios: this p99 "
         "over uproxy's undisturbed p99, and over HAProxy's plain keep-alive p99 in this run "
         "(`nbthread 2` on 2 CPUs, and 1 thread pinned). A run's p99 is diluted by its "
-        "undisturbed part: read it with the share the disturbance covered.",
+        "undisturbed part: read it with the share the disturbance covered. "
+        f"{_rounds_note(disturb)}",
         "",
         "| rules | run | s | p50 ms | p99 ms | p99.9 ms | max ms | errors | x undisturbed "
         "| x HAProxy 2 CPUs | x HAProxy pinned | CPU s control | workers | reaped "
