@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import socket
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 NLMSG_ERROR = 2
@@ -35,18 +35,21 @@ def message(msg_type: int, flags: int, seq: int, body: bytes) -> bytes:
     return NLMSG.pack(NLMSG.size + len(body), msg_type, flags, seq, 0) + body
 
 
-def messages(data: bytes) -> list[tuple[int, bytes]] | None:
-    """Each message of ``data`` as (type, payload after the header); None when a length is
-    out of bounds. Trailing bytes too short for a header are ignored, as the kernel pads."""
-    out: list[tuple[int, bytes]] = []
+MALFORMED = -1  # the "type" ``messages`` gives a message whose length is out of bounds
+
+
+def messages(data: bytes) -> Iterator[tuple[int, bytes]]:
+    """Each message of ``data`` in order, as (type, payload after the header), until one whose
+    length is out of bounds: that one comes as (``MALFORMED``, b"") and ends the walk.
+    Trailing bytes too short for a header are ignored, as the kernel pads."""
     offset = 0
     while offset + NLMSG.size <= len(data):
         length, msg_type, _flags, _seq, _pid = NLMSG.unpack_from(data, offset)
         if length < NLMSG.size or offset + length > len(data):
-            return None
-        out.append((msg_type, data[offset + NLMSG.size : offset + length]))
+            yield MALFORMED, b""
+            return
+        yield msg_type, data[offset + NLMSG.size : offset + length]
         offset += align4(length)
-    return out
 
 
 def attribute(attrs: bytes, wanted: int) -> bytes | None:

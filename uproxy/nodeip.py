@@ -116,15 +116,12 @@ def parse_addresses(data: bytes) -> tuple[list[str], bool] | None:
     """The usable addresses of each RTM_NEWADDR in ``data`` (an IPv6 address still in, or
     failed, duplicate address detection is not), and whether the dump ended (NLMSG_DONE); None
     for an error reply or anything malformed."""
-    parsed = messages(data)
-    if parsed is None:
-        return None
     found: list[str] = []
-    for msg_type, payload in parsed:
+    for msg_type, payload in messages(data):
         if msg_type == NLMSG_DONE:
             return found, True
         if msg_type != RTM_NEWADDR:
-            return None  # NLMSG_ERROR, or not what was asked for
+            return None  # NLMSG_ERROR, MALFORMED, or not what was asked for
         if len(payload) < _IFADDRMSG.size:
             return None
         af, _prefix, flags, _scope, _index = _IFADDRMSG.unpack_from(payload)

@@ -47,16 +47,17 @@ import struct
 from collections.abc import Callable, Hashable, Sequence
 
 from uproxy.netlink import (
+    MALFORMED,
     NLM_F_DUMP,
     NLM_F_REQUEST,
     NLMSG,
     NLMSG_DONE,
     NLMSG_ERROR,
-    align4,
     attr,
     attribute,
     dump,
     message,
+    messages,
 )
 
 log = logging.getLogger("uproxy.rules.watch")
@@ -100,16 +101,11 @@ def getgen_request(seq: int) -> bytes:
 
 def parse_generation(data: bytes) -> int | None:
     """The NFTA_GEN_ID of an NFT_MSG_NEWGEN reply; None for an error or anything unexpected."""
-    offset = 0
-    while offset + NLMSG.size <= len(data):
-        length, msg_type, _flags, _seq, _pid = NLMSG.unpack_from(data, offset)
-        if length < NLMSG.size or offset + length > len(data):
-            return None
+    for msg_type, payload in messages(data):
         if msg_type == (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWGEN:
-            return _gen_attribute(data[offset + NLMSG.size + _NFGENMSG.size : offset + length])
-        if msg_type == NLMSG_ERROR:
+            return _gen_attribute(payload[_NFGENMSG.size :])
+        if msg_type in (NLMSG_ERROR, MALFORMED):
             return None
-        offset += align4(length)
     return None
 
 
@@ -152,25 +148,16 @@ def parse_tables(data: bytes) -> tuple[list[tuple[int, str]], bool] | None:
     """The (nfproto family, name) of each NFT_MSG_NEWTABLE in ``data``, and whether the dump
     ended (NLMSG_DONE); None for an error reply or anything malformed."""
     found: list[tuple[int, str]] = []
-    offset = 0
-    while offset + NLMSG.size <= len(data):
-        length, msg_type, _flags, _seq, _pid = NLMSG.unpack_from(data, offset)
-        if length < NLMSG.size or offset + length > len(data):
-            return None
+    for msg_type, payload in messages(data):
         if msg_type == NLMSG_DONE:
             return found, True
-        if msg_type == NLMSG_ERROR:
+        if msg_type in (NLMSG_ERROR, MALFORMED):
             return None
         if msg_type == (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWTABLE:
-            start = offset + NLMSG.size
-            family = data[start]
-            name = _string_attribute(
-                data[start + _NFGENMSG.size : offset + length], NFTA_TABLE_NAME
-            )
-            if name is None:
+            name = _string_attribute(payload[_NFGENMSG.size :], NFTA_TABLE_NAME)
+            if not payload or name is None:
                 return None
-            found.append((family, name))
-        offset += align4(length)
+            found.append((payload[0], name))
     return found, False
 
 
