@@ -34,10 +34,10 @@ LABEL org.opencontainers.image.title="uproxy" \
       org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.base.name="docker.io/library/python:3.11.7-slim-bookworm"
 # iptables (nft and legacy variants, and the libraries python-iptables loads), nftables (nft,
-# for --rules nftables), conntrack (forgetting stale UDP entries), iproute2 (finding the node IP).
+# for --rules nftables), conntrack (forgetting stale UDP entries): the programs uproxy runs.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends iptables nftables conntrack iproute2 \
+    && apt-get install -y --no-install-recommends iptables nftables conntrack \
     && rm -rf /var/lib/apt/lists/*
 COPY --from=build /opt/uproxy /opt/uproxy
 # uproxy runs with docstrings and asserts stripped (PYTHONOPTIMIZE=2, as python -OO): the API

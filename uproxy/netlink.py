@@ -5,7 +5,7 @@ Replies come from the kernel, but a parser here must still never raise on what i
 expect, nor loop on a length that does not move it forward: every reader answers "unknown"
 (None) for anything malformed, and its caller treats unknown as the safe case. Users:
 ``uproxy.rules.watch`` (nf_tables' generation, tables and set elements) and ``uproxy.nodeip``
-(this host's addresses).
+(this host's addresses and default routes).
 """
 
 from __future__ import annotations

@@ -3,21 +3,23 @@
 Traffic from the node itself to a service address is DNATed to node-IP:proxy-port, never to
 127.0.0.1 or ::1 (that would need route_localnet, CVE-2020-8558, and has no IPv6 equivalent).
 Each family the node serves needs its own: the source address of that family's default route,
-else its first global address (for IPv6: global scope, so ULA counts and link-local does
-not). Read from the routing table, without sending anything.
+else an address of the interface that route leaves by, else the first global address (for
+IPv6: global scope, so ULA counts and link-local does not).
 
-That address can go (a DHCP lease renewed with another one, an interface moved): the proxy
-asks every second whether it is still this host's (``addresses_now``: one netlink dump of the
-family's addresses, no process), and takes the family's new primary address when it is not.
+Everything here is read from the kernel over rtnetlink (``uproxy.netlink``): one dump of the
+family's addresses, and one of its routes for the primary address. No process is spawned and
+nothing is sent anywhere. That address can go (a DHCP lease renewed with another one, an
+interface moved): the proxy asks every second whether it is still this host's
+(``addresses_now``, a few tens of microseconds), and takes the family's new primary address
+when it is not.
 """
 
 from __future__ import annotations
 
 import ipaddress
-import json
 import socket
 import struct
-import subprocess
+from typing import NamedTuple
 
 from uproxy.model import IPFamily
 from uproxy.netlink import (
@@ -30,80 +32,47 @@ from uproxy.netlink import (
     messages,
 )
 
-# rtnetlink's address messages (linux/rtnetlink.h, linux/if_addr.h).
+# rtnetlink's address and route messages (linux/rtnetlink.h, linux/if_addr.h).
 RTM_NEWADDR = 20
 RTM_GETADDR = 22
+RTM_NEWROUTE = 24
+RTM_GETROUTE = 26
 IFA_ADDRESS = 1
 IFA_LOCAL = 2
 IFA_FLAGS = 8
 IFA_F_DADFAILED = 0x08
 IFA_F_TENTATIVE = 0x40
+RTA_OIF = 4
+RTA_PRIORITY = 6
+RTA_PREFSRC = 7
+RTA_MULTIPATH = 9
+RTA_TABLE = 15
+RT_TABLE_MAIN = 254
+RTN_UNICAST = 1
+RT_SCOPE_UNIVERSE = 0  # what ``ip`` calls "scope global"
 _IFADDRMSG = struct.Struct("=BBBBI")  # family, prefixlen, flags, scope, index
+# family, dst_len, src_len, tos, table, protocol, scope, type, flags
+_RTMSG = struct.Struct("=BBBBBBBBI")
+_RTNEXTHOP = struct.Struct("=HBBi")  # len, flags, hops, ifindex
+_U32 = struct.Struct("=I")
 _AF = {IPFamily.V4: socket.AF_INET, IPFamily.V6: socket.AF_INET6}
 _ADDRESS_BYTES = {socket.AF_INET: 4, socket.AF_INET6: 16}
 
 
-def _ip_json(*args: str) -> list[dict[str, object]]:
-    try:
-        out = subprocess.run(
-            ["ip", "-j", *args], capture_output=True, text=True, timeout=5, check=True
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    data = json.loads(out or "[]")
-    return data if isinstance(data, list) else []
+class HostAddress(NamedTuple):
+    """One usable address of this host, as the kernel lists it."""
+
+    address: str
+    ifindex: int  # its interface's index
+    scope: int  # RT_SCOPE_UNIVERSE (global), 253 link, 254 host...
 
 
-def _addresses(*args: str, global_only: bool) -> list[str]:
-    out = []
-    for link in _ip_json(*args):
-        infos = link.get("addr_info")
-        for info in infos if isinstance(infos, list) else []:
-            if not isinstance(info, dict) or (global_only and info.get("scope") != "global"):
-                continue
-            if info.get("tentative") or info.get("dadfailed"):
-                continue  # not usable (yet): IPv6 duplicate address detection
-            out.append(str(info.get("local")))
-    return out
+class DefaultRoute(NamedTuple):
+    """A default route of the main table."""
 
-
-def local_addresses(family: IPFamily, *, global_only: bool = True) -> list[str]:
-    """This host's addresses of one family (global scope only, by default)."""
-    return _addresses(f"-{family.value}", "addr", "show", global_only=global_only)
-
-
-def local_ipv4_addresses(*, global_only: bool = True) -> list[str]:
-    """This host's IPv4 addresses (global scope only, by default)."""
-    return local_addresses(IPFamily.V4, global_only=global_only)
-
-
-def primary_address(family: IPFamily, preferred: tuple[str, ...] = ()) -> str | None:
-    """The node IP of one family: the first of ``preferred`` (the Node's addresses) present
-    locally, else the default route's source address, else the first global address."""
-    flag = f"-{family.value}"
-    local = local_addresses(family)
-    for ip in preferred:
-        if ip in local:
-            return ip
-    for route in _ip_json(flag, "route", "show", "default"):
-        src = route.get("prefsrc")
-        if isinstance(src, str):
-            return src
-        dev = route.get("dev")
-        if isinstance(dev, str):
-            found = _addresses(flag, "addr", "show", "dev", dev, global_only=True)
-            if found:
-                return found[0]
-    return local[0] if local else None
-
-
-def primary_ipv4(preferred: tuple[str, ...] = ()) -> str | None:
-    """The node's primary IPv4 address (see ``primary_address``)."""
-    return primary_address(IPFamily.V4, preferred)
-
-
-def is_unspecified(ip: str) -> bool:
-    return ipaddress.ip_address(ip).is_unspecified
+    metric: int
+    prefsrc: str | None  # the source address it names (``src``), if any
+    oif: int  # the interface it leaves by (a multipath route's first hop); 0: none
 
 
 def getaddr_dump_request(family: IPFamily, seq: int) -> bytes:
@@ -112,11 +81,17 @@ def getaddr_dump_request(family: IPFamily, seq: int) -> bytes:
     return message(RTM_GETADDR, NLM_F_REQUEST | NLM_F_DUMP, seq, body)
 
 
-def parse_addresses(data: bytes) -> tuple[list[str], bool] | None:
+def getroute_dump_request(family: IPFamily, seq: int) -> bytes:
+    """RTM_GETROUTE as a dump of every route of one family (every table)."""
+    body = _RTMSG.pack(_AF[family], 0, 0, 0, 0, 0, 0, 0, 0)
+    return message(RTM_GETROUTE, NLM_F_REQUEST | NLM_F_DUMP, seq, body)
+
+
+def parse_addresses(data: bytes) -> tuple[list[HostAddress], bool] | None:
     """The usable addresses of each RTM_NEWADDR in ``data`` (an IPv6 address still in, or
     failed, duplicate address detection is not), and whether the dump ended (NLMSG_DONE); None
     for an error reply or anything malformed."""
-    found: list[str] = []
+    found: list[HostAddress] = []
     for msg_type, payload in messages(data):
         if msg_type == NLMSG_DONE:
             return found, True
@@ -124,11 +99,11 @@ def parse_addresses(data: bytes) -> tuple[list[str], bool] | None:
             return None  # NLMSG_ERROR, MALFORMED, or not what was asked for
         if len(payload) < _IFADDRMSG.size:
             return None
-        af, _prefix, flags, _scope, _index = _IFADDRMSG.unpack_from(payload)
+        af, _prefix, flags, scope, index = _IFADDRMSG.unpack_from(payload)
         attrs = payload[_IFADDRMSG.size :]
         wide = attribute(attrs, IFA_FLAGS)  # the flags beyond the header's 8 bits
-        if wide is not None and len(wide) == 4:
-            flags = struct.unpack("=I", wide)[0]
+        if wide is not None and len(wide) == _U32.size:
+            flags = _U32.unpack(wide)[0]
         # IFA_LOCAL is an IPv4 interface's own address (IFA_ADDRESS is the peer's on a
         # point-to-point link); IPv6 gives IFA_ADDRESS only.
         raw = attribute(attrs, IFA_LOCAL)
@@ -137,12 +112,103 @@ def parse_addresses(data: bytes) -> tuple[list[str], bool] | None:
         if raw is None or af not in _ADDRESS_BYTES or len(raw) != _ADDRESS_BYTES[af]:
             return None
         if not flags & (IFA_F_TENTATIVE | IFA_F_DADFAILED):
-            found.append(socket.inet_ntop(af, raw))
+            found.append(HostAddress(socket.inet_ntop(af, raw), index, scope))
     return found, False
 
 
+def parse_default_routes(data: bytes) -> tuple[list[DefaultRoute], bool] | None:
+    """The main table's unicast default routes among the RTM_NEWROUTEs in ``data``, and
+    whether the dump ended; None for an error reply or anything malformed."""
+    found: list[DefaultRoute] = []
+    for msg_type, payload in messages(data):
+        if msg_type == NLMSG_DONE:
+            return found, True
+        if msg_type != RTM_NEWROUTE or len(payload) < _RTMSG.size:
+            return None
+        af, dst_len, _src, _tos, table, _proto, _scope, kind, _flags = _RTMSG.unpack_from(payload)
+        attrs = payload[_RTMSG.size :]
+        full_table = _u32(attribute(attrs, RTA_TABLE))  # a table id above 255
+        if full_table is not None:
+            table = full_table
+        if dst_len != 0 or table != RT_TABLE_MAIN or kind != RTN_UNICAST:
+            continue
+        if af not in _ADDRESS_BYTES:
+            return None
+        raw = attribute(attrs, RTA_PREFSRC)
+        if raw is not None and len(raw) != _ADDRESS_BYTES[af]:
+            return None
+        oif = _u32(attribute(attrs, RTA_OIF))
+        if oif is None:
+            oif = _first_hop(attribute(attrs, RTA_MULTIPATH))
+        found.append(
+            DefaultRoute(
+                metric=_u32(attribute(attrs, RTA_PRIORITY)) or 0,
+                prefsrc=None if raw is None else socket.inet_ntop(af, raw),
+                oif=oif or 0,
+            )
+        )
+    return found, False
+
+
+def _u32(raw: bytes | None) -> int | None:
+    return _U32.unpack(raw)[0] if raw is not None and len(raw) == _U32.size else None
+
+
+def _first_hop(hops: bytes | None) -> int | None:
+    """The interface of a multipath route's first next hop (``rtnexthop``)."""
+    if hops is None or len(hops) < _RTNEXTHOP.size:
+        return None
+    length, _flags, _hops, index = _RTNEXTHOP.unpack_from(hops)
+    return index if length >= _RTNEXTHOP.size and index > 0 else None
+
+
+def host_addresses(family: IPFamily, seq: int = 1) -> list[HostAddress] | None:
+    """Every usable address of one family on this host, in the kernel's order (interfaces by
+    index, an interface's primary address first); None when they cannot be read."""
+    return dump(socket.NETLINK_ROUTE, getaddr_dump_request(family, seq), parse_addresses)
+
+
+def default_routes(family: IPFamily, seq: int = 1) -> list[DefaultRoute] | None:
+    """The main table's default routes of one family, the one the kernel prefers (the lowest
+    metric) first; None when they cannot be read."""
+    found = dump(socket.NETLINK_ROUTE, getroute_dump_request(family, seq), parse_default_routes)
+    return None if found is None else sorted(found, key=lambda r: r.metric)
+
+
 def addresses_now(family: IPFamily, seq: int = 1) -> frozenset[str] | None:
-    """Every usable address of one family on this host (any scope), read over netlink in a
-    few tens of microseconds; None when it cannot be read (the caller keeps what it has)."""
-    found = dump(socket.NETLINK_ROUTE, getaddr_dump_request(family, seq), parse_addresses)
-    return None if found is None else frozenset(found)
+    """Every usable address of one family on this host (any scope); None when they cannot be
+    read (the caller keeps what it has)."""
+    found = host_addresses(family, seq)
+    return None if found is None else frozenset(a.address for a in found)
+
+
+def local_addresses(family: IPFamily, *, global_only: bool = True) -> list[str]:
+    """This host's addresses of one family (global scope only, by default); none when they
+    cannot be read."""
+    return [
+        a.address
+        for a in host_addresses(family) or ()
+        if not global_only or a.scope == RT_SCOPE_UNIVERSE
+    ]
+
+
+def primary_address(family: IPFamily, preferred: tuple[str, ...] = ()) -> str | None:
+    """The node IP of one family: the first of ``preferred`` (the Node's addresses) present
+    locally; else the preferred default route's source address, or the first global address
+    of the interface it leaves by; else the first global address."""
+    local = [a for a in host_addresses(family) or () if a.scope == RT_SCOPE_UNIVERSE]
+    addresses = [a.address for a in local]
+    for ip in preferred:
+        if ip in addresses:
+            return ip
+    for route in default_routes(family) or ():
+        if route.prefsrc is not None:
+            return route.prefsrc
+        for a in local:
+            if a.ifindex == route.oif:
+                return a.address
+    return addresses[0] if addresses else None
+
+
+def is_unspecified(ip: str) -> bool:
+    return ipaddress.ip_address(ip).is_unspecified

@@ -77,7 +77,7 @@ def _apt_packages(stage: Stage) -> set[str]:
 
 def test_final_image_has_the_tools_and_nothing_to_build(dockerfile: Dockerfile) -> None:
     build, final = dockerfile.stages
-    assert _apt_packages(final) == {"iptables", "nftables", "conntrack", "iproute2"}
+    assert _apt_packages(final) == {"iptables", "nftables", "conntrack"}
     assert {"gcc", "libc6-dev"} <= _apt_packages(build)
     copies = final.all("COPY")
     assert [c.flags for c in copies] == [{"from": "build"}], "only the venv comes from the build"
@@ -193,7 +193,7 @@ def test_build_steps_work_outside_docker(dockerfile: Dockerfile, tmp_path: Path)
         root / "opt/uproxy/bin/uproxy"
     )
     # The tools uproxy runs are on the image's PATH.
-    for tool in ("iptables-nft-restore", "iptables-legacy-restore", "nft", "conntrack", "ip"):
+    for tool in ("iptables-nft-restore", "iptables-legacy-restore", "nft", "conntrack"):
         assert shutil.which(tool, path=final_env["PATH"]), tool
     # The C extension of python-iptables was built and loads with the Debian libraries.
     venv_python = root / "opt/uproxy/bin/python"
