@@ -9,8 +9,10 @@ must keep them all and keep its channel, not take the packet for a broken stream
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
+import pickle
 import socket
 import sys
 import time
@@ -25,12 +27,15 @@ from uproxy.dataplane.messages import (
     Channel,
     Configure,
     Forget,
+    Message,
     OpenListener,
+    Part,
+    SetEndpoints,
 )
 from uproxy.dataplane.poller import READ_EVENTS, io_waiting, poller_for
 from uproxy.dataplane.settings import DataplaneSettings
 from uproxy.dataplane.worker import Worker
-from uproxy.model import IPFamily, Protocol, ServicePortName, Traffic
+from uproxy.model import Endpoint, IPFamily, Protocol, ServicePort, ServicePortName, Traffic
 
 ROOT = Path(__file__).resolve().parents[2]
 SOCKETS = MESSAGES_PER_PACKET - 1  # and the closing Forget: one packet
@@ -368,3 +373,114 @@ async def test_sockets_not_yet_applied_are_closed_with_the_channel() -> None:
     for port in ports:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", port))
+
+
+def _big(name: str, endpoints: int) -> SetEndpoints:
+    """A service port's endpoints, each on a node of its own (a DaemonSet's): ~43 pickled
+    bytes an endpoint."""
+    spn = ServicePortName("ns", name, "p", Protocol.TCP)
+    eps = tuple(
+        Endpoint(f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}", 8080, node_name=f"node-{i:05d}")
+        for i in range(endpoints)
+    )
+    return SetEndpoints(spn, IPFamily.V4, ServicePort(spn, 80, ("10.96.0.1",)), eps)
+
+
+async def _exchange(
+    messages: list[tuple[Message, int | None]], *, send_buffer: int | None = None
+) -> list[tuple[Message, socket.socket | None]]:
+    """Send ``messages`` (with the fd of a socket to hand over, or None) from one channel to
+    another over a fresh pair; what the other end handed over, in order. ``send_buffer``:
+    the sender's SO_SNDBUF (a datagram larger than it cannot be sent)."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    if send_buffer is not None:
+        ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
+    got: list[tuple[Message, socket.socket | None]] = []
+    done = asyncio.Event()
+    lost: list[str] = []
+
+    def on_message(message: Message, sock: socket.socket | None) -> None:
+        got.append((message, sock))
+        if len(got) == len(messages):
+            done.set()
+
+    def on_closed() -> None:
+        lost.append("closed")
+        done.set()
+
+    sender = Channel(ours, on_message=lambda m, s: None, on_closed=on_closed)
+    receiver = Channel(theirs, on_message=on_message, on_closed=on_closed)
+    try:
+        for message, fd in messages:
+            sender.send(message, fd)
+        await asyncio.wait_for(done.wait(), 30)
+    finally:
+        sender.close()
+        receiver.close()
+    assert not lost, f"the channel was lost after {len(got)} of {len(messages)} messages"
+    return got
+
+
+async def test_a_message_bigger_than_a_packet_goes_in_parts_and_arrives_whole() -> None:
+    """One service port of 30,000 endpoints (1.3 MB, where a datagram must fit the sender's
+    send buffer: 212,992 bytes by default) used to fail the send (EMSGSIZE): the channel was
+    lost, its worker exited, and each replacement met the same message. It goes in parts
+    now, between whole packets that keep their order and their sockets."""
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    listening.listen()
+    port = listening.getsockname()[1]
+    name = ServicePortName("ns", "after", "p", Protocol.TCP)
+    big = _big("big", 30_000)
+    sent: list[tuple[Message, int | None]] = [
+        (_big("small", 3), None),
+        (big, None),
+        (OpenListener(name, Traffic.CLUSTER, IPFamily.V4), listening.detach()),
+        (_forget(1), None),
+    ]
+    # A small send buffer (the kernel doubles it): packets must fit it, parts too.
+    got = await _exchange(sent, send_buffer=16_384)
+    assert [m for m, _ in got] == [m for m, _ in sent]
+    assert got[1][0] == big and len(big.endpoints) == 30_000
+    sock = got[2][1]
+    assert sock is not None
+    with sock:
+        assert sock.getsockname() == ("127.0.0.1", port)  # the very socket, still listening
+        assert [s for _, s in got if s is not sock] == [None] * 3
+
+
+async def test_a_packet_of_many_medium_messages_goes_in_parts() -> None:
+    """40 service ports of 800 endpoints (34 kB each): a packet of MESSAGES_PER_PACKET of them
+    is 690 kB, more than a datagram holds; every message arrives, in order."""
+    sent: list[tuple[Message, int | None]] = [(_big(f"svc{i}", 800), None) for i in range(40)]
+    got = await _exchange(sent)
+    assert [m for m, _ in got] == [m for m, _ in sent]
+
+
+def _keep(into: list[Message], message: Message, sock: socket.socket | None) -> None:
+    into.append(message)
+
+
+async def test_parts_out_of_order_lose_the_channel_and_close_their_sockets() -> None:
+    """The receiver takes parts only in a row, without sockets before the last: anything
+    else is a broken channel (one line, the channel closed, every socket it brought closed)."""
+    for packets in (
+        [Part(b"x" * 10, last=False), [_forget(1)]],  # a whole packet inside a message's parts
+        [Part(b"x" * 10, last=False)],  # a part before the last, with a socket
+    ):
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        closed = asyncio.Event()
+        got: list[Message] = []
+        before = len(os.listdir("/proc/self/fd"))
+        receiver = Channel(theirs, on_message=functools.partial(_keep, got), on_closed=closed.set)
+        with socket.socket() as passed:
+            for packet in packets:
+                data = pickle.dumps(packet, protocol=pickle.HIGHEST_PROTOCOL)
+                socket.send_fds(ours, [data], [passed.fileno()] if len(packets) == 1 else [])
+        try:
+            await asyncio.wait_for(closed.wait(), 10)
+        finally:
+            receiver.close()
+            ours.close()
+        assert receiver.closed and got == []
+        assert len(os.listdir("/proc/self/fd")) <= before - 1, packets  # its end, no copy left

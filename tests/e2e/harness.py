@@ -274,6 +274,7 @@ class Answer:
     name: str
     length: int
     sha256: str
+    to: str = ""  # the backend address the connection reached
 
 
 def run_bytes(
@@ -304,7 +305,9 @@ def curl(
     argv = ["curl", "-sS", "--fail", "--max-time", str(max_time), "-H", "Expect:"]
     argv += ["--data-binary", f"@{data}", *([url] * count)]
     out = run_bytes(topo, ns, *argv).decode()
-    answers = [Answer(d["name"], d["len"], d["sha256"]) for d in map(json.loads, out.splitlines())]
+    answers = [
+        Answer(d["name"], d["len"], d["sha256"], d["to"]) for d in map(json.loads, out.splitlines())
+    ]
     expected = hashlib.sha256(body).hexdigest()
     assert len(answers) == count
     for a in answers:

@@ -3,8 +3,10 @@
 One process serves every listener given on the command line (``NAME=IP:PORT:KIND``), so a
 test starts all the backends of a namespace at once and waits for one ``ready`` line:
 
-- ``http``: answers any request with ``{"name", "len", "sha256"}`` of the request body and
-  closes the connection, so every ``curl`` is a new connection through the proxy.
+- ``http``: answers any request with ``{"name", "len", "sha256"}`` of the request body, and
+  ``to``, the address the connection reached (one server bound to a wildcard answers for every
+  address routed to its namespace), and closes the connection, so every ``curl`` is a new
+  connection through the proxy.
 - ``sum``: reads a raw TCP stream until EOF and answers ``NAME LEN SHA256``; the reply's exact
   size is known, which the byte counters need.
 """
@@ -32,7 +34,12 @@ async def _http(name: str, reader: asyncio.StreamReader, writer: asyncio.StreamW
                 length = int(value.strip())
         body = await reader.readexactly(length) if length else b""
         answer = json.dumps(
-            {"name": name, "len": len(body), "sha256": hashlib.sha256(body).hexdigest()}
+            {
+                "name": name,
+                "len": len(body),
+                "sha256": hashlib.sha256(body).hexdigest(),
+                "to": writer.get_extra_info("sockname")[0],
+            }
         ).encode()
         writer.write(
             b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"

@@ -31,7 +31,10 @@ The channel is a SOCK_SEQPACKET socket pair: message boundaries are kept and lis
 sockets ride along as ancillary data. Messages are batched (a sync of 10,000 new ports is
 20,000 messages in 1,000 packets) and pickled: both ends are this same program, and a packet
 never comes from anywhere else (the pair is created by the control process before the
-worker starts).
+worker starts). A datagram holds at most ``PACKET_BYTES``: one larger than the socket's send
+buffer cannot be sent at all (EMSGSIZE), and one service port of 5,000 endpoints (on a node
+each) is 215 kB of SetEndpoints. A packet that would be larger goes in ``Part``s, which the
+receiver puts together before it reads any of its messages.
 """
 
 from __future__ import annotations
@@ -89,7 +92,12 @@ APPLY_SLICE_S = 0.00005
 # 1.96-2.10 s against 2.05-2.18 with 0.05 ms slices throughout; from a services file the
 # same (2.74-2.85 against 2.78-2.84).
 APPLY_SLICE_STARTING_S = 0.0005
-MAX_PACKET = 1 << 20  # bytes a receiver accepts; packets are far smaller (~100 B/message)
+# The most bytes a packet holds, whole or a part of a message too big for one (``Part``), and
+# the receiver's buffer for one. A unix datagram must fit the sender's send buffer
+# (net.core.wmem_default, 212,992 bytes unless changed); a message is ~100 bytes, a
+# SetEndpoints ~43 bytes per endpoint.
+PACKET_BYTES = 1 << 16
+_PART_ENVELOPE = 512  # a Part's pickle around its bytes: its class and two opcodes
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +153,16 @@ class Forget:
 
 
 @dataclass(frozen=True, slots=True)
+class Part:
+    """A piece of a packet too big for one datagram: the pieces follow each other with
+    nothing in between, and the last one (which carries the packet's sockets) completes it.
+    Not a message: the channel puts the pieces together before it hands anything over."""
+
+    data: bytes
+    last: bool
+
+
+@dataclass(frozen=True, slots=True)
 class Ready:
     pid: int
 
@@ -185,6 +203,7 @@ _fast_pickling(
     OpenListener,
     CloseListener,
     Forget,
+    Part,
     Ready,
     Applied,
 )
@@ -222,6 +241,15 @@ class Channel:
         self._loop = asyncio.get_running_loop()
         # With the descriptor of the socket it hands over, which the channel owns until sent.
         self._pending: deque[tuple[Message, int | None]] = deque()
+        # Encoded packets not sent yet, with the descriptors they carry.
+        self._outbox: deque[tuple[bytes, list[int]]] = deque()
+        # What the send buffer takes in one datagram, at most PACKET_BYTES (what the other
+        # end reads at once).
+        self._packet_bytes = min(
+            PACKET_BYTES, sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) - _PART_ENVELOPE
+        )
+        # The parts received so far of a packet that came in parts.
+        self._parts: list[bytes] = []
         # Received, not yet handed over (with the fd of its socket, or -1); see ``_pump``.
         self._inbox: deque[tuple[Message, int]] = deque()
         self._resume: asyncio.Handle | None = None
@@ -265,6 +293,11 @@ class Channel:
             if fd is not None:
                 os.close(fd)
         self._pending.clear()
+        for _, fds in self._outbox:
+            for fd in fds:
+                os.close(fd)
+        self._outbox.clear()
+        self._parts.clear()
         if self._resume is not None:
             self._resume.cancel()
             self._resume = None
@@ -276,13 +309,19 @@ class Channel:
 
     def _flush(self) -> None:
         self._flush_soon = False
-        while self._pending and not self.closed:
-            priority.give_way()  # the sender is the control process: pickling 10,000s
-            batch = [self._pending[i] for i in range(min(MESSAGES_PER_PACKET, len(self._pending)))]
-            data = pickle.dumps([m for m, _ in batch], protocol=pickle.HIGHEST_PROTOCOL)
-            fds = [fd for _, fd in batch if fd is not None]
+        outbox = self._outbox
+        while not self.closed:
+            if not outbox:
+                if not self._pending:
+                    break
+                priority.give_way()  # the sender is the control process: pickling 10,000s
+                self._encode()
+            data, fds = outbox[0]
             try:
-                socket.send_fds(self._sock, [data], fds)
+                if fds:
+                    socket.send_fds(self._sock, [data], fds)
+                else:
+                    self._sock.send(data)
             except BlockingIOError:
                 if not self._writing:
                     self._writing = True
@@ -291,16 +330,31 @@ class Channel:
             except OSError as exc:
                 self._lost(exc)
                 return
-            for _ in batch:
-                _, fd = self._pending.popleft()
-                if fd is not None:
-                    os.close(fd)  # the other end has its own copy now
+            outbox.popleft()
+            for fd in fds:
+                os.close(fd)  # the other end has its own copy now
         if self._writing:
             self._writing = False
             self._loop.remove_writer(self._sock.fileno())
 
     def _writable(self) -> None:
         self._flush()
+
+    def _encode(self) -> None:
+        """The next packet of pending messages (at most MESSAGES_PER_PACKET) into the outbox:
+        whole when it fits ``_packet_bytes``, else in parts."""
+        pending = self._pending
+        batch = [pending.popleft() for _ in range(min(MESSAGES_PER_PACKET, len(pending)))]
+        data = pickle.dumps([m for m, _ in batch], protocol=pickle.HIGHEST_PROTOCOL)
+        fds = [fd for _, fd in batch if fd is not None]
+        if len(data) <= self._packet_bytes:
+            self._outbox.append((data, fds))
+            return
+        step = self._packet_bytes - _PART_ENVELOPE
+        for start in range(0, len(data), step):
+            last = start + step >= len(data)
+            part = pickle.dumps(Part(data[start : start + step], last), pickle.HIGHEST_PROTOCOL)
+            self._outbox.append((part, fds if last else []))  # the sockets with the last part
 
     def _readable(self) -> None:
         if self._resume is None:  # else a pump is due, and it reads once the inbox is empty
@@ -350,23 +404,42 @@ class Channel:
                 self._on_applied(self.delivered)
 
     def _receive(self) -> bool:
-        """One packet into the inbox; False when there is none (or the channel is lost)."""
-        try:
-            data, fds, flags, _ = socket.recv_fds(self._sock, MAX_PACKET, 253)
-        except BlockingIOError:
-            return False
-        except OSError as exc:
-            self._lost(exc)
-            return False
-        if not data:
-            self._lost(None)
-            return False
-        if flags & socket.MSG_TRUNC:
-            for fd in fds:
-                socket.close(fd)
-            self._lost(OSError(errno.EMSGSIZE, "channel packet truncated"))
-            return False
-        messages = pickle.loads(data)
+        """One packet's messages into the inbox (a packet in parts once its last part is
+        in); False when there is none yet (or the channel is lost)."""
+        while True:
+            try:
+                data, fds, flags, _ = socket.recv_fds(self._sock, PACKET_BYTES, 253)
+            except BlockingIOError:
+                return False
+            except OSError as exc:
+                self._lost(exc)
+                return False
+            if not data:
+                self._lost(None)
+                return False
+            broken = None
+            if flags & socket.MSG_TRUNC:
+                broken = "channel packet truncated"
+            else:
+                packet = pickle.loads(data)
+                if isinstance(packet, Part):
+                    self._parts.append(packet.data)
+                    if not packet.last:
+                        if not fds:
+                            continue
+                        broken = "channel packet part with sockets"
+                    else:
+                        packet = pickle.loads(b"".join(self._parts))
+                        self._parts.clear()
+                elif self._parts:
+                    broken = "channel packet inside another one's parts"
+            if broken is not None:
+                for fd in fds:
+                    socket.close(fd)
+                self._lost(OSError(errno.EPROTO, broken))
+                return False
+            break
+        messages: list[Message] = packet
         if flags & socket.MSG_CTRUNC:
             # The kernel could not give us every socket (this process is at its open-file
             # limit) and closed the rest. The messages still hold: the listeners that came
