@@ -76,21 +76,22 @@ class _Pool:
 
     __slots__ = ("members", "order", "position")
 
-    def __init__(self, order: tuple[Endpoint, ...]) -> None:
+    def __init__(self, order: tuple[Endpoint, ...], members: frozenset[Endpoint]) -> None:
+        """``members``: the set of ``order``."""
         self.order = order
-        self.members: Collection[Endpoint] = (
-            order if len(order) <= _SCAN_MEMBERS else frozenset(order)
-        )
+        self.members: Collection[Endpoint] = order if len(order) <= _SCAN_MEMBERS else members
         self.position = 0
 
-    def holds_exactly(self, selected: Collection[Endpoint]) -> bool:
-        """Whether ``selected`` is this pool's set of endpoints (order aside)."""
+    def holds_exactly(self, selected: frozenset[Endpoint]) -> bool:
+        """Whether ``selected`` is this pool's set of endpoints."""
         if not self.order or not selected:  # a new balancer's first update, mostly
             return not self.order and not selected
-        return frozenset(selected) == frozenset(self.members)
+        return selected == self.members or selected == frozenset(self.members)
 
 
-_EMPTY = _Pool(())  # every balancer's pools until its first endpoint; never picked from
+_EMPTY = _Pool(
+    (), frozenset()
+)  # every balancer's pools until its first endpoint; never picked from
 
 
 class _Failing:
@@ -203,14 +204,16 @@ class Balancer:
         self._zone = zone
         node = self._settings.node_name
         cluster = categorize(eps, local_only=internal_local, node_name=node, zone=zone)
-        if not self._cluster.holds_exactly(cluster):
-            self._cluster = self._new_pool(cluster)
+        members = frozenset(cluster)
+        if not self._cluster.holds_exactly(members):
+            self._cluster = self._new_pool(cluster, members)
         if external_local == internal_local:
             self._external = self._cluster
         else:
             external = categorize(eps, local_only=external_local, node_name=node, zone=zone)
-            if self._external is self._cluster or not self._external.holds_exactly(external):
-                self._external = self._new_pool(external)
+            members = frozenset(external)
+            if self._external is self._cluster or not self._external.holds_exactly(members):
+                self._external = self._new_pool(external, members)
         # kube-proxy's health check counts the ready endpoints on this node by address
         # (LocalReadyEndpoints): one pod serving two ports is one endpoint.
         self._local_ips = frozenset(e.ip for e in eps if e.ready and e.node_name == node) or _NO_IPS
@@ -263,18 +266,19 @@ class Balancer:
             and zone == self._zone
         )
 
-    def _new_pool(self, selected: Collection[Endpoint]) -> _Pool:
+    def _new_pool(self, selected: Collection[Endpoint], members: frozenset[Endpoint]) -> _Pool:
+        """A pool of ``selected`` (``members``: their set) in an order of its own."""
         if not selected:
             return _EMPTY
         if len(selected) == 1:  # nothing to drop or shuffle (most service ports)
             shuffled = tuple(selected)
         else:
-            order = list(dict.fromkeys(selected))
+            order = list(selected if len(members) == len(selected) else dict.fromkeys(selected))
             self._rng.shuffle(order)
             shuffled = tuple(order)
         # When the shuffle leaves the endpoints as given (always, for one endpoint), the
         # pool shares the tuple ``_endpoints`` keeps rather than holding a copy.
-        return _Pool(self._endpoints if shuffled == self._endpoints else shuffled)
+        return _Pool(self._endpoints if shuffled == self._endpoints else shuffled, members)
 
     def pick(
         self, client_ip: str, traffic: Traffic, *, exclude: Collection[Endpoint] = ()
