@@ -17,15 +17,19 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from uproxy.dataplane.messages import (
     APPLY_SLICE_S,
     APPLY_SLICE_STARTING_S,
+    ENDPOINTS_PER_PACKET,
     MESSAGES_PER_PACKET,
+    PACKET_BYTES,
     Channel,
     Configure,
+    EndpointsAhead,
     Forget,
     Message,
     OpenListener,
@@ -424,8 +428,9 @@ async def _exchange(
 async def test_a_message_bigger_than_a_packet_goes_in_parts_and_arrives_whole() -> None:
     """One service port of 30,000 endpoints (1.3 MB, where a datagram must fit the sender's
     send buffer: 212,992 bytes by default) used to fail the send (EMSGSIZE): the channel was
-    lost, its worker exited, and each replacement met the same message. It goes in parts
-    now, between whole packets that keep their order and their sockets."""
+    lost, its worker exited, and each replacement met the same message. It goes in pieces of
+    endpoints now, each of them in parts under this small send buffer, between whole packets
+    that keep their order and their sockets; the receiver hands it over whole, once."""
     listening = socket.socket()
     listening.bind(("127.0.0.1", 0))
     listening.listen()
@@ -484,3 +489,39 @@ async def test_parts_out_of_order_lose_the_channel_and_close_their_sockets() -> 
             ours.close()
         assert receiver.closed and got == []
         assert len(os.listdir("/proc/self/fd")) <= before - 1, packets  # its end, no copy left
+
+
+async def test_a_big_service_ports_endpoints_go_a_bounded_number_to_a_packet() -> None:
+    """A worker decodes a packet whole, between two slices of its relays: no packet holds
+    more than ENDPOINTS_PER_PACKET endpoints (1.5 ms to decode), however many one service
+    port has. Read off the wire: pieces ahead, then the SetEndpoints with the last ones,
+    which put together are the endpoints sent, in order."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    theirs.setblocking(False)
+    sender = Channel(ours, on_message=lambda m, s: None, on_closed=lambda: None)
+    big = _big("big", 5 * ENDPOINTS_PER_PACKET + 123)
+    small = [_big(f"small{i}", 300) for i in range(4)]
+    for message in (small[0], big, *small[1:]):
+        sender.send(message)
+    packets: list[list[Any]] = []
+    deadline = time.monotonic() + 10
+    try:
+        while sum(len(p) for p in packets) < 5 + 5:  # 5 pieces ahead, 5 SetEndpoints
+            assert time.monotonic() < deadline, packets
+            await asyncio.sleep(0.01)
+            while True:
+                try:
+                    packets.append(pickle.loads(theirs.recv(PACKET_BYTES)))
+                except BlockingIOError:
+                    break
+    finally:
+        sender.close()
+        theirs.close()
+    sizes = [sum(len(m.endpoints) for m in p) for p in packets]
+    assert max(sizes) <= ENDPOINTS_PER_PACKET, sizes
+    flat = [m for p in packets for m in p]
+    assert flat[0] == small[0] and flat[-3:] == small[1:]
+    pieces = flat[1:-3]
+    assert [type(m) for m in pieces] == [EndpointsAhead] * 5 + [SetEndpoints]
+    assert tuple(e for m in pieces for e in m.endpoints) == big.endpoints
+    assert pieces[-1].port == big.port

@@ -2,7 +2,8 @@
 its endpoints reach every data-plane worker whole, and traffic flows through them.
 
 One service port's endpoints go to each worker as one message (about 43 bytes an endpoint on
-a node of its own), bigger than a datagram of the channel may be: 6,000 endpoints are 258 kB. The backend
+a node of its own): 6,000 endpoints are 258 kB, more than a datagram of the channel may hold
+(the channel sends them in pieces, ``uproxy.dataplane.messages``). The backend
 namespace answers for two whole /16s (local routes on its loopback, one server bound to the
 wildcard), so 6,000 endpoints are 6,000 addresses that answer, and each answer says which one
 the connection reached.
