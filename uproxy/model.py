@@ -140,7 +140,8 @@ class Endpoint:
 
     def __eq__(self, other: object) -> bool:
         # Field by field, the address first: the generated one built a tuple of all nine
-        # fields of each side (1 us), and a change among 20,000 endpoints compares 40,000.
+        # fields of each side, 256 ns for equal endpoints (206 here) and 181 when the
+        # addresses differ (94), and a change among 20,000 endpoints compares 40,000.
         if self is other:
             return True
         if not isinstance(other, Endpoint):

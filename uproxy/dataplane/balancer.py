@@ -89,9 +89,8 @@ class _Pool:
         return selected == self.members or selected == frozenset(self.members)
 
 
-_EMPTY = _Pool(
-    (), frozenset()
-)  # every balancer's pools until its first endpoint; never picked from
+# Every balancer's pools until its first endpoint; never picked from.
+_EMPTY = _Pool((), frozenset())
 
 
 class _Failing:
