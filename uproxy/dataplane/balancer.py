@@ -86,7 +86,8 @@ class _Pool:
         """Whether ``selected`` is this pool's set of endpoints."""
         if not self.order or not selected:  # a new balancer's first update, mostly
             return not self.order and not selected
-        return selected == self.members or selected == frozenset(self.members)
+        members = self.members  # a frozenset, or the order itself for a small pool
+        return selected == (members if isinstance(members, frozenset) else frozenset(members))
 
 
 # Every balancer's pools until its first endpoint; never picked from.
