@@ -47,6 +47,7 @@ from uproxy.dataplane.balancer import Balancer
 from uproxy.dataplane.counters import CounterFiles, SlotReader
 from uproxy.dataplane.messages import (
     Applied,
+    ChangeEndpoints,
     Channel,
     CloseListener,
     Configure,
@@ -55,6 +56,7 @@ from uproxy.dataplane.messages import (
     OpenListener,
     Ready,
     SetEndpoints,
+    endpoint_changes,
 )
 from uproxy.dataplane.settings import DataplaneSettings
 from uproxy.dataplane.sockets import bind_group, steer, steer_to_first, unsteer
@@ -401,8 +403,14 @@ class WorkerPool:
         if previous == message:
             return
         affinity = port.affinity_timeout_s is not None
-        self._endpoints[key] = message
-        self._broadcast(message)
+        self._endpoints[key] = message  # what a new worker is sent
+        changes = None
+        if previous is not None and previous.port == port and previous.zone == zone:
+            changes = endpoint_changes(previous.endpoints, endpoints)
+        if changes is None:
+            self._broadcast(message)
+        else:
+            self._broadcast(ChangeEndpoints(name, family, *changes))
         if previous is not None and (previous.port.affinity_timeout_s is not None) != affinity:
             self._restear(key, affinity)
 

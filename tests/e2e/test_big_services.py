@@ -12,6 +12,7 @@ the connection reached.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -29,13 +30,21 @@ PER_SLICE = 100  # the EndpointSlice controller's default
 NETS = "10.78.0.0/15"  # 10.78.0.0/16, then 10.79.0.0/16
 
 
-def big_slices(prefix: str) -> list[dict[str, object]]:
+def big_slices(
+    prefix: str, ready: Callable[[int], bool] = lambda i: True, skip: int = -1
+) -> list[dict[str, object]]:
     """ENDPOINTS endpoints in ``prefix``.0.0/16, each on a node of its own (a DaemonSet's),
     PER_SLICE to a slice (the same slice names whatever the prefix: a later call replaces
-    every endpoint)."""
+    every endpoint); the ``i``-th ready if ``ready(i)``, the ``skip``-th left out."""
     eps = [
-        slice_endpoint(f"{prefix}.{i // 250}.{i % 250 + 1}", node=f"node-{i:05d}")
+        slice_endpoint(
+            f"{prefix}.{i // 250}.{i % 250 + 1}",
+            node=f"node-{i:05d}",
+            ready=ready(i),
+            serving=ready(i),
+        )
         for i in range(ENDPOINTS)
+        if i != skip
     ]
     return [
         web_slice(f"big-{n}", "big", eps[n * PER_SLICE : (n + 1) * PER_SLICE])
@@ -70,14 +79,22 @@ def test_a_service_of_6000_endpoints_reaches_every_worker_whole_and_serves(
     assert len(reached) >= 6, reached
 
     # Every endpoint replaced at once: the next set is as big, and it is the one served.
+    # One of them is ready: every connection reaches it.
     total_before, _ = proxy.endpoint_changes()
-    services.put(*big_slices("10.79"))
+    services.put(*big_slices("10.79", ready=lambda i: i == 0))
     services.write()
     proxy.wait_endpoints_applied(total_before=total_before, timeout=60)
     answers = curl(topo, topo.pod, web, body=b"y" * 1000, tmp=tmp_path, count=12)
-    reached = {a.to for a in answers}
-    assert all(ip.startswith("10.79.") for ip in reached), reached
-    assert len(reached) >= 6, reached
+    assert {a.to for a in answers} == {"10.79.0.1"}
+
+    # A change of three endpoints among 6,000 goes to the workers as a change: the ready
+    # one turns not ready, another turns ready, a third goes. Traffic follows it.
+    total_before, _ = proxy.endpoint_changes()
+    services.put(*big_slices("10.79", ready=lambda i: i == 1, skip=2))
+    services.write()
+    proxy.wait_endpoints_applied(total_before=total_before, timeout=60)
+    answers = curl(topo, topo.pod, web, body=b"z" * 1000, tmp=tmp_path, count=12)
+    assert {a.to for a in answers} == {"10.79.0.2"}
 
     died = [line for line in proxy.proc.stderr_lines if "worker died" in line]
     assert not died, died

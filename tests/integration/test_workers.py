@@ -9,6 +9,7 @@ stop drains every listener at once.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
 import functools
 import hashlib
@@ -31,7 +32,7 @@ from tests.factories import endpoint, endpoint_slice, service
 from tests.integration.backends import NamedBackend, NamedDatagramEcho, greet, next_datagram
 from tests.integration.procs import children
 from uproxy.localnet import has_loopback6
-from uproxy.model import IPFamily, Protocol, ServicePortName
+from uproxy.model import Endpoint, IPFamily, Protocol, ServicePortName
 from uproxy.proxy import Proxy
 from uproxy.settings import Settings
 
@@ -1094,10 +1095,7 @@ async def test_pending_changes_count_what_the_workers_have_not_applied(
     worker has not applied yet counts until that worker says it has; then traffic follows it
     (what the e2e harness waits on before it sends traffic after a change). ``when_applied``
     calls back at that moment (the network programming latency is observed then)."""
-    path = tmp_path / "services.yaml"
-    services_file(path, backends[:1])
-    proxy = await start_proxy(path)
-    proxies.append(proxy)
+    proxy = await serving_web(tmp_path / "services.yaml", backends[:1], proxies)
     pool, server = proxy.workers, proxy.metrics_server
     assert pool is not None and server is not None
     await wait_for(lambda: pool.pending() == 0, timeout=5, message="the start applied")
@@ -1122,6 +1120,56 @@ async def test_pending_changes_count_what_the_workers_have_not_applied(
     assert {await greet("127.0.0.1", port) for _ in range(10)} == {"b2"}
 
 
+async def test_a_big_ports_changes_go_as_changes_and_a_replacement_gets_the_whole_set(
+    tmp_path: Path,
+    backends: list[NamedBackend],
+    proxies: list[Proxy],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A port of 200 endpoints (one of them ready) whose ready one moves: each worker is sent
+    the change alone, traffic follows it in both, and a worker started after it (a
+    replacement) is sent the whole set as it is now."""
+    from uproxy.dataplane.messages import ChangeEndpoints, SetEndpoints
+
+    proxy = await serving_web(tmp_path / "services.yaml", backends[:1], proxies)
+    pool = proxy.workers
+    assert pool is not None
+    port = proxy_port(proxy)
+    state = proxy.tracker.state(WEB)
+    assert state is not None
+    sent: list[type] = []
+    broadcast = pool._broadcast
+
+    def recording(message: Any) -> None:
+        sent.append(type(message))
+        broadcast(message)
+
+    monkeypatch.setattr(pool, "_broadcast", recording)
+    b1, b2 = endpoint_of(backends[0]), endpoint_of(backends[1])
+    idle = [Endpoint(f"127.0.1.{i}", 9, ready=False, serving=False) for i in range(198)]
+    pool.set_endpoints(WEB, IPFamily.V4, state.port, (b1, _unready(b2), *idle))
+    pool.set_endpoints(WEB, IPFamily.V4, state.port, (_unready(b1), b2, *idle))
+    assert sent == [SetEndpoints, ChangeEndpoints]
+    await wait_for(lambda: pool.pending() == 0, timeout=10, message="every worker applied")
+    names = await asyncio.gather(*(greet("127.0.0.1", port) for _ in range(16)))
+    assert set(names) == {"b2"}
+    for victim in list(pool.pids):
+        os.kill(victim, signal.SIGKILL)
+        gone = functools.partial(_replaced, proxy, victim)
+        await wait_for(gone, timeout=5, message="the worker replaced")
+    assert pool.restarts == 2
+    names = await asyncio.gather(*(greet("127.0.0.1", port) for _ in range(16)))
+    assert set(names) == {"b2"}
+
+
+def _replaced(proxy: Proxy, pid: int) -> bool:
+    return proxy.workers is not None and pid not in proxy.workers.pids and _all_ready(proxy)
+
+
+def _unready(ep: Any) -> Any:
+    return dataclasses.replace(ep, ready=False, serving=False)
+
+
 def endpoint_of(b: NamedBackend) -> Any:
     from uproxy.model import Endpoint
 
@@ -1135,9 +1183,7 @@ async def test_network_programming_latency_is_observed_once_the_workers_have_it(
     ``kubeproxy_network_programming_duration_seconds`` once, after the workers applied it:
     from then on traffic follows it."""
     path = tmp_path / "services.yaml"
-    services_file(path, backends[:1])
-    proxy = await start_proxy(path)
-    proxies.append(proxy)
+    proxy = await serving_web(path, backends[:1], proxies)
     server = proxy.metrics_server
     assert server is not None
     key = ("kubeproxy_network_programming_duration_seconds_count", ())

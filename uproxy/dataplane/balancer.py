@@ -5,11 +5,14 @@ The syncer owns one ``Balancer`` per service port and calls ``update`` with the 
 its merged endpoints on every sync; listeners call ``pick`` for each new connection or UDP
 flow. ``pick`` is on the connection-setup hot path, so the work happens in ``update``: the
 cluster and external endpoint sets are computed there once (kube-proxy's categorisation,
-``uproxy.model.categorize``), and ``pick`` is an index step or one dict lookup.
+``uproxy.model.categorize``), and ``pick`` is an index step or one dict lookup. A worker's
+balancer of many endpoints is also sent changes as changes (``change``: those that came or
+changed, the addresses of those gone), which it applies in place.
 
 Round-robin order is shuffled whenever an endpoint set changes, so that all proxies in a
 cluster do not start on the same endpoint after a rollout (the original userspace mode
-did the same). ClientIP affinity follows the userspace mode too: an affinity hit does not
+did the same); a change applied in place puts each endpoint that came at a random place
+instead, which keeps the order a uniform shuffle. ClientIP affinity follows the userspace mode too: an affinity hit does not
 advance the round-robin position, the entry's timer restarts on every use, and a failed
 dial forgets the client so the retry lands elsewhere.
 
@@ -65,20 +68,23 @@ _RANDOM = LbAlgorithm.RANDOM
 # before equality) is faster than hashing an Endpoint.
 _SCAN_MEMBERS = 8
 _NO_IPS: frozenset[str] = frozenset()  # shared: an empty frozenset is 216 bytes too
+_NO_ENDPOINTS: frozenset[Endpoint] = frozenset()
 
 
 class _Pool:
     """The endpoints one traffic class may use, in round-robin order.
 
     ``members`` is only for membership tests (``in``): the order itself for a small pool,
-    a frozenset beyond ``_SCAN_MEMBERS``.
+    a frozenset beyond ``_SCAN_MEMBERS``. A pool that follows changes of the endpoints in
+    place (``Balancer.change``, ``thawed``) has a list for its order and a dict of each
+    member's index in it.
     """
 
     __slots__ = ("members", "order", "position")
 
     def __init__(self, order: tuple[Endpoint, ...], members: frozenset[Endpoint]) -> None:
         """``members``: the set of ``order``."""
-        self.order = order
+        self.order: Sequence[Endpoint] = order
         self.members: Collection[Endpoint] = order if len(order) <= _SCAN_MEMBERS else members
         self.position = 0
 
@@ -86,12 +92,79 @@ class _Pool:
         """Whether ``selected`` is this pool's set of endpoints."""
         if not self.order or not selected:  # a new balancer's first update, mostly
             return not self.order and not selected
-        members = self.members  # a frozenset, or the order itself for a small pool
-        return selected == (members if isinstance(members, frozenset) else frozenset(members))
+        members = self.members  # a frozenset, a dict, or the order itself for a small pool
+        if isinstance(members, frozenset):
+            return selected == members
+        if isinstance(members, dict):
+            return selected == members.keys()
+        return selected == frozenset(members)
+
+    def thawed(self) -> _Pool:
+        """This pool as one that follows changes in place (``add``, ``discard``): itself if
+        it is one already, else a copy in the same order (linear, once)."""
+        if isinstance(self.members, dict):
+            return self
+        pool = _Pool((), _NO_ENDPOINTS)
+        order = list(self.order)
+        pool.order = order
+        pool.members = {ep: at for at, ep in enumerate(order)}
+        pool.position = self.position
+        return pool
+
+    def add(self, ep: Endpoint, rng: random.Random) -> None:
+        """Put ``ep`` (not a member) at a random place: the one there moves to the end, so an
+        order that was a uniform shuffle stays one (Fisher-Yates, "inside-out")."""
+        order, members = self.order, self.members
+        assert isinstance(order, list) and isinstance(members, dict)  # thawed
+        n = len(order)
+        at = rng.randrange(n + 1)
+        if at < n:
+            moved = order[at]
+            order.append(moved)
+            members[moved] = n
+            order[at] = ep
+        else:
+            order.append(ep)
+        members[ep] = at
+
+    def discard(self, ep: Endpoint) -> None:
+        """Take ``ep`` out if it is a member: the last one takes its place."""
+        order, members = self.order, self.members
+        assert isinstance(order, list) and isinstance(members, dict)  # thawed
+        at = members.pop(ep, None)
+        if at is None:
+            return
+        last = order.pop()
+        if at < len(order):
+            order[at] = last
+            members[last] = at
+        if self.position >= len(order):
+            self.position = 0
 
 
 # Every balancer's pools until its first endpoint; never picked from.
-_EMPTY = _Pool((), frozenset())
+_EMPTY = _Pool((), _NO_ENDPOINTS)
+
+
+class _Index:
+    """A balancer's endpoints by address, kept once they change as changes (``Balancer.change``):
+    all of them, those on this node, and how many carry topology hints."""
+
+    __slots__ = ("by_address", "hinted", "local")
+
+    def __init__(self, endpoints: Sequence[Endpoint], node: str) -> None:
+        # One pass: 2.4-3.9 ms at 20,000 endpoints, where three comprehensions took 5.6-6.3.
+        by_address: dict[tuple[str, int], Endpoint] = {}
+        local: dict[tuple[str, int], Endpoint] = {}
+        hinted = 0
+        for ep in endpoints:
+            address = (ep.ip, ep.port)
+            by_address[address] = ep
+            if ep.node_name == node:
+                local[address] = ep
+            if ep.zone_hints or ep.node_hints:
+                hinted += 1
+        self.by_address, self.local, self.hinted = by_address, local, hinted
 
 
 class _Failing:
@@ -128,6 +201,7 @@ class Balancer:
         "_external",
         "_external_local",
         "_failing",
+        "_index",
         "_internal_local",
         "_load",
         "_local_ips",
@@ -161,6 +235,7 @@ class Balancer:
         self._endpoints: tuple[Endpoint, ...] = ()
         self._cluster = self._external = _EMPTY
         self._local_ips = _NO_IPS
+        self._index: _Index | None = None  # built by the first ``change``, until an ``update``
         # client IP -> (endpoint, last use); ordered by last use, oldest first. None while
         # affinity is off: an empty OrderedDict is 128 bytes.
         self._affinity: OrderedDict[str, tuple[Endpoint, float]] | None = None
@@ -202,6 +277,7 @@ class Balancer:
         self._external_local = external_local
         self._endpoints = eps
         self._zone = zone
+        self._index = None
         node = self._settings.node_name
         cluster = categorize(eps, local_only=internal_local, node_name=node, zone=zone)
         members = frozenset(cluster)
@@ -226,17 +302,124 @@ class Balancer:
         elif self._affinity is None:
             self._affinity = OrderedDict()
         else:
-            in_cluster, in_external = self._cluster.members, self._external.members
-            table = self._affinity
-            stale = [
-                ip
-                for ip, (ep, _) in table.items()
-                if ep not in in_cluster and ep not in in_external
-            ]
-            for ip in stale:
-                del table[ip]
+            self._forget_stale_affinity(self._affinity)
         for watcher in self._watchers:
             watcher()
+
+    def change(self, added: Sequence[Endpoint], removed: Collection[tuple[str, int]]) -> None:
+        """Apply a change of the endpoints, sent as one: ``added`` are new, or replace the
+        endpoint at their address; ``removed`` are the addresses of those gone.
+
+        The effect is ``update``'s with the whole new set (the port and zone unchanged), the
+        round-robin order aside: the pools follow the change in place (an endpoint that came
+        takes a random place in the order, one that went leaves it), so its cost follows the
+        change rather than the number of endpoints. Computed whole as ``update`` does, still:
+        a cluster-wide pool while topology hints are in play or when its last ready endpoint
+        goes (the terminating fallback), and a Local pool from this node's endpoints alone.
+        """
+        node = self._settings.node_name
+        index = self._index
+        if index is None:
+            index = self._index = _Index(self._endpoints, node)
+        by_address, local = index.by_address, index.local
+        hinted_before = index.hinted
+        gone: list[Endpoint] = []
+        new: list[Endpoint] = []
+        for address in removed:
+            old = by_address.pop(address, None)
+            if old is not None:
+                gone.append(old)
+        for ep in added:
+            address = (ep.ip, ep.port)
+            old = by_address.get(address)
+            if old is not None:
+                if old == ep:
+                    continue
+                gone.append(old)
+            by_address[address] = ep
+            new.append(ep)
+        if not gone and not new:
+            return
+        touched_local = False
+        for ep in gone:
+            if ep.zone_hints or ep.node_hints:
+                index.hinted -= 1
+            if ep.node_name == node:
+                touched_local = True
+                local.pop((ep.ip, ep.port), None)
+        for ep in new:
+            if ep.zone_hints or ep.node_hints:
+                index.hinted += 1
+            if ep.node_name == node:
+                touched_local = True
+                local[(ep.ip, ep.port)] = ep
+        self._endpoints = tuple(by_address.values())
+        whole = bool(hinted_before or index.hinted)
+        cluster = self._follow(self._cluster, self._internal_local, gone, new, touched_local, whole)
+        if self._external_local == self._internal_local:
+            self._external = cluster
+        else:
+            self._external = self._follow(
+                self._external, self._external_local, gone, new, touched_local, whole
+            )
+        self._cluster = cluster
+        if touched_local:
+            self._local_ips = frozenset(ep.ip for ep in local.values() if ep.ready) or _NO_IPS
+        if self._failing is not None:
+            failing = self._failing
+            for ep in gone:
+                failing.pop(ep, None)
+            if not failing:
+                self._failing = None
+        if self._affinity and gone:
+            self._forget_stale_affinity(self._affinity)
+        for watcher in self._watchers:
+            watcher()
+
+    def _follow(
+        self,
+        pool: _Pool,
+        local_only: bool,
+        gone: list[Endpoint],
+        new: list[Endpoint],
+        touched_local: bool,
+        whole: bool,
+    ) -> _Pool:
+        """The pool of a traffic class after ``change`` (``pool`` itself, changed in place,
+        when it can follow)."""
+        node = self._settings.node_name
+        if local_only:
+            if not touched_local:
+                return pool
+            assert self._index is not None
+            mine = tuple(self._index.local.values())
+            selected = categorize(mine, local_only=True, node_name=node)
+        elif whole or not pool.order or not pool.order[0].ready:
+            # Hints, or no ready endpoint before (an empty pool, or the terminating fallback).
+            selected = categorize(
+                self._endpoints, local_only=False, node_name=node, zone=self._zone
+            )
+        else:
+            live = pool.thawed()
+            for ep in gone:
+                live.discard(ep)
+            for ep in new:
+                if ep.ready:
+                    live.add(ep, self._rng)
+            if live.order:
+                return live
+            selected = categorize(self._endpoints, local_only=False, node_name=node)
+        members = frozenset(selected)
+        return pool if pool.holds_exactly(members) else self._new_pool(selected, members)
+
+    def _forget_stale_affinity(self, table: OrderedDict[str, tuple[Endpoint, float]]) -> None:
+        """Drop the clients whose endpoint neither pool holds any more."""
+        in_cluster, in_external = self._cluster.members, self._external.members
+        stale = [
+            ip for ip, (ep, _) in table.items() if ep not in in_cluster and ep not in in_external
+        ]
+        for ip in stale:
+            del table[ip]
 
     def watch(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` after each update that changed the endpoints or their choice."""
@@ -467,7 +650,7 @@ class Balancer:
             extra=kv(service=str(self.name), endpoint=str(endpoint), for_s=out_s),
         )
 
-    def endpoints(self, traffic: Traffic) -> tuple[Endpoint, ...]:
+    def endpoints(self, traffic: Traffic) -> Sequence[Endpoint]:
         """The usable endpoints for this traffic class, in round-robin order."""
         return (self._external if traffic is _EXTERNAL else self._cluster).order
 

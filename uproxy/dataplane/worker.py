@@ -41,6 +41,7 @@ from uproxy.dataplane.messages import (
     APPLY_SLICE_STARTING_S,
     RETIRE_IDLE_S,
     Applied,
+    ChangeEndpoints,
     Channel,
     CloseListener,
     Configure,
@@ -202,6 +203,8 @@ class Worker:
         # checks ran up to six per message (40,000 messages in a 10,000-port swap).
         if type(message) is SetEndpoints:
             self._set_endpoints(message)
+        elif type(message) is ChangeEndpoints:
+            self._change_endpoints(message)
         elif type(message) is OpenListener:
             if sock is not None:
                 self._open(message, sock)
@@ -242,6 +245,14 @@ class Worker:
         if balancer is None:
             balancer = self.balancers[key] = Balancer(message.name, settings=settings)
         balancer.update(message.port, message.endpoints, message.zone)
+
+    def _change_endpoints(self, message: ChangeEndpoints) -> None:
+        key = (message.name, message.family)
+        balancer = self.balancers.get(key)
+        if balancer is None:  # never: a change follows its balancer's SetEndpoints
+            settings = self._configured().settings
+            balancer = self.balancers[key] = Balancer(message.name, settings=settings)
+        balancer.change(message.added, message.removed)
 
     def _open(self, message: OpenListener, sock: socket.socket) -> None:
         config = self._configured()

@@ -1,0 +1,254 @@
+"""A big balancer's endpoints sent as changes (``ChangeEndpoints``, ``Balancer.change``): the
+same choice as the whole set gives, whatever the policies, hints and readiness."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections import Counter
+
+import pytest
+
+from tests.dataplane.test_balancer import FakeClock
+from uproxy.dataplane.balancer import Balancer
+from uproxy.dataplane.messages import CHANGES_FROM, ENDPOINTS_PER_PACKET, endpoint_changes
+from uproxy.dataplane.settings import DataplaneSettings
+from uproxy.model import Endpoint, LbAlgorithm, Protocol, ServicePort, ServicePortName, Traffic
+
+NAME = ServicePortName("ns", "big", "p", Protocol.TCP)
+NODE = "node-0"
+SETTINGS = DataplaneSettings(node_name=NODE, eject_after=1)
+
+
+def endpoint(rng: random.Random, i: int, *, hints: bool) -> Endpoint:
+    ready = rng.random() < 0.8
+    return Endpoint(
+        f"10.{i >> 8 & 255}.{i & 255}.1",
+        8080,
+        node_name=f"node-{rng.randrange(6)}",
+        ready=ready,
+        serving=ready or rng.random() < 0.5,
+        terminating=not ready and rng.random() < 0.7,
+        zone_hints=(f"z{rng.randrange(2)}",) if hints else (),
+    )
+
+
+def mutated(rng: random.Random, eps: list[Endpoint], fresh: int, hints: bool) -> list[Endpoint]:
+    """A few endpoints go, come, turn (not) ready or move to another node."""
+    out = list(eps)
+    for _ in range(rng.randrange(1, 6)):
+        roll = rng.random()
+        if roll < 0.3 and out:
+            out.pop(rng.randrange(len(out)))
+        elif roll < 0.6:
+            out.append(endpoint(rng, fresh + rng.randrange(1 << 15), hints=hints))
+        elif out:
+            at = rng.randrange(len(out))
+            if roll < 0.7:
+                ready = not out[at].ready
+                out[at] = dataclasses.replace(out[at], ready=ready, serving=ready)
+            elif roll < 0.8 and hints:
+                # One endpoint without a hint turns them off for the whole port, until it
+                # has one again (or goes).
+                unhinted = next((ep for ep in out if not ep.zone_hints), None)
+                if unhinted is None:
+                    out[at] = dataclasses.replace(out[at], zone_hints=())
+                else:
+                    out[out.index(unhinted)] = dataclasses.replace(unhinted, zone_hints=("z0",))
+            else:
+                out[at] = dataclasses.replace(out[at], node_name=f"node-{rng.randrange(6)}")
+    unique = {(ep.ip, ep.port): ep for ep in out}  # as the tracker merges them
+    return sorted(unique.values())
+
+
+def state(b: Balancer) -> tuple[object, ...]:
+    """What a balancer chooses from: each class's endpoints, the local IPs, the failures."""
+    cluster, external = b.endpoints(Traffic.CLUSTER), b.endpoints(Traffic.EXTERNAL)
+    assert len(set(cluster)) == len(cluster) and len(set(external)) == len(external)
+    failing = b._failing or {}
+    return (set(cluster), set(external), b.local_ready_ips, set(failing))
+
+
+def consistent(b: Balancer) -> None:
+    """Each pool's order, index and position agree; a round of picks (when nothing else
+    steers them) visits each endpoint of the pool once."""
+    for traffic, pool in ((Traffic.CLUSTER, b._cluster), (Traffic.EXTERNAL, b._external)):
+        order = pool.order
+        assert 0 <= pool.position < max(len(order), 1)
+        if isinstance(pool.members, dict):
+            assert pool.members == {ep: at for at, ep in enumerate(order)}
+        else:
+            assert set(pool.members) == set(order)
+        if order and not b.affinity and b._failing is None:
+            got = Counter(b.pick("9.9.9.9", traffic) for _ in range(len(order)))
+            assert got == dict.fromkeys(order, 1)
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_changes_applied_in_place_choose_as_the_whole_set_does(seed: int) -> None:
+    """Random walks of changes over 80-300 endpoints, with every combination of traffic
+    policies and zone, hints on some walks: after each step the balancer fed changes holds
+    the same endpoints for each traffic class, local IPs and failures as one fed the whole
+    set, and a round of picks visits each of its endpoints once."""
+    rng = random.Random(seed)
+    hints = seed % 4 == 3
+    port = ServicePort(
+        name=NAME,
+        port=80,
+        internal_policy_local=seed % 3 == 1,
+        external_policy_local=seed % 2 == 1,
+        affinity_timeout_s=60 if seed % 5 == 0 else None,
+    )
+    zone = "z0" if seed % 6 < 3 or hints else None
+    eps = sorted(
+        {
+            e.address: e for e in (endpoint(rng, i, hints=hints) for i in range(80 + seed * 9))
+        }.values()
+    )
+    whole = Balancer(NAME, settings=SETTINGS, rng=random.Random(1))
+    changed = Balancer(NAME, settings=SETTINGS, rng=random.Random(2))
+    whole.update(port, eps, zone)
+    changed.update(port, eps, zone)
+    sent = 0
+    for step in range(60):
+        client = f"10.9.9.{step}"
+        ep = whole.pick(client, Traffic.CLUSTER)
+        if ep is not None and step % 3 == 0:  # a failure to forget when its endpoint goes
+            whole.dial_failed(client, ep)
+            changed.dial_failed(client, ep)
+        changed.pick(client, Traffic.EXTERNAL)  # an affinity entry to drop when it goes
+        new = mutated(rng, eps, 1 << 16, hints)
+        changes = endpoint_changes(tuple(eps), tuple(new))
+        whole.update(port, new, zone)
+        if changes is None:
+            changed.update(port, new, zone)
+        else:
+            sent += 1
+            changed.change(*changes)
+        eps = new
+        assert state(changed) == state(whole), step
+        consistent(changed)
+        if port.affinity_timeout_s is not None:
+            live = set(changed.endpoints(Traffic.CLUSTER)) | set(
+                changed.endpoints(Traffic.EXTERNAL)
+            )
+            assert all(ep in live for ep, _ in (changed._affinity or {}).values())
+    assert sent >= 50  # the walks are made of changes, not of whole sets
+
+
+def big(n: int, start: int = 0) -> list[Endpoint]:
+    return [
+        Endpoint(f"10.1.{i >> 8 & 255}.{i & 255}", 80, node_name=f"n{i}")
+        for i in range(start, start + n)
+    ]
+
+
+def test_a_change_is_what_came_changed_and_the_addresses_that_went() -> None:
+    old = big(100)
+    new = old[1:] + big(2, 500)
+    new[5] = dataclasses.replace(new[5], ready=False)
+    changes = endpoint_changes(tuple(old), tuple(new))
+    assert changes is not None
+    added, removed = changes
+    assert set(added) == {new[5], *big(2, 500)}
+    assert removed == (old[0].address,)
+    assert endpoint_changes(tuple(old), tuple(old)) == ((), ())
+
+
+def test_small_balancers_big_changes_and_doubled_addresses_go_whole() -> None:
+    small = big(CHANGES_FROM - 1)
+    assert endpoint_changes(tuple(small), tuple(small[1:])) is None
+    many = big(400)
+    assert endpoint_changes(tuple(many), tuple(many[:300])) is not None  # a quarter
+    assert endpoint_changes(tuple(many), tuple(many[:299])) is None
+    assert endpoint_changes(tuple(many), tuple(many[:300] + big(1, 900))) is None
+    assert endpoint_changes(tuple(many), tuple(many[100:] + big(100, 900))) is None
+    doubled = [*many[:399], dataclasses.replace(many[0], node_name="elsewhere")]
+    assert endpoint_changes(tuple(many), tuple(doubled)) is None
+    huge = big(8000)
+    assert endpoint_changes(tuple(huge), tuple(huge[:-ENDPOINTS_PER_PACKET])) is not None
+    assert endpoint_changes(tuple(huge), tuple(huge[: -ENDPOINTS_PER_PACKET - 1])) is None
+
+
+def test_a_change_keeps_the_round_robin_order_of_the_endpoints_that_stay() -> None:
+    """Connections keep going round the pool: the endpoints that stayed keep their order
+    (one that came takes a random place, the one it displaced goes to the end), and a
+    position past the end after a removal starts the round again."""
+    b = Balancer(NAME, settings=SETTINGS, rng=random.Random(3))
+    port = ServicePort(name=NAME, port=80)
+    eps = big(200)
+    b.update(port, eps)
+    before = list(b.endpoints(Traffic.CLUSTER))
+    b.change(big(1, 900), (eps[7].address,))
+    after = list(b.endpoints(Traffic.CLUSTER))
+    assert set(after) == (set(eps) - {eps[7]}) | set(big(1, 900))
+    # Two of those that stayed changed places at most: the last one took the removed one's
+    # place, and the one the new endpoint displaced went to the end.
+    moved = [ep for at, ep in enumerate(before) if ep != eps[7] and after[at] != ep]
+    assert len(moved) <= 2 and after[-1] in before
+    for _ in range(len(after) - 1):
+        b.pick("c", Traffic.CLUSTER)
+    last = b.endpoints(Traffic.CLUSTER)[-1]
+    b.change((), (last.address,))  # the position was on the last one, which went
+    assert b.pick("c", Traffic.CLUSTER) == b.endpoints(Traffic.CLUSTER)[0]
+
+
+def test_a_change_that_takes_the_last_ready_endpoint_falls_back_to_the_terminating() -> None:
+    b = Balancer(NAME, settings=SETTINGS, rng=random.Random(4))
+    port = ServicePort(name=NAME, port=80)
+    draining = [
+        dataclasses.replace(ep, ready=False, serving=True, terminating=True) for ep in big(100)
+    ]
+    ready = big(1, 900)[0]
+    b.update(port, [*draining, ready])
+    assert b.endpoints(Traffic.CLUSTER) == [ready] or b.endpoints(Traffic.CLUSTER) == (ready,)
+    b.change((), (ready.address,))
+    assert set(b.endpoints(Traffic.CLUSTER)) == set(draining)
+    b.change((ready,), ())
+    assert list(b.endpoints(Traffic.CLUSTER)) == [ready]
+
+
+def test_a_change_updates_the_local_endpoints_and_the_local_policy() -> None:
+    """kube-proxy's health check counts this node's ready endpoints: a change of them (or
+    of an endpoint moving here) shows at once; a Local pool holds only those."""
+    b = Balancer(NAME, settings=SETTINGS, rng=random.Random(5))
+    port = ServicePort(name=NAME, port=80, internal_policy_local=True)
+    eps = big(100)
+    b.update(port, eps)
+    assert b.local_ready_ips == frozenset() and not b.endpoints(Traffic.CLUSTER)
+    here = dataclasses.replace(eps[3], node_name=NODE)
+    b.change((here,), ())
+    assert b.local_ready_ips == {here.ip}
+    assert list(b.endpoints(Traffic.CLUSTER)) == [here]
+    b.change((dataclasses.replace(here, ready=False, serving=False),), ())
+    assert b.local_ready_ips == frozenset() and not b.endpoints(Traffic.CLUSTER)
+
+
+def test_a_change_calls_the_watchers_only_when_something_changed() -> None:
+    b = Balancer(NAME, settings=SETTINGS, rng=random.Random(6))
+    calls: list[int] = []
+    b.watch(lambda: calls.append(1))
+    eps = big(100)
+    b.update(ServicePort(name=NAME, port=80), eps)
+    assert calls == [1]
+    b.change((eps[0],), ("10.99.99.99", 80))  # type: ignore[arg-type]
+    b.change((eps[0],), (("10.99.99.99", 80),))  # nothing new, nothing there to remove
+    assert calls == [1]
+    b.change((), (eps[0].address,))
+    assert calls == [1, 1]
+
+
+def test_a_change_forgets_the_affinity_and_the_failures_of_the_endpoints_gone() -> None:
+    clock = FakeClock()
+    settings = dataclasses.replace(SETTINGS, default_algorithm=LbAlgorithm.ROUND_ROBIN)
+    b = Balancer(NAME, settings=settings, clock=clock, rng=random.Random(7))
+    b.update(ServicePort(name=NAME, port=80, affinity_timeout_s=60), big(100))
+    pinned = b.pick("1.1.1.1", Traffic.CLUSTER)
+    other = b.pick("2.2.2.2", Traffic.CLUSTER)
+    assert pinned is not None and other is not None and pinned != other
+    b.dial_failed("3.3.3.3", other)  # out for a second
+    assert b._failing is not None and other in b._failing
+    b.change((), (pinned.address, other.address))
+    assert b.affinity_entries == 0
+    assert not b._failing
+    assert b.pick("1.1.1.1", Traffic.CLUSTER) not in (pinned, other, None)
