@@ -1,0 +1,239 @@
+"""Keep-alive round trips through uproxy while a service port with many endpoints changes.
+
+A DaemonSet's service on a big cluster has an endpoint per node, thousands of them, and they
+change a few at a time (a node drained, a pod restarted). Each change reaches every data-plane
+worker, whose relays wait while it applies it: this measures what a relayed connection sees.
+
+``python -m bench.big_service`` (no root needed; about a minute): for each endpoint count, a
+uproxy of this tree (``--services FILE --rules none --workers 1``, pinned to the second CPU)
+with two services: ``target``, whose one endpoint is an echo server on 127.0.0.1, and ``big``,
+with N endpoints (on loopback addresses nobody dials). One client connection sends 64 bytes to
+``target`` every millisecond and times each echo; meanwhile, once a second, one endpoint of
+``big`` is replaced (the services file, generated beforehand, is swapped in). The client and
+the echo server run on the first CPU. The first count (100 endpoints) is the baseline: a
+change of it costs a worker next to nothing, so its tail is that of the file reloads alone
+(the control process parses the whole file each time, on the worker's CPU, below it).
+
+Laptop mode, not the deployed path: what is measured is the worker's loop, which is the same
+behind the portal rules. Figures: p50 / p99 / p99.9 / max of the round trips, how many took
+over 2 and 5 ms, and each count's p99.9 as a ratio of the baseline's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ECHO_PORT = 18999
+TARGET_PORT = 18080  # laptop mode: the proxy port is the service port on 127.0.0.1
+BIG_PORT = 18081
+PER_SLICE = 100
+MESSAGE = b"y" * 64
+INTERVAL_S = 0.001
+CHANGE_EVERY_S = 1.0
+READY_TIMEOUT_S = 90.0
+ECHO = f"""
+import asyncio, uvloop
+class Echo(asyncio.Protocol):
+    def connection_made(self, transport): self.transport = transport
+    def data_received(self, data): self.transport.write(data)
+async def main():
+    await asyncio.get_running_loop().create_server(Echo, "127.0.0.1", {ECHO_PORT})
+    await asyncio.Event().wait()
+uvloop.run(main())
+"""
+
+
+def _service(name: str, ip: str, port: int, target: int) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "namespace": "bench"},
+        "spec": {
+            "type": "ClusterIP",
+            "clusterIP": ip,
+            "ports": [{"name": "p", "port": port, "protocol": "TCP", "targetPort": target}],
+        },
+    }
+
+
+def _slice(name: str, index: int, addresses: list[str], port: int) -> dict[str, Any]:
+    return {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": f"{name}-{index}",
+            "namespace": "bench",
+            "labels": {"kubernetes.io/service-name": name},
+        },
+        "addressType": "IPv4",
+        "ports": [{"name": "p", "port": port, "protocol": "TCP"}],
+        "endpoints": [
+            {"addresses": [a], "conditions": {"ready": True}, "nodeName": f"node-{a}"}
+            for a in addresses
+        ],
+    }
+
+
+def services_file(path: Path, endpoints: int, generation: int) -> None:
+    """``target`` and ``big``; generation g replaces big's endpoint g by a new address."""
+    addresses = [f"127.2.{i // 250}.{i % 250 + 1}" for i in range(endpoints)]
+    if generation:
+        addresses[generation % endpoints] = f"127.3.{generation // 250}.{generation % 250 + 1}"
+    docs = [
+        _service("target", "10.96.0.1", TARGET_PORT, ECHO_PORT),
+        _slice("target", 0, ["127.0.0.1"], ECHO_PORT),
+        _service("big", "10.96.0.2", BIG_PORT, 9),
+    ]
+    for start in range(0, endpoints, PER_SLICE):
+        docs.append(_slice("big", start // PER_SLICE, addresses[start : start + PER_SLICE], 9))
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(yaml.dump_all(docs, Dumper=getattr(yaml, "CSafeDumper", yaml.SafeDumper)))
+    os.replace(tmp, path)
+
+
+def _connect(proxy: subprocess.Popen[bytes], log: Path) -> socket.socket:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while True:
+        try:
+            conn = socket.create_connection(("127.0.0.1", TARGET_PORT), timeout=2)
+            conn.sendall(MESSAGE)
+            got = b""
+            while len(got) < len(MESSAGE):
+                got += conn.recv(len(MESSAGE))
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return conn
+        except OSError:
+            if proxy.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"uproxy did not serve: {log.read_text()[-2000:]}") from None
+            time.sleep(0.2)
+
+
+def measure(endpoints: int, seconds: float, workdir: Path) -> dict[str, float]:
+    """One run: round trips for ``seconds`` while ``big`` changes once a second."""
+    live = workdir / "services.yaml"
+    services_file(live, endpoints, 0)
+    changes = int(seconds / CHANGE_EVERY_S)
+    for g in range(1, changes + 1):
+        services_file(workdir / f"gen-{g}.yaml", endpoints, g)
+    log = workdir / "uproxy.log"
+    argv = [sys.executable, "-m", "uproxy.cli", "--services", str(live), "--rules", "none"]
+    argv += ["--workers", "1", "--event-loop", "uvloop"]
+    argv += ["--healthz-bind-address", "", "--metrics-bind-address", ""]
+    echo = subprocess.Popen(["taskset", "-c", "0", sys.executable, "-c", ECHO])
+    with log.open("w") as err:
+        proxy = subprocess.Popen(
+            ["taskset", "-c", "1", *argv], stdout=subprocess.DEVNULL, stderr=err
+        )
+    try:
+        conn = _connect(proxy, log)
+        time.sleep(2.0)  # settled: the start's work is over
+        stop = threading.Event()
+        swapped: list[int] = []
+
+        def churn() -> None:
+            while len(swapped) < changes and not stop.wait(CHANGE_EVERY_S):
+                g = len(swapped) + 1
+                os.replace(workdir / f"gen-{g}.yaml", live)
+                swapped.append(g)
+
+        took: list[float] = []
+        mover = threading.Thread(target=churn)
+        end = time.monotonic() + seconds
+        due = time.monotonic()
+        mover.start()
+        try:
+            while (now := time.monotonic()) < end:
+                if now < due:
+                    time.sleep(due - now)
+                due += INTERVAL_S
+                started = time.perf_counter()
+                conn.sendall(MESSAGE)
+                got = 0
+                while got < len(MESSAGE):
+                    chunk = conn.recv(len(MESSAGE))
+                    if not chunk:
+                        raise RuntimeError("the connection closed")
+                    got += len(chunk)
+                took.append(time.perf_counter() - started)
+        finally:
+            stop.set()
+            mover.join()
+            conn.close()
+    finally:
+        for proc in (proxy, echo):
+            proc.terminate()
+            proc.wait(30)
+    took.sort()
+
+    def q(p: float) -> float:
+        return 1e3 * took[min(len(took) - 1, int(p * len(took)))]
+
+    return {
+        "endpoints": endpoints,
+        "requests": len(took),
+        "changes": len(swapped),
+        "p50_ms": q(0.5),
+        "p99_ms": q(0.99),
+        "p999_ms": q(0.999),
+        "max_ms": 1e3 * took[-1],
+        "over_2ms": sum(t > 0.002 for t in took),
+        "over_5ms": sum(t > 0.005 for t in took),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--endpoints", default="100,5000,20000", help="counts, baseline first")
+    parser.add_argument("--seconds", type=float, default=15.0)
+    parser.add_argument("--runs", type=int, default=2, help="runs per count, interleaved")
+    parser.add_argument("--json", type=Path, help="write the figures here too")
+    args = parser.parse_args(argv)
+    if os.cpu_count() is None or (os.cpu_count() or 0) < 2:
+        print("needs 2 CPUs", file=sys.stderr)
+        return 2
+    counts = [int(c) for c in args.endpoints.split(",")]
+    os.sched_setaffinity(0, {0})
+    results: list[dict[str, float]] = []
+    for run in range(args.runs):
+        for n in counts:
+            with tempfile.TemporaryDirectory(prefix="uproxy-big-") as tmp:
+                figures = measure(n, args.seconds, Path(tmp))
+            figures["run"] = run + 1
+            results.append(figures)
+            print(
+                f"run {run + 1}, {n:,} endpoints: p50 {figures['p50_ms']:.3f} p99 "
+                f"{figures['p99_ms']:.3f} p99.9 {figures['p999_ms']:.3f} max "
+                f"{figures['max_ms']:.1f} ms; {figures['over_2ms']:.0f} over 2 ms, "
+                f"{figures['over_5ms']:.0f} over 5 ms ({figures['changes']:.0f} changes)",
+                flush=True,
+            )
+    base = sorted(r["p999_ms"] for r in results if r["endpoints"] == counts[0])
+    base_p999 = base[(len(base) - 1) // 2]
+    print("\n| endpoints | p99 ms | p99.9 ms | max ms | over 2 ms | p99.9 vs baseline |")
+    print("|---|---|---|---|---|---|")
+    for n in counts:
+        rows = [r for r in results if r["endpoints"] == n]
+        mid = sorted(rows, key=lambda r: r["p999_ms"])[(len(rows) - 1) // 2]
+        print(
+            f"| {n:,} | {mid['p99_ms']:.3f} | {mid['p999_ms']:.3f} | {mid['max_ms']:.1f} | "
+            f"{mid['over_2ms']:.0f} | {mid['p999_ms'] / base_p999:.2f}x |"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
