@@ -131,12 +131,14 @@ def measure(endpoints: int, seconds: float, workdir: Path) -> dict[str, float]:
     argv = [sys.executable, "-m", "uproxy.cli", "--services", str(live), "--rules", "none"]
     argv += ["--workers", "1", "--event-loop", "uvloop"]
     argv += ["--healthz-bind-address", "", "--metrics-bind-address", ""]
-    echo = subprocess.Popen(["taskset", "-c", "0", sys.executable, "-c", ECHO])
-    with log.open("w") as err:
-        proxy = subprocess.Popen(
-            ["taskset", "-c", "1", *argv], stdout=subprocess.DEVNULL, stderr=err
-        )
+    started: list[subprocess.Popen[bytes]] = []
     try:
+        started.append(subprocess.Popen(["taskset", "-c", "0", sys.executable, "-c", ECHO]))
+        with log.open("w") as err:
+            proxy = subprocess.Popen(
+                ["taskset", "-c", "1", *argv], stdout=subprocess.DEVNULL, stderr=err
+            )
+        started.append(proxy)
         conn = _connect(proxy, log)
         time.sleep(2.0)  # settled: the start's work is over
         stop = threading.Event()
@@ -158,7 +160,7 @@ def measure(endpoints: int, seconds: float, workdir: Path) -> dict[str, float]:
                 if now < due:
                     time.sleep(due - now)
                 due += INTERVAL_S
-                started = time.perf_counter()
+                sent_at = time.perf_counter()
                 conn.sendall(MESSAGE)
                 got = 0
                 while got < len(MESSAGE):
@@ -166,13 +168,13 @@ def measure(endpoints: int, seconds: float, workdir: Path) -> dict[str, float]:
                     if not chunk:
                         raise RuntimeError("the connection closed")
                     got += len(chunk)
-                took.append(time.perf_counter() - started)
+                took.append(time.perf_counter() - sent_at)
         finally:
             stop.set()
             mover.join()
             conn.close()
     finally:
-        for proc in (proxy, echo):
+        for proc in reversed(started):
             proc.terminate()
             proc.wait(30)
     took.sort()
