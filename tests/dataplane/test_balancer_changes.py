@@ -128,6 +128,10 @@ def test_changes_applied_in_place_choose_as_the_whole_set_does(seed: int) -> Non
         eps = new
         assert state(changed) == state(whole), step
         consistent(changed)
+        everywhere = {ep.address for ep in eps} | {("10.255.0.1", 8080)}
+        for traffic in Traffic:
+            served = {ep.address for ep in whole.endpoints(traffic)}
+            assert {a for a in everywhere if a in changed.addresses(traffic)} == served
         if port.affinity_timeout_s is not None:
             live = set(changed.endpoints(Traffic.CLUSTER)) | set(
                 changed.endpoints(Traffic.EXTERNAL)

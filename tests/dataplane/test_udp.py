@@ -319,17 +319,20 @@ async def test_a_flow_out_of_fds_drops_counts_logs_once_and_recovers(
             c.close()
 
 
+@pytest.mark.parametrize("sent", ["whole", "as a change"])
 async def test_flows_to_endpoints_that_stay_persist_and_those_to_removed_ones_move(
-    udp_backends: UdpBackendFactory, udp_listener: UdpListenerFactory
+    udp_backends: UdpBackendFactory, udp_listener: UdpListenerFactory, sent: str
 ) -> None:
     # kube-proxy deletes the conntrack entries of removed UDP endpoints: a client that keeps
-    # sending moves to a current endpoint instead of staying on a gone pod.
+    # sending moves to a current endpoint instead of staying on a gone pod. The same when
+    # the endpoints of a big port come as a change (``Balancer.change``): 100 more, not ready.
     (a, _), (b, _), (n, _) = (
         await udp_backends("a"),
         await udp_backends("b"),
         await udp_backends("n"),
     )
-    balancer = make_balancer(UDP_NAME, [a, b], settings=DataplaneSettings(udp_timeout_s=5))
+    idle = [Endpoint(f"127.0.9.{i}", 9, ready=False, serving=False) for i in range(100)]
+    balancer = make_balancer(UDP_NAME, [a, b, *idle], settings=DataplaneSettings(udp_timeout_s=5))
     listener = await udp_listener(balancer)
     to = ("127.0.0.1", listener.port)
     with client_socket() as c1, client_socket() as c2:
@@ -337,7 +340,10 @@ async def test_flows_to_endpoints_that_stay_persist_and_those_to_removed_ones_mo
         assert first == {b"a", b"b"}  # round robin: one client on each
         on_b = c1 if (await exchange(c1, b"y", to))[:1] == b"b" else c2
         on_a = c2 if on_b is c1 else c1
-        balancer.update(ServicePort(name=UDP_NAME, port=53), [b, n])  # a goes, n comes
+        if sent == "whole":  # a goes, n comes
+            balancer.update(ServicePort(name=UDP_NAME, port=53), [b, n, *idle])
+        else:
+            balancer.change([n], [a.address])
         assert listener.active == 1  # a's flow went with it
         for i in range(3):
             assert (await exchange(on_b, b"z%d" % i, to))[:1] == b"b"  # still its flow

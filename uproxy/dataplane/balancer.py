@@ -12,9 +12,9 @@ changed, the addresses of those gone), which it applies in place.
 Round-robin order is shuffled whenever an endpoint set changes, so that all proxies in a
 cluster do not start on the same endpoint after a rollout (the original userspace mode
 did the same); a change applied in place puts each endpoint that came at a random place
-instead, which keeps the order a uniform shuffle. ClientIP affinity follows the userspace mode too: an affinity hit does not
-advance the round-robin position, the entry's timer restarts on every use, and a failed
-dial forgets the client so the retry lands elsewhere.
+instead, which keeps the order a uniform shuffle. ClientIP affinity follows the userspace
+mode too: an affinity hit does not advance the round-robin position, the entry's timer
+restarts on every use, and a failed dial forgets the client so the retry lands elsewhere.
 
 An endpoint whose dials keep failing is left out of the choice for a while (passive
 ejection, ``DataplaneSettings.eject_after``): after that many failures in a row, for one
@@ -44,7 +44,7 @@ import logging
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Container, Sequence
 
 from uproxy.dataplane import series
 from uproxy.dataplane.settings import DataplaneSettings
@@ -165,6 +165,22 @@ class _Index:
             if ep.zone_hints or ep.node_hints:
                 hinted += 1
         self.by_address, self.local, self.hinted = by_address, local, hinted
+
+
+class _PoolAddresses:
+    """Whether a pool holds the endpoint at an address, through the balancer's index."""
+
+    __slots__ = ("_by_address", "_members")
+
+    def __init__(
+        self, by_address: dict[tuple[str, int], Endpoint], members: dict[Endpoint, int]
+    ) -> None:
+        self._by_address = by_address
+        self._members = members
+
+    def __contains__(self, address: object) -> bool:
+        ep = self._by_address.get(address)  # type: ignore[call-overload]
+        return ep is not None and ep in self._members
 
 
 class _Failing:
@@ -649,6 +665,15 @@ class Balancer:
             "Endpoint left out after failed dials",
             extra=kv(service=str(self.name), endpoint=str(endpoint), for_s=out_s),
         )
+
+    def addresses(self, traffic: Traffic) -> Container[tuple[str, int]]:
+        """The addresses of the endpoints this traffic class may use, for ``in`` tests: a
+        view of the balancer's index once its changes come as changes (each test a lookup),
+        else a set built here, linear in the endpoints."""
+        pool = self._external if traffic is _EXTERNAL else self._cluster
+        if self._index is not None and isinstance(pool.members, dict):
+            return _PoolAddresses(self._index.by_address, pool.members)
+        return {(ep.ip, ep.port) for ep in pool.order}
 
     def endpoints(self, traffic: Traffic) -> Sequence[Endpoint]:
         """The usable endpoints for this traffic class, in round-robin order."""

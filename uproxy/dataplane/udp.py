@@ -251,7 +251,7 @@ class UdpListener:
         endpoints. Without it a client that keeps sending stays on a gone pod for good."""
         if not self.flows:
             return
-        live = {(ep.ip, ep.port) for ep in self.balancer.endpoints(self.traffic)}
+        live = self.balancer.addresses(self.traffic)
         gone = [f for f in self.flows.values() if (f.endpoint.ip, f.endpoint.port) not in live]
         for flow in gone:
             self.drop_flow(flow)
