@@ -20,7 +20,8 @@ NODE = "node-0"
 SETTINGS = DataplaneSettings(node_name=NODE, eject_after=1)
 
 
-def endpoint(rng: random.Random, i: int, *, hints: bool) -> Endpoint:
+def endpoint(rng: random.Random, i: int, *, hints: str) -> Endpoint:
+    """``hints``: which kinds of topology hints it carries ("zone", "node", "zone node")."""
     ready = rng.random() < 0.8
     return Endpoint(
         f"10.{i >> 8 & 255}.{i & 255}.1",
@@ -29,36 +30,50 @@ def endpoint(rng: random.Random, i: int, *, hints: bool) -> Endpoint:
         ready=ready,
         serving=ready or rng.random() < 0.5,
         terminating=not ready and rng.random() < 0.7,
-        zone_hints=(f"z{rng.randrange(2)}",) if hints else (),
+        zone_hints=(f"z{rng.randrange(2)}",) if "zone" in hints else (),
+        node_hints=(f"node-{rng.randrange(3)}",) if "node" in hints else (),
     )
 
 
-def mutated(rng: random.Random, eps: list[Endpoint], fresh: int, hints: bool) -> list[Endpoint]:
-    """A few endpoints go, come, turn (not) ready or move to another node."""
+def mutated(rng: random.Random, eps: list[Endpoint], fresh: int, hints: str) -> list[Endpoint]:
+    """A few endpoints go, come, turn (not) ready, move to another node or change hints."""
     out = list(eps)
     for _ in range(rng.randrange(1, 6)):
         roll = rng.random()
         if roll < 0.3 and out:
             out.pop(rng.randrange(len(out)))
-        elif roll < 0.6:
+        elif roll < 0.55:
             out.append(endpoint(rng, fresh + rng.randrange(1 << 15), hints=hints))
         elif out:
             at = rng.randrange(len(out))
-            if roll < 0.7:
+            if roll < 0.65:
                 ready = not out[at].ready
                 out[at] = dataclasses.replace(out[at], ready=ready, serving=ready)
-            elif roll < 0.8 and hints:
+            elif roll < 0.75 and hints:
                 # One endpoint without a hint turns them off for the whole port, until it
                 # has one again (or goes).
-                unhinted = next((ep for ep in out if not ep.zone_hints), None)
-                if unhinted is None:
-                    out[at] = dataclasses.replace(out[at], zone_hints=())
+                bare = next((ep for ep in out if not ep.zone_hints and not ep.node_hints), None)
+                if bare is None:
+                    out[at] = dataclasses.replace(out[at], zone_hints=(), node_hints=())
                 else:
-                    out[out.index(unhinted)] = dataclasses.replace(unhinted, zone_hints=("z0",))
+                    out[out.index(bare)] = rehinted(rng, bare, hints)
+            elif roll < 0.85 and hints:
+                # Hinted elsewhere: the last one hinted for this node (zone) turns them off.
+                old = out[at]
+                if old.zone_hints or old.node_hints:
+                    out[at] = rehinted(rng, old, hints)
             else:
                 out[at] = dataclasses.replace(out[at], node_name=f"node-{rng.randrange(6)}")
     unique = {(ep.ip, ep.port): ep for ep in out}  # as the tracker merges them
     return sorted(unique.values())
+
+
+def rehinted(rng: random.Random, ep: Endpoint, hints: str) -> Endpoint:
+    return dataclasses.replace(
+        ep,
+        zone_hints=(f"z{rng.randrange(2)}",) if "zone" in hints else (),
+        node_hints=(f"node-{rng.randrange(3)}",) if "node" in hints else (),
+    )
 
 
 def state(b: Balancer) -> tuple[object, ...]:
@@ -84,14 +99,14 @@ def consistent(b: Balancer) -> None:
             assert got == dict.fromkeys(order, 1)
 
 
-@pytest.mark.parametrize("seed", range(24))
+@pytest.mark.parametrize("seed", range(32))
 def test_changes_applied_in_place_choose_as_the_whole_set_does(seed: int) -> None:
     """Random walks of changes over 80-300 endpoints, with every combination of traffic
     policies and zone, hints on some walks: after each step the balancer fed changes holds
     the same endpoints for each traffic class, local IPs and failures as one fed the whole
     set, and a round of picks visits each of its endpoints once."""
     rng = random.Random(seed)
-    hints = seed % 4 == 3
+    hints = ("", "zone", "node", "zone node")[seed % 4]
     port = ServicePort(
         name=NAME,
         port=80,
@@ -99,7 +114,7 @@ def test_changes_applied_in_place_choose_as_the_whole_set_does(seed: int) -> Non
         external_policy_local=seed % 2 == 1,
         affinity_timeout_s=60 if seed % 5 == 0 else None,
     )
-    zone = "z0" if seed % 6 < 3 or hints else None
+    zone = "z0" if seed % 5 else None
     eps = sorted(
         {
             e.address: e for e in (endpoint(rng, i, hints=hints) for i in range(80 + seed * 9))
@@ -109,7 +124,7 @@ def test_changes_applied_in_place_choose_as_the_whole_set_does(seed: int) -> Non
     changed = Balancer(NAME, settings=SETTINGS, rng=random.Random(2))
     whole.update(port, eps, zone)
     changed.update(port, eps, zone)
-    sent = 0
+    sent = in_force = 0
     for step in range(60):
         client = f"10.9.9.{step}"
         ep = whole.pick(client, Traffic.CLUSTER)
@@ -127,6 +142,8 @@ def test_changes_applied_in_place_choose_as_the_whole_set_does(seed: int) -> Non
             changed.change(*changes)
         eps = new
         assert state(changed) == state(whole), step
+        ready = {ep for ep in eps if ep.ready}
+        in_force += bool(ready) and set(whole.endpoints(Traffic.CLUSTER)) < ready
         consistent(changed)
         everywhere = {ep.address for ep in eps} | {("10.255.0.1", 8080)}
         for traffic in Traffic:
@@ -138,6 +155,8 @@ def test_changes_applied_in_place_choose_as_the_whole_set_does(seed: int) -> Non
             )
             assert all(ep in live for ep, _ in (changed._affinity or {}).values())
     assert sent >= 50  # the walks are made of changes, not of whole sets
+    if not port.internal_policy_local and ("node" in hints or ("zone" in hints and zone)):
+        assert 0 < in_force < 60  # hints turned on and off along the walk
 
 
 def big(n: int, start: int = 0) -> list[Endpoint]:
