@@ -125,6 +125,32 @@ def test_same_address_in_two_slices_counts_once_and_ready_wins() -> None:
     assert ep.ready
 
 
+def test_merged_endpoints_come_in_address_order_whatever_the_slices_order() -> None:
+    """One order for one set of endpoints, however the slices split and list them: a slice
+    that changes only by moving endpoints to another slice changes nothing."""
+    t = Tracker()
+    t.replace(Kind.SERVICE, [service()])
+    addresses = [f"10.0.{i % 3}.{i}" for i in range(30)]
+    backwards = [endpoint(a) for a in reversed(addresses)]
+    t.replace(
+        Kind.ENDPOINT_SLICE,
+        [
+            endpoint_slice("a", endpoints=backwards[::2]),
+            endpoint_slice("b", endpoints=backwards[1::2]),
+        ],
+    )
+    first = t.snapshot()[WEB].endpoints
+    assert [ep.address for ep in first] == sorted((a, 8080) for a in addresses)
+    t.replace(
+        Kind.ENDPOINT_SLICE,
+        [
+            endpoint_slice("a", endpoints=backwards[:20]),
+            endpoint_slice("b", endpoints=backwards[20:]),
+        ],
+    )
+    assert t.snapshot()[WEB].endpoints == first
+
+
 def test_ports_match_by_name_and_protocol() -> None:
     t = Tracker()
     t.replace(
