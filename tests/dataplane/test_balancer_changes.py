@@ -275,3 +275,18 @@ def test_a_change_forgets_the_affinity_and_the_failures_of_the_endpoints_gone() 
     assert b.affinity_entries == 0
     assert not b._failing
     assert b.pick("1.1.1.1", Traffic.CLUSTER) not in (pinned, other, None)
+
+
+def test_a_change_that_turns_hints_on_forgets_the_affinity_to_endpoints_left_out() -> None:
+    """Every ready endpoint hinted for other nodes; one that comes hinted for this node turns
+    the hints on, and the pool is that one alone: a client pinned elsewhere moves."""
+    b = Balancer(NAME, settings=SETTINGS, rng=random.Random(8))
+    elsewhere = [dataclasses.replace(ep, node_hints=("node-9",)) for ep in big(100)]
+    b.update(ServicePort(name=NAME, port=80, affinity_timeout_s=60), elsewhere)
+    pinned = b.pick("1.1.1.1", Traffic.CLUSTER)
+    assert pinned in elsewhere and b.affinity_entries == 1
+    mine = dataclasses.replace(big(1, 900)[0], node_hints=(NODE,))
+    b.change((mine,), ())
+    assert list(b.endpoints(Traffic.CLUSTER)) == [mine]
+    assert b.affinity_entries == 0
+    assert b.pick("1.1.1.1", Traffic.CLUSTER) == mine

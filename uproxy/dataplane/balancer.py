@@ -452,7 +452,7 @@ class Balancer:
                 failing.pop(ep, None)
             if not failing:
                 self._failing = None
-        if self._affinity and gone:
+        if self._affinity and (gone or not same):  # endpoints left a pool
             self._forget_stale_affinity(self._affinity)
         for watcher in self._watchers:
             watcher()
