@@ -434,14 +434,17 @@ class Balancer:
         self._endpoints = tuple(by_address.values())
         choice = index.choice()
         # The same choice before and after, and some endpoint ready: the cluster-wide pool
-        # follows the change; else it is computed whole.
+        # follows the change; else (None) it is computed whole.
         same = choice == choice_before != _FALLBACK
-        cluster = self._follow(self._cluster, self._internal_local, gone, new, touched_local, same)
+        follows = choice if same else None
+        cluster = self._follow(
+            self._cluster, self._internal_local, gone, new, touched_local, follows
+        )
         if self._external_local == self._internal_local:
             self._external = cluster
         else:
             self._external = self._follow(
-                self._external, self._external_local, gone, new, touched_local, same
+                self._external, self._external_local, gone, new, touched_local, follows
             )
         self._cluster = cluster
         if touched_local:
@@ -464,10 +467,11 @@ class Balancer:
         gone: list[Endpoint],
         new: list[Endpoint],
         touched_local: bool,
-        same: bool,
+        choice: int | None,
     ) -> _Pool:
         """The pool of a traffic class after ``change`` (``pool`` itself, changed in place,
-        when it can follow: ``same`` choice of a cluster-wide pool as before)."""
+        when it can follow: a cluster-wide pool whose ``choice`` is the one it had, else
+        None)."""
         node = self._settings.node_name
         index = self._index
         assert index is not None
@@ -477,8 +481,7 @@ class Balancer:
             mine = tuple(index.local.values())
             selected = categorize(mine, local_only=True, node_name=node)
         else:
-            if same and pool.order:
-                choice = index.choice()
+            if choice is not None and pool.order:
                 live = pool.thawed()
                 for ep in gone:
                     live.discard(ep)
