@@ -13,7 +13,7 @@ import logging
 import socket
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from uproxy.log import kv
@@ -70,8 +70,22 @@ class EndpointSliceInfo:
     # Endpoints without a port: the port comes from the matching SlicePort.
     endpoints: tuple[Endpoint, ...]
     trigger_time: str | None = None
+    # ``endpoints_for``'s answers, made once: the tracker merges a service port's slices
+    # again whenever one of them changes, and the same objects each time let everything
+    # downstream compare unchanged endpoints by identity (a big port's other slices).
+    _for_port: dict[tuple[str, Protocol], tuple[Endpoint, ...]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
-    def endpoints_for(self, port_name: str, protocol: Protocol) -> list[Endpoint]:
+    def endpoints_for(self, port_name: str, protocol: Protocol) -> tuple[Endpoint, ...]:
+        """The endpoints with this port's number (every port of that name and protocol)."""
+        key = (port_name, protocol)
+        made = self._for_port.get(key)
+        if made is None:
+            made = self._for_port[key] = self._make_endpoints(port_name, protocol)
+        return made
+
+    def _make_endpoints(self, port_name: str, protocol: Protocol) -> tuple[Endpoint, ...]:
         out: list[Endpoint] = []
         for sp in self.ports:
             if sp.name == port_name and sp.protocol is protocol:
@@ -90,7 +104,7 @@ class EndpointSliceInfo:
                     )
                     for e in self.endpoints
                 ]
-        return out
+        return tuple(out)
 
 
 def object_key(obj: Obj) -> str:
@@ -551,8 +565,8 @@ def _pod_cidrs(c: _Checker, spec: Obj) -> tuple[str, ...]:
     if spec.get("podCIDR"):
         values.insert(0, ("spec.podCIDR", spec.get("podCIDR")))
     out: list[str] = []
-    for field, value in values:
-        cidr = _cidr(c, value, field)
+    for path, value in values:
+        cidr = _cidr(c, value, path)
         if cidr not in out:
             out.append(cidr)
     return tuple(out)

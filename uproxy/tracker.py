@@ -502,7 +502,7 @@ def _merge(slices: list[EndpointSliceInfo], spn: ServicePortName) -> tuple[Endpo
     if len(slices) == 1:
         only = slices[0].endpoints_for(spn.port_name, spn.protocol)
         if len(only) < 2:  # one endpoint (or none): nothing to merge or sort
-            return tuple(only)
+            return only
     merged: dict[tuple[str, int], Endpoint] = {}
     for s in slices:
         for ep in s.endpoints_for(spn.port_name, spn.protocol):

@@ -185,15 +185,16 @@ def test_slice_conditions_node_and_zone_are_kept() -> None:
     )
     assert info is not None and info.service == "web"
     eps = info.endpoints_for("http", Protocol.TCP)
-    assert eps == [
+    assert eps == (
         Endpoint("10.0.0.1", 8080, "n1", "z1", True, True, False),
         Endpoint("10.0.0.2", 8080, None, None, False, True, True),
         Endpoint("10.0.0.3", 8080, None, None, False, True, False),
         Endpoint("10.0.0.4", 8080, None, None, False, False, False),
         Endpoint("10.0.0.5", 8080, None, None, False, True, True),
-    ]
-    assert info.endpoints_for("http", Protocol.UDP) == []
-    assert info.endpoints_for("other", Protocol.TCP) == []
+    )
+    assert info.endpoints_for("http", Protocol.TCP) is eps  # made once
+    assert info.endpoints_for("http", Protocol.UDP) == ()
+    assert info.endpoints_for("other", Protocol.TCP) == ()
 
 
 def test_an_endpoint_is_its_first_address() -> None:
