@@ -30,6 +30,7 @@ from typing import Protocol as TypingProtocol
 
 from uproxy import heap, metrics
 from uproxy.dataplane.balancer import Balancer
+from uproxy.dataplane.messages import EndpointChange, SetEndpoints, endpoint_changes
 from uproxy.dataplane.settings import DataplaneSettings
 from uproxy.dataplane.sockets import port_free
 from uproxy.dataplane.tcp import TcpListener
@@ -97,7 +98,10 @@ class DataplaneLink(TypingProtocol):
         port: ServicePort,
         endpoints: tuple[Endpoint, ...],
         zone: str | None = None,
-    ) -> None: ...
+        change: tuple[tuple[Endpoint, ...] | None, EndpointChange | None] | None = None,
+    ) -> None:
+        """``change``: (the endpoints it was computed from, ``endpoint_changes``' answer), as
+        the syncer computed it for its own balancer; used when that is what was last sent."""
 
     def forget(self, name: ServicePortName, family: IPFamily) -> None: ...
 
@@ -143,6 +147,9 @@ class FamilyPort:
     balancer: Balancer
     cluster: Listener | None = None
     external: Listener | None = None  # only when external traffic needs its own endpoint set
+    # What the balancer (and the workers) were last given: the next change is computed
+    # against it once, for both.
+    given: SetEndpoints | None = None
 
     @property
     def external_port(self) -> int | None:
@@ -556,10 +563,23 @@ class Syncer:
         return opened
 
     def _update_balancer(self, spn: ServicePortName, fp: FamilyPort, state: ServiceState) -> None:
+        """Give the balancer (and the workers) the family's endpoints: a big port's change
+        of a few as that change (``endpoint_changes``), applied in place."""
         endpoints = _of_family(state.endpoints, fp.family)
-        fp.balancer.update(state.port, endpoints, self._zone)
+        given, zone = fp.given, self._zone
+        fp.given = SetEndpoints(spn, fp.family, state.port, endpoints, zone)
+        change = None
+        if given is not None and given.port == state.port and given.zone == zone:
+            change = endpoint_changes(given.endpoints, endpoints)
+        if change is None:
+            fp.balancer.update(state.port, endpoints, zone)
+        else:
+            fp.balancer.change(*change)
         if self.options.link is not None:
-            self.options.link.set_endpoints(spn, fp.family, state.port, endpoints, self._zone)
+            base = given.endpoints if given is not None else None
+            self.options.link.set_endpoints(
+                spn, fp.family, state.port, endpoints, zone, change=(base, change)
+            )
 
     def _note_no_local(
         self, spn: ServicePortName, pp: ProxiedPort | None, state: ServiceState | None
@@ -967,8 +987,11 @@ class Syncer:
 
 
 def _of_family(endpoints: tuple[Endpoint, ...], family: IPFamily) -> tuple[Endpoint, ...]:
-    """The endpoints a family's service addresses may reach: that family's only."""
-    return tuple(ep for ep in endpoints if ep.family is family)
+    """The endpoints a family's service addresses may reach: that family's only (the test
+    of ``ip_family``, inline: this runs over a big port's every endpoint at each change)."""
+    v6 = family is IPFamily.V6
+    out = tuple([ep for ep in endpoints if (":" in ep.ip) is v6])
+    return endpoints if len(out) == len(endpoints) else out
 
 
 def _programmed_now(trigger_times: Iterable[float]) -> None:

@@ -51,6 +51,7 @@ from uproxy.dataplane.messages import (
     Channel,
     CloseListener,
     Configure,
+    EndpointChange,
     Forget,
     Message,
     OpenListener,
@@ -396,6 +397,7 @@ class WorkerPool:
         port: ServicePort,
         endpoints: tuple[Endpoint, ...],
         zone: str | None = None,
+        change: tuple[tuple[Endpoint, ...] | None, EndpointChange | None] | None = None,
     ) -> None:
         message = SetEndpoints(name, family, port, endpoints, zone)
         key = (name, family)
@@ -406,7 +408,10 @@ class WorkerPool:
         self._endpoints[key] = message  # what a new worker is sent
         changes = None
         if previous is not None and previous.port == port and previous.zone == zone:
-            changes = endpoint_changes(previous.endpoints, endpoints)
+            if change is not None and change[0] is previous.endpoints:
+                changes = change[1]  # the syncer's, from what was sent last
+            else:
+                changes = endpoint_changes(previous.endpoints, endpoints)
         if changes is None:
             self._broadcast(message)
         else:

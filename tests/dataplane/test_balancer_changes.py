@@ -188,6 +188,14 @@ def test_small_balancers_big_changes_and_doubled_addresses_go_whole() -> None:
     assert endpoint_changes(tuple(many), tuple(many[100:] + big(100, 900))) is None
     doubled = [*many[:399], dataclasses.replace(many[0], node_name="elsewhere")]
     assert endpoint_changes(tuple(many), tuple(doubled)) is None
+    # An address twice in the new set: one that stays (the same object, or an equal copy),
+    # or a new one.
+    assert endpoint_changes(tuple(many), (*many, many[7])) is None
+    assert endpoint_changes(tuple(many), (*many, dataclasses.replace(many[7]))) is None
+    fresh = big(1, 900)[0]
+    assert endpoint_changes(tuple(many), (*many, fresh, fresh)) is None
+    # Equal copies are no change, the same objects or not.
+    assert endpoint_changes(tuple(many), tuple(dataclasses.replace(e) for e in many)) == ((), ())
     huge = big(8000)
     assert endpoint_changes(tuple(huge), tuple(huge[:-ENDPOINTS_PER_PACKET])) is not None
     assert endpoint_changes(tuple(huge), tuple(huge[: -ENDPOINTS_PER_PACKET - 1])) is None

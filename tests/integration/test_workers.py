@@ -1147,8 +1147,9 @@ async def test_a_big_ports_changes_go_as_changes_and_a_replacement_gets_the_whol
     monkeypatch.setattr(pool, "_broadcast", recording)
     b1, b2 = endpoint_of(backends[0]), endpoint_of(backends[1])
     idle = [Endpoint(f"127.0.1.{i}", 9, ready=False, serving=False) for i in range(198)]
-    pool.set_endpoints(WEB, IPFamily.V4, state.port, (b1, _unready(b2), *idle))
-    pool.set_endpoints(WEB, IPFamily.V4, state.port, (_unready(b1), b2, *idle))
+    first, second = (b1, _unready(b2), *idle), (_unready(b1), b2, *idle)
+    pool.set_endpoints(WEB, IPFamily.V4, state.port, first)
+    pool.set_endpoints(WEB, IPFamily.V4, state.port, second)
     assert sent == [SetEndpoints, ChangeEndpoints]
     await wait_for(lambda: pool.pending() == 0, timeout=10, message="every worker applied")
     names = await asyncio.gather(*(greet("127.0.0.1", port) for _ in range(16)))
@@ -1158,6 +1159,29 @@ async def test_a_big_ports_changes_go_as_changes_and_a_replacement_gets_the_whol
         gone = functools.partial(_replaced, proxy, victim)
         await wait_for(gone, timeout=5, message="the worker replaced")
     assert pool.restarts == 2
+    names = await asyncio.gather(*(greet("127.0.0.1", port) for _ in range(16)))
+    assert set(names) == {"b2"}
+    # The syncer computes a change once, for its own balancer and for the workers: the pool
+    # takes it when it was computed from what the pool sent last, else computes its own.
+    from uproxy import workers
+    from uproxy.dataplane.messages import endpoint_changes
+
+    computed: list[int] = []
+
+    def counting(old: Any, new: Any) -> Any:
+        computed.append(len(new))
+        return endpoint_changes(old, new)
+
+    monkeypatch.setattr(workers, "endpoint_changes", counting)
+    third, fourth = (b1, _unready(b2), *idle), (_unready(b1), b2, *idle)
+    a_copy = tuple(list(second))  # equal, but not what was sent
+    pool.set_endpoints(WEB, IPFamily.V4, state.port, third, change=(a_copy, None))
+    assert computed == [200] and sent[-1] is ChangeEndpoints
+    pool.set_endpoints(
+        WEB, IPFamily.V4, state.port, fourth, change=(third, endpoint_changes(third, fourth))
+    )
+    assert computed == [200] and sent[-1] is ChangeEndpoints  # the syncer's, as given
+    await wait_for(lambda: pool.pending() == 0, timeout=10, message="every worker applied")
     names = await asyncio.gather(*(greet("127.0.0.1", port) for _ in range(16)))
     assert set(names) == {"b2"}
 

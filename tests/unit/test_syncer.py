@@ -548,6 +548,7 @@ class RecordingLink:
         self.endpoints: dict[tuple[ServicePortName, IPFamily], tuple[Endpoint, ...]] = {}
         self.zones: dict[tuple[ServicePortName, IPFamily], str | None] = {}
         self.forgotten: list[tuple[ServicePortName, IPFamily]] = []
+        self.changes: dict[tuple[ServicePortName, IPFamily], Any] = {}  # the last of each
 
     def set_endpoints(
         self,
@@ -556,9 +557,11 @@ class RecordingLink:
         port: ServicePort,
         endpoints: Any,
         zone: str | None = None,
+        change: Any = None,
     ) -> None:
         self.endpoints[(name, family)] = tuple(endpoints)
         self.zones[(name, family)] = zone
+        self.changes[(name, family)] = change
 
     def forget(self, name: ServicePortName, family: IPFamily) -> None:
         self.forgotten.append((name, family))
@@ -618,6 +621,48 @@ def make_dual(
         ),
     )
     return tracker, syncer, rules, link, rows
+
+
+def big_slices(first: int, v6: bool = False) -> list[dict[str, Any]]:
+    """Two slices of 100 endpoints each (one family), addresses from ``first`` on."""
+    out = []
+    for k in range(2):
+        ips = [
+            f"fd00:1::{first + 100 * k + i:x}" if v6 else f"10.1.{k}.{first + i}"
+            for i in range(100)
+        ]
+        eps = [endpoint(ip, nodeName=f"node-{i % 3}") for i, ip in enumerate(ips)]
+        kind = "IPv6" if v6 else "IPv4"
+        out.append(endpoint_slice(f"web-{kind}-{k}", "web", endpoints=eps, address_type=kind))
+    return out
+
+
+async def test_a_big_ports_change_is_computed_once_and_followed_in_place() -> None:
+    """A change of one of a big port's endpoints reaches the syncer's own balancer as that
+    change: the endpoints that stay keep their round-robin places (a whole set would be
+    shuffled anew). The workers are given the same change, with what it was computed from:
+    what they were sent last. The other family, unchanged, changes nothing."""
+    tracker, syncer, _, link, _ = make_dual(
+        services=[dual_service()], slices=[*big_slices(1), *big_slices(1, v6=True)]
+    )
+    await syncer.sync()
+    fp = syncer.ports[spn("web")].families[V4]
+    before = list(fp.balancer.endpoints(Traffic.CLUSTER))
+    v6 = syncer.ports[spn("web")].families[V6].balancer
+    v6_order = list(v6.endpoints(Traffic.CLUSTER))
+    sent = link.endpoints[(spn("web"), V4)]
+    moved = big_slices(1)[0]
+    moved["endpoints"][7] = endpoint("10.1.9.9", nodeName="node-a")
+    tracker.upsert(Kind.ENDPOINT_SLICE, moved)
+    assert syncer.apply_endpoints() == {spn("web")}
+    after = list(fp.balancer.endpoints(Traffic.CLUSTER))
+    assert {ep.ip for ep in after} == {ep.ip for ep in before} - {"10.1.0.8"} | {"10.1.9.9"}
+    assert sum(a is b for a, b in zip(before, after, strict=True)) >= len(before) - 3
+    base, change = link.changes[(spn("web"), V4)]
+    assert base == sent and change is not None
+    added, removed = change
+    assert [ep.ip for ep in added] == ["10.1.9.9"] and removed == (("10.1.0.8", 8080),)
+    assert all(a is b for a, b in zip(v6_order, v6.endpoints(Traffic.CLUSTER), strict=True))
 
 
 def family_eps(syncer: Syncer, family: IPFamily, name: str = "web") -> list[str]:

@@ -148,26 +148,40 @@ class ChangeEndpoints:
     removed: tuple[tuple[str, int], ...]
 
 
-def endpoint_changes(
-    old: tuple[Endpoint, ...], new: tuple[Endpoint, ...]
-) -> tuple[tuple[Endpoint, ...], tuple[tuple[str, int], ...]] | None:
+# A change of a balancer's endpoints: those that came or changed, the addresses of those gone.
+EndpointChange = tuple[tuple[Endpoint, ...], tuple[tuple[str, int], ...]]
+
+
+def endpoint_changes(old: tuple[Endpoint, ...], new: tuple[Endpoint, ...]) -> EndpointChange | None:
     """What ``new`` adds to ``old`` (new or changed endpoints) and the addresses it removes,
     or None when a whole SetEndpoints is the better message: small balancers, changes of
-    more than a quarter of the endpoints or more than a packet holds, an address twice."""
+    more than a quarter of the endpoints or more than a packet holds, an address twice.
+
+    Linear in the endpoints, but an endpoint that did not change is mostly the same object
+    in both (the tracker keeps each slice's), told apart by identity without a Python call.
+    """
     if max(len(old), len(new)) < CHANGES_FROM:
         return None
     limit = min(max(len(old), len(new)) // 4, ENDPOINTS_PER_PACKET)
     before = {(ep.ip, ep.port): ep for ep in old}
-    if len(before) != len(old) or len({(ep.ip, ep.port) for ep in new}) != len(new):
+    if len(before) != len(old):
         return None  # an address twice: each balancer keeps both, a change could not say so
+    known = before.copy()  # ``before`` loses what ``new`` still has: what is left is gone
+    pop = before.pop
     added: list[Endpoint] = []
     for ep in new:
-        if before.pop((ep.ip, ep.port), None) != ep:  # new, or changed
+        address = (ep.ip, ep.port)
+        was = pop(address, None)
+        if was is not ep and was != ep:  # new, or changed
+            if was is None and address in known:
+                return None  # an address twice in ``new``
             added.append(ep)
             if len(added) > limit:
                 return None
     if len(added) + len(before) > limit:
         return None
+    if len({(ep.ip, ep.port) for ep in added}) != len(added):
+        return None  # a new address twice
     return tuple(added), tuple(before)
 
 
