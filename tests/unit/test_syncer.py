@@ -762,6 +762,21 @@ async def test_laptop_listens_on_both_loopbacks() -> None:
     assert rules.syncs[-1] == frozenset()
 
 
+async def test_a_laptop_row_names_the_first_endpoints_and_counts_the_rest() -> None:
+    """A row is read by a person: the first ten endpoints in address order, then how many
+    more (at 20,000 endpoints, sorting and printing them all cost 130 ms a change)."""
+    ips = [f"10.1.0.{i}" for i in range(30, 5, -1)]  # 25, the smallest last
+    _, syncer, _, _, rows = make_dual(
+        ("127.0.0.1",),
+        laptop=True,
+        services=[service("web", cluster_ip="10.96.0.10")],
+        slices=[endpoint_slice("web-1", "web", endpoints=[endpoint(ip) for ip in ips])],
+    )
+    await syncer.sync()
+    first = ", ".join(f"10.1.0.{i}:8080" for i in (10, 11, 12, 13, 14, 15, 16, 17, 18, 19))
+    assert rows[-1].endpoints == first + ", ... 15 more"
+
+
 async def test_a_new_zone_label_reaches_the_balancers_of_hinted_ports_only() -> None:
     tracker, syncer, _, link, _ = make_dual(("0.0.0.0",))
     zoned = [
