@@ -198,11 +198,24 @@ class NodeInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class EndpointsDelta:
+    """How a service port's endpoints came from ``base`` (the state's before): ``added`` are
+    new, or replace the endpoint at their address; ``removed`` are addresses that went."""
+
+    base: tuple[Endpoint, ...]
+    added: tuple[Endpoint, ...]
+    removed: tuple[tuple[str, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
 class ServiceState:
     """A service port and its merged endpoints: one entry of the desired state."""
 
     port: ServicePort
     endpoints: tuple[Endpoint, ...] = ()
+    # Set when the tracker followed one slice's change of a big port in place: the syncer
+    # then need not compare the whole sets.
+    delta: EndpointsDelta | None = field(default=None, compare=False, repr=False)
 
 
 DesiredState = dict[ServicePortName, ServiceState]

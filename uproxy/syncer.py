@@ -32,7 +32,12 @@ from typing import Protocol as TypingProtocol
 
 from uproxy import heap, metrics
 from uproxy.dataplane.balancer import Balancer
-from uproxy.dataplane.messages import EndpointChange, SetEndpoints, endpoint_changes
+from uproxy.dataplane.messages import (
+    EndpointChange,
+    SetEndpoints,
+    change_limit,
+    endpoint_changes,
+)
 from uproxy.dataplane.settings import DataplaneSettings
 from uproxy.dataplane.sockets import port_free
 from uproxy.dataplane.tcp import TcpListener
@@ -46,7 +51,6 @@ from uproxy.model import (
     ServicePortName,
     ServiceState,
     Traffic,
-    categorize,
     ip_family,
     spn_order,
 )
@@ -569,12 +573,27 @@ class Syncer:
     def _update_balancer(self, spn: ServicePortName, fp: FamilyPort, state: ServiceState) -> None:
         """Give the balancer (and the workers) the family's endpoints: a big port's change
         of a few as that change (``endpoint_changes``), applied in place."""
-        endpoints = _of_family(state.endpoints, fp.family)
         given, zone = fp.given, self._zone
+        same = given is not None and given.port == state.port and given.zone == zone
+        delta = state.delta
+        change: EndpointChange | None = None
+        if (
+            delta is not None
+            and given is not None
+            and given.endpoints is delta.base
+            and _all_of_family(delta.added, fp.family)
+        ):
+            # The tracker followed one slice's change from what this family was given last,
+            # all of which was of this family: nothing to filter or compare.
+            endpoints = state.endpoints
+            limit = change_limit(len(delta.base), len(endpoints))
+            if same and limit is not None and len(delta.added) + len(delta.removed) <= limit:
+                change = (delta.added, delta.removed)
+        else:
+            endpoints = _of_family(state.endpoints, fp.family)
+            if same and given is not None:
+                change = endpoint_changes(given.endpoints, endpoints)
         fp.given = SetEndpoints(spn, fp.family, state.port, endpoints, zone)
-        change = None
-        if given is not None and given.port == state.port and given.zone == zone:
-            change = endpoint_changes(given.endpoints, endpoints)
         if change is None:
             fp.balancer.update(state.port, endpoints, zone)
         else:
@@ -594,13 +613,15 @@ class Syncer:
         if pp is not None and state is not None:
             port = state.port
             for fp in pp.families.values() if port.has_local_policy else ():
-                eps = _of_family(state.endpoints, fp.family)
-                if not categorize(eps, local_only=False, node_name=""):
-                    continue
                 cluster = fp.balancer.endpoints(Traffic.CLUSTER)
                 outside = fp.balancer.endpoints(Traffic.EXTERNAL)
-                internal |= port.internal_policy_local and not cluster
-                external |= port.external_policy_local and port.has_external and not outside
+                no_internal = port.internal_policy_local and not cluster
+                no_external = port.external_policy_local and port.has_external and not outside
+                # The balancers first: the endpoints anywhere are looked at (a pass over a
+                # big port's) only when this node has none for a Local policy.
+                if (no_internal or no_external) and _usable(state.endpoints, fp.family):
+                    internal |= no_internal
+                    external |= no_external
         for policy, flag, flagged in (
             ("internal", internal, self._no_local_internal),
             ("external", external, self._no_local_external),
@@ -862,8 +883,7 @@ class Syncer:
                 if lst is None or fp.balancer.endpoints(traffic):
                     continue
                 if anywhere is None:
-                    eps = _of_family(state.endpoints, fp.family)
-                    anywhere = bool(categorize(eps, local_only=False, node_name=""))
+                    anywhere = _usable(state.endpoints, fp.family)
                 out.append(Portal.refusing(spn, lst.port, fp.family, anywhere=anywhere))
         return tuple(out)
 
@@ -993,6 +1013,21 @@ class Syncer:
                 rows.append(row)
         if rows or self.syncs == 0:
             self.options.on_table(rows)
+
+
+def _usable(endpoints: tuple[Endpoint, ...], family: IPFamily) -> bool:
+    """Whether traffic of this family has an endpoint anywhere (``categorize`` without a
+    Local policy is not empty: one ready, else one serving and terminating), found by the
+    first that is."""
+    v6 = family is IPFamily.V6
+    return any(ep.ready and (":" in ep.ip) is v6 for ep in endpoints) or any(
+        ep.serving and ep.terminating and (":" in ep.ip) is v6 for ep in endpoints
+    )
+
+
+def _all_of_family(endpoints: tuple[Endpoint, ...], family: IPFamily) -> bool:
+    v6 = family is IPFamily.V6
+    return all((":" in ep.ip) is v6 for ep in endpoints)
 
 
 def _of_family(endpoints: tuple[Endpoint, ...], family: IPFamily) -> tuple[Endpoint, ...]:

@@ -242,6 +242,37 @@ async def test_a_local_policy_without_a_local_endpoint_drops_outside_traffic() -
     }
 
 
+async def test_what_counts_as_an_endpoint_anywhere_is_the_familys_and_categorizes() -> None:
+    """A Local policy's refusals and its no-local gauge look at the endpoints anywhere of the
+    listener's family, as ``categorize`` takes them: ready ones, else those that serve while
+    they terminate; one that serves without terminating (and is not ready) is none."""
+    v6_only = [endpoint("fd00:1::2", nodeName="node-b")]
+    tracker, syncer, rules, _, _ = make_dual(
+        services=[dual_service(externalTrafficPolicy="Local")],
+        slices=[endpoint_slice("web-v6", "web", endpoints=v6_only, address_type="IPv6")],
+    )
+    await syncer.sync()
+    kinds = {(p.family, p.kind) for p in refusals(rules)}
+    assert kinds == {(V4, PortalKind.NO_ENDPOINTS), (V6, PortalKind.NO_LOCAL_ENDPOINTS)}
+    no_local = "kubeproxy_sync_proxy_rules_no_local_endpoints_total"
+    assert gauge(no_local, traffic_policy="external") == 1
+    for conditions, usable in (
+        ({"ready": False, "serving": True, "terminating": False}, False),
+        ({"ready": False, "serving": True, "terminating": True}, True),
+    ):
+        eps = [endpoint("fd00:1::2", nodeName="node-b", **conditions)]
+        tracker.upsert(
+            Kind.ENDPOINT_SLICE,
+            endpoint_slice("web-v6", "web", endpoints=eps, address_type="IPv6"),
+        )
+        syncer.apply_endpoints()
+        await syncer.sync()
+        v6_kinds = {p.kind for p in refusals(rules) if p.family is V6}
+        expected = PortalKind.NO_LOCAL_ENDPOINTS if usable else PortalKind.NO_ENDPOINTS
+        assert expected in v6_kinds, conditions
+        assert gauge(no_local, traffic_policy="external") == usable, conditions
+
+
 async def test_a_long_sync_gives_the_loop_turns() -> None:
     _, syncer, _, _ = make(5000)
     turns = 0
@@ -662,7 +693,69 @@ async def test_a_big_ports_change_is_computed_once_and_followed_in_place() -> No
     assert base == sent and change is not None
     added, removed = change
     assert [ep.ip for ep in added] == ["10.1.9.9"] and removed == (("10.1.0.8", 8080),)
+    assert not any(":" in ep.ip for ep in link.endpoints[(spn("web"), V4)])
     assert all(a is b for a, b in zip(v6_order, v6.endpoints(Traffic.CLUSTER), strict=True))
+
+
+async def test_a_big_ports_change_the_tracker_followed_is_not_compared_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a single-stack port the tracker's delta is the change: the syncer neither filters
+    nor compares the endpoints (``endpoint_changes`` is not called), its balancer follows
+    it in place, and the workers get it with what it was computed from."""
+    import uproxy.syncer as syncer_module
+
+    tracker, syncer, _, link, _ = make_dual(
+        ("0.0.0.0",), services=[service("web", cluster_ip="10.96.0.10")], slices=big_slices(1)
+    )
+    await syncer.sync()
+    fp = syncer.ports[spn("web")].families[V4]
+    before = list(fp.balancer.endpoints(Traffic.CLUSTER))
+    sent = link.endpoints[(spn("web"), V4)]
+    compared: list[int] = []
+    monkeypatch.setattr(syncer_module, "endpoint_changes", lambda *a: compared.append(1))
+    moved = big_slices(1)[1]
+    moved["endpoints"][7] = endpoint("10.1.9.9", nodeName="node-a")
+    tracker.upsert(Kind.ENDPOINT_SLICE, moved)
+    assert syncer.apply_endpoints() == {spn("web")}
+    assert compared == []
+    after = list(fp.balancer.endpoints(Traffic.CLUSTER))
+    assert {ep.ip for ep in after} == {ep.ip for ep in before} - {"10.1.1.8"} | {"10.1.9.9"}
+    assert sum(a is b for a, b in zip(before, after, strict=True)) >= len(before) - 3
+    base, change = link.changes[(spn("web"), V4)]
+    assert base == sent and change is not None
+    assert [ep.ip for ep in change[0]] == ["10.1.9.9"] and change[1] == (("10.1.1.8", 8080),)
+    # An IPv6 slice comes (this node serves IPv4 only): filtered out, as a whole set is.
+    v6 = endpoint_slice("web-v6", "web", endpoints=[endpoint("fd00:1::9")], address_type="IPv6")
+    tracker.upsert(Kind.ENDPOINT_SLICE, v6)
+    syncer.apply_endpoints()
+    assert compared == [1]
+    assert not any(":" in ep.ip for ep in fp.balancer.endpoints(Traffic.CLUSTER))
+    assert not any(":" in ep.ip for ep in link.endpoints[(spn("web"), V4)])
+    tracker.delete(Kind.ENDPOINT_SLICE, v6)
+    syncer.apply_endpoints()
+    compared.clear()
+    # Two changes the tracker followed, the first read by someone else: the second's delta
+    # is not from what the balancer has, so the sets are compared.
+    first = big_slices(1)[0]
+    first["endpoints"][3] = endpoint("10.1.9.3")
+    tracker.upsert(Kind.ENDPOINT_SLICE, first)
+    assert tracker.state(spn("web")) is not None
+    second = big_slices(1)[0]
+    second["endpoints"][3:5] = [endpoint("10.1.9.3"), endpoint("10.1.9.4")]
+    tracker.upsert(Kind.ENDPOINT_SLICE, second)
+    syncer.apply_endpoints()
+    assert compared == [1]
+    ips = {ep.ip for ep in fp.balancer.endpoints(Traffic.CLUSTER)}
+    assert {"10.1.9.3", "10.1.9.4"} <= ips and not {"10.1.0.4", "10.1.0.5"} & ips
+    compared.clear()
+    # A change of more than a quarter of them goes whole, delta or not.
+    wide = big_slices(1)[0]
+    wide["endpoints"] = wide["endpoints"][:40]
+    tracker.upsert(Kind.ENDPOINT_SLICE, wide)
+    syncer.apply_endpoints()
+    assert link.changes[(spn("web"), V4)][1] is None and compared == []
+    assert len(fp.balancer.endpoints(Traffic.CLUSTER)) == 140
 
 
 def family_eps(syncer: Syncer, family: IPFamily, name: str = "web") -> list[str]:

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
+import random
+from typing import Any
 
 import pytest
 
 from tests.factories import endpoint, endpoint_slice, service
 from uproxy.model import Endpoint, Protocol, ServicePortName, categorize
-from uproxy.tracker import Kind, Tracker
+from uproxy.tracker import Kind, Tracker, _merge
 
 WEB = ServicePortName("default", "web", "http", Protocol.TCP)
 
@@ -371,3 +374,113 @@ async def test_a_listing_applies_pages_and_deletes_only_when_complete() -> None:
     await again.add([service("d")])
     await again.finish()
     assert {s.name for s in t.snapshot()} == {"b", "d"}
+
+
+def test_a_big_ports_slice_changes_are_followed_in_place_as_the_merge_has_them() -> None:
+    """A random walk of slice changes on a port of ~180 endpoints in 6 slices: endpoints
+    going, coming, turning unready, a slice's port number moving, slices deleted and made
+    again, the Service itself changing, and addresses that another slice also holds. After
+    each, the state is what merging every slice gives; when the tracker followed the change
+    in place, its delta leads from the state before to the one after."""
+    rng = random.Random(11)
+    t = Tracker()
+    svc = service("big", cluster_ip="10.96.0.9")
+    t.upsert(Kind.SERVICE, svc)
+    big = ServicePortName("default", "big", "http", Protocol.TCP)
+    fresh = iter(range(1000, 100_000))
+    slices: dict[str, dict[str, Any]] = {}
+    for k in range(6):
+        eps = [endpoint(f"10.2.{k}.{i}", nodeName=f"n{i % 4}") for i in range(30)]
+        slices[f"big-{k}"] = endpoint_slice(f"big-{k}", "big", endpoints=eps)
+        t.upsert(Kind.ENDPOINT_SLICE, slices[f"big-{k}"])
+    followed = whole = 0
+    for step in range(400):
+        before = t.state(big)
+        assert before is not None
+        name = rng.choice(sorted(slices))
+        obj = copy.deepcopy(slices[name])
+        keep = True  # the slice changed: upserted below
+        eps = obj["endpoints"]
+        roll = rng.random()
+        if roll < 0.3 and eps:
+            eps.pop(rng.randrange(len(eps)))
+        elif roll < 0.6:
+            n = next(fresh)
+            eps.append(endpoint(f"10.3.{n >> 8 & 255}.{n & 255}", nodeName="n9"))
+        elif roll < 0.72 and eps:
+            ep = rng.choice(eps)
+            ep["conditions"] = {"ready": not ep.get("conditions", {}).get("ready", True)}
+        elif roll < 0.75:
+            other = slices[rng.choice(sorted(slices))]["endpoints"]
+            if other:  # an address another slice holds: the merge says whose copy wins
+                eps.append({**copy.deepcopy(rng.choice(other)), "conditions": {"ready": False}})
+        elif roll < 0.78:
+            obj["ports"] = [{"name": "http", "port": rng.choice([8080, 8081]), "protocol": "TCP"}]
+        elif roll < 0.81:
+            t.delete(Kind.ENDPOINT_SLICE, slices.pop(name))
+            keep = False
+        elif roll < 0.84:
+            svc = copy.deepcopy(svc)
+            svc["metadata"]["labels"] = {"step": str(step)}
+            t.upsert(Kind.SERVICE, svc)
+            keep = False
+        elif roll < 0.9:  # two changes before the state is read: another slice's, or the Service's
+            n = next(fresh)
+            eps.append(endpoint(f"10.3.{n >> 8 & 255}.{n & 255}"))
+            if roll < 0.87:
+                other_name = rng.choice(sorted(set(slices) - {name}))
+                second = copy.deepcopy(slices[other_name])
+                second["endpoints"] = second["endpoints"][1:]
+                slices[other_name] = second
+                t.upsert(Kind.ENDPOINT_SLICE, second)
+            else:
+                svc = copy.deepcopy(svc)
+                svc["spec"]["ports"][0]["port"] = 80 + step  # the port's spec changes too
+                t.upsert(Kind.SERVICE, svc)
+        if keep:
+            slices[name] = obj
+            t.upsert(Kind.ENDPOINT_SLICE, obj)
+        if len(slices) < 6:  # a deleted slice is made again, empty, later
+            gone = sorted({f"big-{k}" for k in range(6)} - set(slices))[0]
+            slices[gone] = endpoint_slice(gone, "big", endpoints=[])
+        after = t.state(big)
+        assert after is not None
+        merged = _merge([t._slices[k] for k in sorted(t._slices_of[big.service])], big)
+        assert after.endpoints == merged, step
+        if big in t._holders:  # kept up to date, as counted afresh
+            assert t._holders[big] == t._count_holders(big), step
+        if after is before:
+            continue  # a change to what a slice already said: nothing rebuilt
+        if after.delta is None:
+            whole += 1
+            continue
+        followed += 1
+        assert after.delta.base is before.endpoints
+        was = {ep.address: ep for ep in before.endpoints}
+        assert set(after.delta.added) == {ep for ep in merged if was.get(ep.address) != ep}
+        result = {ep.address: ep for ep in before.endpoints}
+        for address in after.delta.removed:
+            del result[address]
+        result.update((ep.address, ep) for ep in after.delta.added)
+        assert sorted(result.values(), key=lambda ep: ep.address) == list(merged), step
+    assert followed > 150 and whole > 20  # both roads taken along the walk
+
+
+def test_the_slices_of_a_service_it_does_not_have_keep_nothing_for_it() -> None:
+    """A headless service's slices change and nobody reads its state: no change of them is
+    kept (each would hold the slice it replaced)."""
+    t = Tracker()
+    for i in range(3):
+        eps = [endpoint(f"10.0.0.{i}")]
+        t.upsert(Kind.ENDPOINT_SLICE, endpoint_slice(f"headless-{i}", f"h{i}", endpoints=eps))
+    assert not t._edits
+
+
+def test_a_small_port_and_a_first_change_after_a_service_change_merge_whole() -> None:
+    t = Tracker()
+    t.upsert(Kind.SERVICE, service())
+    t.upsert(Kind.ENDPOINT_SLICE, endpoint_slice("web-1", endpoints=[endpoint("10.0.0.1")]))
+    assert t.state(WEB) is not None
+    t.upsert(Kind.ENDPOINT_SLICE, endpoint_slice("web-1", endpoints=[endpoint("10.0.0.2")]))
+    state = t.state(WEB)
+    assert state is not None and state.delta is None  # below CHANGES_FROM endpoints

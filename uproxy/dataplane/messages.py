@@ -152,6 +152,14 @@ class ChangeEndpoints:
 EndpointChange = tuple[tuple[Endpoint, ...], tuple[tuple[str, int], ...]]
 
 
+def change_limit(old: int, new: int) -> int | None:
+    """How many endpoints (added and removed together) a change between sets of ``old``
+    and ``new`` endpoints may carry, or None: small balancers take whole sets."""
+    if max(old, new) < CHANGES_FROM:
+        return None
+    return min(max(old, new) // 4, ENDPOINTS_PER_PACKET)
+
+
 def endpoint_changes(old: tuple[Endpoint, ...], new: tuple[Endpoint, ...]) -> EndpointChange | None:
     """What ``new`` adds to ``old`` (new or changed endpoints) and the addresses it removes,
     or None when a whole SetEndpoints is the better message: small balancers, changes of
@@ -160,9 +168,9 @@ def endpoint_changes(old: tuple[Endpoint, ...], new: tuple[Endpoint, ...]) -> En
     Linear in the endpoints, but an endpoint that did not change is mostly the same object
     in both (the tracker keeps each slice's), told apart by identity without a Python call.
     """
-    if max(len(old), len(new)) < CHANGES_FROM:
+    limit = change_limit(len(old), len(new))
+    if limit is None:
         return None
-    limit = min(max(len(old), len(new)) // 4, ENDPOINTS_PER_PACKET)
     before = {(ep.ip, ep.port): ep for ep in old}
     if len(before) != len(old):
         return None  # an address twice: each balancer keeps both, a change could not say so
