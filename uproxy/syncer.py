@@ -24,7 +24,6 @@ import errno
 import heapq
 import itertools
 import logging
-import operator
 import time
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ from typing import Protocol as TypingProtocol
 from uproxy import heap, metrics
 from uproxy.dataplane.balancer import Balancer
 from uproxy.dataplane.messages import (
+    ComputedChange,
     EndpointChange,
     SetEndpoints,
     change_limit,
@@ -51,6 +51,7 @@ from uproxy.model import (
     ServicePortName,
     ServiceState,
     Traffic,
+    address_of,
     ip_family,
     spn_order,
 )
@@ -104,7 +105,7 @@ class DataplaneLink(TypingProtocol):
         port: ServicePort,
         endpoints: tuple[Endpoint, ...],
         zone: str | None = None,
-        change: tuple[tuple[Endpoint, ...] | None, EndpointChange | None] | None = None,
+        change: ComputedChange | None = None,
     ) -> None:
         """``change``: (the endpoints it was computed from, ``endpoint_changes``' answer), as
         the syncer computed it for its own balancer; used when that is what was last sent."""
@@ -208,7 +209,6 @@ class TableRow:
 
 REMOVED = "(removed)"  # the listen column of a table row whose service port went away
 TABLE_ENDPOINTS = 10  # endpoints a table row names; "... N more" tells the rest
-_ADDRESS = operator.attrgetter("ip", "port")
 
 Hook = Callable[
     [Mapping[ServicePortName, "ProxiedPort"], Collection[ServicePortName]], Awaitable[None]
@@ -985,7 +985,7 @@ class Syncer:
         count = sum(len(pool) for pool in pools)
         # The first few in address order: a row is read by a person, and a port of 20,000
         # endpoints took 130 ms to sort and print at each change of one of them.
-        first = heapq.nsmallest(TABLE_ENDPOINTS, itertools.chain(*pools), key=_ADDRESS)
+        first = heapq.nsmallest(TABLE_ENDPOINTS, itertools.chain(*pools), key=address_of)
         shown = ", ".join(str(e) for e in first) or "(none)"
         if count > len(first):
             shown += f", ... {count - len(first):,} more"

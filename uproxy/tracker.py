@@ -24,7 +24,6 @@ import contextlib
 import enum
 import itertools
 import logging
-import operator
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ from uproxy.model import (
     ServicePort,
     ServicePortName,
     ServiceState,
+    address_of,
 )
 from uproxy.objects import (
     SERVICE_PROXY_NAME_LABEL,
@@ -59,7 +59,6 @@ ServiceKey = tuple[str, str]
 Obj = Mapping[str, Any]
 Address = tuple[str, int]
 Edit = tuple[EndpointSliceInfo | None, EndpointSliceInfo | None]  # a slice before, after
-_ADDRESS = operator.attrgetter("ip", "port")
 
 
 @dataclass(frozen=True, slots=True)
@@ -374,11 +373,11 @@ class Tracker:
         if len(eps) < CHANGES_FROM:
             return None
         name, protocol = spn.port_name, spn.protocol
-        gone = {(e.ip, e.port): e for e in old.endpoints_for(name, protocol)} if old else {}
-        came = {(e.ip, e.port): e for e in new.endpoints_for(name, protocol)} if new else {}
-        if (old is not None and len(gone) != len(old.endpoints_for(name, protocol))) or (
-            new is not None and len(came) != len(new.endpoints_for(name, protocol))
-        ):
+        was = old.endpoints_for(name, protocol) if old is not None else ()
+        now = new.endpoints_for(name, protocol) if new is not None else ()
+        gone = {(e.ip, e.port): e for e in was}
+        came = {(e.ip, e.port): e for e in now}
+        if len(gone) != len(was) or len(came) != len(now):
             return None
         holders = self._holders.get(spn)
         if holders is None:  # counted over the slices as they are now: after the change
@@ -400,15 +399,15 @@ class Tracker:
             return None
         out = list(eps)
         for address in removed:
-            at = bisect.bisect_left(out, address, key=_ADDRESS)
-            if at == len(out) or _ADDRESS(out[at]) != address:
+            at = bisect.bisect_left(out, address, key=address_of)
+            if at == len(out) or address_of(out[at]) != address:
                 self._holders.pop(spn, None)
                 return None
             del out[at]
         for ep in added:
             address = (ep.ip, ep.port)
-            at = bisect.bisect_left(out, address, key=_ADDRESS)
-            if at < len(out) and _ADDRESS(out[at]) == address:
+            at = bisect.bisect_left(out, address, key=address_of)
+            if at < len(out) and address_of(out[at]) == address:
                 out[at] = ep
             else:
                 out.insert(at, ep)

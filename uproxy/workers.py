@@ -50,8 +50,8 @@ from uproxy.dataplane.messages import (
     ChangeEndpoints,
     Channel,
     CloseListener,
+    ComputedChange,
     Configure,
-    EndpointChange,
     Forget,
     Message,
     OpenListener,
@@ -397,7 +397,7 @@ class WorkerPool:
         port: ServicePort,
         endpoints: tuple[Endpoint, ...],
         zone: str | None = None,
-        change: tuple[tuple[Endpoint, ...] | None, EndpointChange | None] | None = None,
+        change: ComputedChange | None = None,
     ) -> None:
         message = SetEndpoints(name, family, port, endpoints, zone)
         key = (name, family)

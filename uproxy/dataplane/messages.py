@@ -150,6 +150,9 @@ class ChangeEndpoints:
 
 # A change of a balancer's endpoints: those that came or changed, the addresses of those gone.
 EndpointChange = tuple[tuple[Endpoint, ...], tuple[tuple[str, int], ...]]
+# A change as its sender computed it: (the endpoints it was computed from, the change or None
+# for a whole set).
+ComputedChange = tuple[tuple[Endpoint, ...] | None, EndpointChange | None]
 
 
 def change_limit(old: int, new: int) -> int | None:
