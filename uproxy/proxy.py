@@ -53,6 +53,10 @@ EXIT_NOW = 143  # a second stop signal: 128 + SIGTERM, as a shell reports a kill
 # Often enough that traffic is back within a few seconds of someone flushing the tables.
 RULES_CHECK_INTERVAL_S = 1.0
 
+# How long a stop waits for its tasks (sources, syncs, checks) to end once cancelled; a task
+# still running then is named in an error line and left behind, and the stop goes on.
+TASKS_END_S = 5.0
+
 # /healthz or /metrics could not listen (the port is still held by the proxy this one
 # replaces, say): serve without it and try again this often, as kube-proxy does.
 HTTP_RETRY_S = 5.0
@@ -224,9 +228,12 @@ class Proxy:
                 await self._prepare
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        if self._tasks:
+            # Bounded: a task that outlived its cancellation must not keep the stop from
+            # draining the relays (nor make the second signal the only way out).
+            _, stuck = await asyncio.wait(self._tasks, timeout=TASKS_END_S)
+            for task in stuck:
+                log.error("A task did not end when cancelled", extra=kv(task=task.get_name()))
         self._tasks.clear()
         self._finite.clear()
         await self.syncer.close(drain=True)

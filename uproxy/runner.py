@@ -62,10 +62,7 @@ class BoundedFrequencyRunner:
     async def loop(self) -> None:
         """Run until cancelled."""
         while True:
-            try:
-                await asyncio.wait_for(self._wakeup.wait(), timeout=self._max)
-            except TimeoutError:
-                pass  # max_interval elapsed: a periodic run
+            await self._requested(self._max)  # else max_interval elapsed: a periodic run
             await self._take_token()
             self._wakeup.clear()
             try:
@@ -98,11 +95,23 @@ class BoundedFrequencyRunner:
             extra=kv(runner=self.name, err=message, retry_in_s=round(self._retry_s, 3)),
         )
         log.debug("Sync failure detail", exc_info=True)
+        if await self._requested(self._retry_s):
+            self._early = True  # a request: retry now, at the same backoff
+
+    async def _requested(self, timeout: float) -> bool:
+        """Wait for a request, at most ``timeout`` seconds; whether one came.
+
+        ``asyncio.timeout``, not ``asyncio.wait_for``: on Python 3.11 a cancellation that
+        met a request in the same turn of the loop was lost in ``wait_for``, which returned
+        the request instead. The loop then went on to wait for the next one, and a stop
+        that came as a change did (a stop cancels the loop) waited for it for ever.
+        """
         try:
-            await asyncio.wait_for(self._wakeup.wait(), timeout=self._retry_s)
+            async with asyncio.timeout(timeout):
+                await self._wakeup.wait()
         except TimeoutError:
-            return
-        self._early = True  # a request: retry now, at the same backoff
+            return False
+        return True
 
     async def _take_token(self) -> None:
         if self._min == 0:

@@ -315,6 +315,32 @@ async def test_a_failing_cleanup_on_exit_is_one_line(
     assert said == ["Cannot remove the rules on exit"]
 
 
+async def test_a_task_that_outlives_its_cancellation_does_not_hold_the_stop(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stop cancels every task and waits for them a bounded time: one that goes on (as
+    the sync loop did when Python 3.11's wait_for lost a cancellation) is named in one
+    error line, and the stop goes on to drain and return."""
+    from uproxy import proxy as proxy_module
+
+    monkeypatch.setattr(proxy_module, "TASKS_END_S", 0.3)
+    proxy = await synced_with_cleanup_on_exit(tmp_path, CleanupRecorder())
+    released = asyncio.Event()
+
+    async def stubborn() -> None:
+        while not released.is_set():
+            with contextlib.suppress(asyncio.CancelledError):
+                await released.wait()
+
+    proxy._spawn("stubborn", stubborn())
+    await asyncio.sleep(0)
+    with caplog.at_level(logging.ERROR, logger="uproxy"):
+        await asyncio.wait_for(proxy.stop(), 10)
+    said = [(r.getMessage(), r.kv) for r in caplog.records if r.levelno >= logging.ERROR]  # type: ignore[attr-defined]
+    assert said == [("A task did not end when cancelled", {"task": "stubborn"})]
+    released.set()
+
+
 async def test_healthz_says_503_while_uproxy_drains(
     tmp_path: Path, backends: list[NamedBackend], unused_tcp_port_factory: Any
 ) -> None:

@@ -135,3 +135,26 @@ async def test_a_request_retries_at_once_and_its_repeated_error_is_not_logged_as
             await task
     failed = [rec for rec in caplog.records if rec.getMessage() == "Sync failed, will retry"]
     assert [rec.levelno for rec in failed] == [logging.ERROR] * 5 + [V2]
+
+
+@pytest.mark.parametrize("turns", range(4))
+async def test_a_stop_that_meets_a_request_ends_the_loop(turns: int) -> None:
+    """A stop cancels the loop; a request just before it (a change, as the stop signal
+    came) must not swallow that cancellation. asyncio.wait_for on Python 3.11 returned the
+    request instead when its wait had ended in the same turn, and the loop went on to wait
+    for the next one: uproxy's stop waited for it for ever."""
+    runs: list[int] = []
+
+    async def fn() -> None:
+        runs.append(1)
+
+    runner = BoundedFrequencyRunner("t", fn, min_interval=0, max_interval=3600)
+    task = asyncio.create_task(runner.loop())
+    for _ in range(3):
+        await asyncio.sleep(0)  # waiting for a request
+    runner.request()
+    for _ in range(turns):
+        await asyncio.sleep(0)  # the request's wait ends in one of these
+    task.cancel()
+    await asyncio.wait([task], timeout=2)
+    assert task.cancelled()

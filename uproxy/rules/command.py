@@ -101,9 +101,10 @@ async def run(
     except PermissionError:
         raise permission_error(program) from None
     try:
-        out, err = await asyncio.wait_for(
-            proc.communicate(stdin.encode() if stdin is not None else None), timeout_s
-        )
+        # Not asyncio.wait_for, which on Python 3.11 can lose the caller's cancellation (a
+        # stop) when the command ends in the same turn (see ``runner``).
+        async with asyncio.timeout(timeout_s):
+            out, err = await proc.communicate(stdin.encode() if stdin is not None else None)
     except TimeoutError:
         proc.kill()
         await proc.wait()
