@@ -8,8 +8,11 @@ worker, whose relays wait while it applies it: this measures what a relayed conn
 uproxy of this tree (``--services FILE --rules none --workers 1``, pinned to the second CPU)
 with two services: ``target``, whose one endpoint is an echo server on 127.0.0.1, and ``big``,
 with N endpoints (on loopback addresses nobody dials). One client connection sends 64 bytes to
-``target`` every millisecond and times each echo; meanwhile, once a second, one endpoint of
-``big`` is replaced (the services file, generated beforehand, is swapped in). The client and
+``target`` every millisecond and times each echo; meanwhile, once a second, ``big`` changes
+(the services file, generated beforehand, is swapped in): by default one endpoint is replaced
+(``--change one``); ``--change third`` replaces a third of them at once (a rollout, or a
+zone's nodes going: more than a worker takes as a change of a few), and ``--change appear``
+takes ``big`` away and brings it back in turn (a new port with all its endpoints). The client and
 the echo server run on the first CPU. The first count (100 endpoints) is the baseline: a
 change of it costs a worker next to nothing, so its tail is that of the file reloads alone
 (the control process parses the whole file each time, on the worker's CPU, below it).
@@ -88,16 +91,30 @@ def _slice(name: str, index: int, addresses: list[str], port: int) -> dict[str, 
     }
 
 
-def services_file(path: Path, endpoints: int, generation: int) -> None:
-    """``target`` and ``big``; generation g replaces big's endpoint g by a new address."""
+CHANGES = ("one", "third", "appear")
+
+
+def services_file(path: Path, endpoints: int, generation: int, change: str = "one") -> None:
+    """``target`` and ``big`` as generation g of ``change`` has them: "one" replaces big's
+    endpoint g by a new address; "third" gives the third of big's endpoints i with i = g
+    (mod 3) addresses of generation g, the others keep their last generation's; "appear"
+    leaves big out of odd generations."""
     addresses = [f"127.2.{i // 250}.{i % 250 + 1}" for i in range(endpoints)]
-    if generation:
+    if generation and change == "one":
         addresses[generation % endpoints] = f"127.3.{generation // 250}.{generation % 250 + 1}"
+    elif generation and change == "third":
+        for third in range(3):
+            last = generation - (generation - third) % 3  # the last generation of this third
+            for i in range(third, endpoints, 3) if last >= 1 else ():
+                addresses[i] = f"127.{3 + last % 200}.{i // 250}.{i % 250 + 1}"
     docs = [
         _service("target", "10.96.0.1", TARGET_PORT, ECHO_PORT),
         _slice("target", 0, ["127.0.0.1"], ECHO_PORT),
-        _service("big", "10.96.0.2", BIG_PORT, 9),
     ]
+    if change == "appear" and generation % 2:
+        endpoints = 0
+    else:
+        docs.append(_service("big", "10.96.0.2", BIG_PORT, 9))
     for start in range(0, endpoints, PER_SLICE):
         docs.append(_slice("big", start // PER_SLICE, addresses[start : start + PER_SLICE], 9))
     tmp = path.with_suffix(".tmp")
@@ -133,13 +150,13 @@ def _children(pid: int) -> list[int]:
     return [int(c) for c in text.split()]
 
 
-def measure(endpoints: int, seconds: float, workdir: Path) -> dict[str, float]:
+def measure(endpoints: int, seconds: float, workdir: Path, change: str = "one") -> dict[str, float]:
     """One run: round trips for ``seconds`` while ``big`` changes once a second."""
     live = workdir / "services.yaml"
-    services_file(live, endpoints, 0)
+    services_file(live, endpoints, 0, change)
     changes = int(seconds / CHANGE_EVERY_S)
     for g in range(1, changes + 1):
-        services_file(workdir / f"gen-{g}.yaml", endpoints, g)
+        services_file(workdir / f"gen-{g}.yaml", endpoints, g, change)
     log = workdir / "uproxy.log"
     argv = [sys.executable, "-m", "uproxy.cli", "--services", str(live), "--rules", "none"]
     argv += ["--workers", "1", "--event-loop", "uvloop"]
@@ -220,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--endpoints", default="100,5000,20000", help="counts, baseline first")
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--runs", type=int, default=2, help="runs per count, interleaved")
+    parser.add_argument("--change", choices=CHANGES, default="one", help="what each change is")
     parser.add_argument("--json", type=Path, help="write the figures here too")
     args = parser.parse_args(argv)
     if os.cpu_count() is None or (os.cpu_count() or 0) < 2:
@@ -231,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     for run in range(args.runs):
         for n in counts:
             with tempfile.TemporaryDirectory(prefix="uproxy-big-") as tmp:
-                figures = measure(n, args.seconds, Path(tmp))
+                figures = measure(n, args.seconds, Path(tmp), args.change)
             figures["run"] = run + 1
             results.append(figures)
             print(
