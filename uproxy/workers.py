@@ -58,6 +58,7 @@ from uproxy.dataplane.messages import (
     Ready,
     SetEndpoints,
     endpoint_changes,
+    endpoint_steps,
 )
 from uproxy.dataplane.settings import DataplaneSettings
 from uproxy.dataplane.sockets import bind_group, steer, steer_to_first, unsteer
@@ -412,10 +413,12 @@ class WorkerPool:
                 changes = change[1]  # the syncer's, from what was sent last
             else:
                 changes = endpoint_changes(previous.endpoints, endpoints)
-        if changes is None:
-            self._broadcast(message)
-        else:
+        if changes is not None:
             self._broadcast(ChangeEndpoints(name, family, *changes))
+        else:
+            steps = endpoint_steps(message, previous)  # a big balancer's, else None
+            for step in steps if steps is not None else (message,):
+                self._broadcast(step)
         if previous is not None and (previous.port.affinity_timeout_s is not None) != affinity:
             self._restear(key, affinity)
 

@@ -11,9 +11,24 @@ import pytest
 
 from tests.dataplane.test_balancer import FakeClock
 from uproxy.dataplane.balancer import Balancer
-from uproxy.dataplane.messages import CHANGES_FROM, ENDPOINTS_PER_PACKET, endpoint_changes
+from uproxy.dataplane.messages import (
+    CHANGES_FROM,
+    ENDPOINTS_PER_PACKET,
+    ChangeEndpoints,
+    SetEndpoints,
+    endpoint_changes,
+    endpoint_steps,
+)
 from uproxy.dataplane.settings import DataplaneSettings
-from uproxy.model import Endpoint, LbAlgorithm, Protocol, ServicePort, ServicePortName, Traffic
+from uproxy.model import (
+    Endpoint,
+    IPFamily,
+    LbAlgorithm,
+    Protocol,
+    ServicePort,
+    ServicePortName,
+    Traffic,
+)
 
 NAME = ServicePortName("ns", "big", "p", Protocol.TCP)
 NODE = "node-0"
@@ -298,3 +313,84 @@ def test_a_change_that_turns_hints_on_forgets_the_affinity_to_endpoints_left_out
     assert list(b.endpoints(Traffic.CLUSTER)) == [mine]
     assert b.affinity_entries == 0
     assert b.pick("1.1.1.1", Traffic.CLUSTER) == mine
+
+
+def apply(b: Balancer, message: SetEndpoints | ChangeEndpoints) -> None:
+    """As a worker applies what it is sent."""
+    if isinstance(message, SetEndpoints):
+        b.update(message.port, message.endpoints, message.zone)
+    else:
+        b.change(message.added, message.removed)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_big_balancers_set_goes_in_steps_that_end_where_the_whole_set_does(seed: int) -> None:
+    """A balancer of more than ENDPOINTS_PER_PACKET endpoints, new or changed by more than a
+    change carries: steps of at most that many endpoints, after which it chooses as one fed
+    the whole set; meanwhile it picks only endpoints of the old or the new set, and no step
+    takes its size a step's worth past theirs."""
+    rng = random.Random(seed)
+    hints = ("", "zone", "node")[seed % 3]
+    port = ServicePort(name=NAME, port=80, external_policy_local=seed % 2 == 1)
+    zone = "z0"
+    old = [endpoint(rng, i, hints=hints) for i in range(3 * ENDPOINTS_PER_PACKET + seed * 37)]
+    new = [
+        endpoint(rng, i + (1 << 15) * (i % 3 == seed % 3), hints=hints) for i in range(len(old))
+    ][: len(old) - seed * 50]
+    whole = Balancer(NAME, settings=SETTINGS, rng=random.Random(1))
+    stepped = Balancer(NAME, settings=SETTINGS, rng=random.Random(2))
+    first = SetEndpoints(NAME, IPFamily.V4, port, tuple(old), zone)
+    steps = endpoint_steps(first, None)
+    assert steps is not None and type(steps[0]) is SetEndpoints
+    assert len(steps) == -(-len(old) // ENDPOINTS_PER_PACKET)
+    for message in steps:
+        assert _step_size(message) <= ENDPOINTS_PER_PACKET
+        apply(stepped, message)
+        consistent(stepped)
+    whole.update(port, old, zone)
+    assert state(stepped) == state(whole)
+    second = SetEndpoints(NAME, IPFamily.V4, port, tuple(new), zone)
+    steps = endpoint_steps(second, first)
+    assert steps is not None and all(type(m) is ChangeEndpoints for m in steps)
+    assert len(steps) > 1  # more than a step, and more than a change carries
+    assert endpoint_changes(tuple(old), tuple(new)) is None
+    either = set(old) | set(new)
+    for message in steps:
+        assert _step_size(message) <= ENDPOINTS_PER_PACKET
+        apply(stepped, message)
+        consistent(stepped)
+        assert set(stepped.endpoints(Traffic.CLUSTER)) <= either
+        low, high = sorted((len(old), len(new)))
+        assert low - ENDPOINTS_PER_PACKET < len(stepped._endpoints) < high + ENDPOINTS_PER_PACKET
+    whole.update(port, new, zone)
+    assert state(stepped) == state(whole)
+    assert endpoint_steps(second, second) == []  # nothing changed
+
+
+def _step_size(message: SetEndpoints | ChangeEndpoints) -> int:
+    if isinstance(message, SetEndpoints):
+        return len(message.endpoints)
+    return len(message.added) + len(message.removed)
+
+
+def test_small_sets_a_changed_port_and_doubled_addresses_go_in_one_message() -> None:
+    port = ServicePort(name=NAME, port=80)
+    many = tuple(big(ENDPOINTS_PER_PACKET + 1))
+    small = SetEndpoints(NAME, IPFamily.V4, port, many[:ENDPOINTS_PER_PACKET])
+    assert endpoint_steps(small, None) is None
+    assert endpoint_steps(SetEndpoints(NAME, IPFamily.V4, port, ()), small) is None
+    bigger = SetEndpoints(NAME, IPFamily.V4, port, many)
+    assert endpoint_steps(bigger, None) is not None
+    assert endpoint_steps(bigger, small) is not None
+    # The port or the zone changed: the balancer takes them with the whole set.
+    other_port = dataclasses.replace(small, port=ServicePort(name=NAME, port=81))
+    assert endpoint_steps(bigger, other_port) is None
+    assert endpoint_steps(bigger, dataclasses.replace(small, zone="z1")) is None
+    # An address twice: a balancer fed the whole set keeps both, a change could not.
+    doubled = SetEndpoints(NAME, IPFamily.V4, port, (*many, dataclasses.replace(many[3])))
+    assert endpoint_steps(doubled, None) is None
+    assert endpoint_steps(doubled, bigger) is None
+    # One endpoint replaced: one step.
+    replaced = SetEndpoints(NAME, IPFamily.V4, port, (*many[1:], big(1, 9000)[0]))
+    steps = endpoint_steps(replaced, bigger)
+    assert steps == [ChangeEndpoints(NAME, IPFamily.V4, (big(1, 9000)[0],), (many[0].address,))]

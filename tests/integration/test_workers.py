@@ -1186,6 +1186,51 @@ async def test_a_big_ports_changes_go_as_changes_and_a_replacement_gets_the_whol
     assert set(names) == {"b2"}
 
 
+async def test_a_big_ports_whole_set_goes_to_the_workers_in_steps_and_traffic_follows(
+    tmp_path: Path,
+    backends: list[NamedBackend],
+    proxies: list[Proxy],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A port that grows from one endpoint to 1,200, then has a third of them replaced (more
+    than a change of a few carries): each worker is sent steps of at most
+    ENDPOINTS_PER_PACKET endpoints, never the whole set, and traffic follows the ready one."""
+    from uproxy.dataplane.messages import ENDPOINTS_PER_PACKET, ChangeEndpoints
+
+    proxy = await serving_web(tmp_path / "services.yaml", backends[:1], proxies)
+    pool = proxy.workers
+    assert pool is not None
+    port = proxy_port(proxy)
+    state = proxy.tracker.state(WEB)
+    assert state is not None
+    sent: list[Any] = []
+    broadcast = pool._broadcast
+
+    def recording(message: Any) -> None:
+        sent.append(message)
+        broadcast(message)
+
+    monkeypatch.setattr(pool, "_broadcast", recording)
+    b1, b2 = endpoint_of(backends[0]), endpoint_of(backends[1])
+
+    def idle(first: int, count: int, net: int = 0) -> list[Endpoint]:
+        return [
+            Endpoint(f"127.{net}.{i // 250 + 1}.{i % 250 + 1}", 9, ready=False)
+            for i in range(first, first + count)
+        ]
+
+    first = (b1, _unready(b2), *idle(0, 1198))
+    second = (_unready(b1), b2, *idle(0, 400, net=1), *idle(400, 798))
+    for endpoints, ready in ((first, "b1"), (second, "b2")):
+        del sent[:]
+        pool.set_endpoints(WEB, IPFamily.V4, state.port, endpoints)
+        assert len(sent) >= 3 and all(type(m) is ChangeEndpoints for m in sent)
+        assert all(len(m.added) + len(m.removed) <= ENDPOINTS_PER_PACKET for m in sent)
+        await wait_for(lambda: pool.pending() == 0, timeout=10, message="every worker applied")
+        names = await asyncio.gather(*(greet("127.0.0.1", port) for _ in range(16)))
+        assert set(names) == {ready}
+
+
 def _replaced(proxy: Proxy, pid: int) -> bool:
     return proxy.workers is not None and pid not in proxy.workers.pids and _all_ready(proxy)
 
