@@ -16,10 +16,10 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from uproxy import heap
-from uproxy.dataplane.messages import Configure, SetEndpoints
+from uproxy.dataplane.messages import ChangeEndpoints, Configure, SetEndpoints
 from uproxy.dataplane.settings import DataplaneSettings
-from uproxy.dataplane.worker import BURST_IDLE_S, BURST_MESSAGES, Worker
-from uproxy.model import Endpoint, IPFamily, Protocol, ServicePort, ServicePortName
+from uproxy.dataplane.worker import BURST_IDLE_S, BURST_WEIGHT, Worker
+from uproxy.model import Endpoint, IPFamily, Protocol, ServicePort, ServicePortName, Traffic
 
 
 @pytest.fixture(autouse=True)
@@ -53,9 +53,9 @@ async def _until(condition: Callable[[], bool], timeout: float = 5.0) -> bool:
 async def test_a_long_run_of_messages_holds_the_collector_then_freezes_it() -> None:
     w = _worker()
     frozen = gc.get_freeze_count()
-    for i in range(BURST_MESSAGES + 50):
+    for i in range(BURST_WEIGHT + 50):
         w._on_message(_update(i), None)
-    assert len(w.balancers) == BURST_MESSAGES + 50
+    assert len(w.balancers) == BURST_WEIGHT + 50
     assert not gc.isenabled()  # no full pass in the middle of the bulk
     assert await _until(gc.isenabled, timeout=10 * BURST_IDLE_S)
     assert gc.get_freeze_count() > frozen  # what the bulk made is out of the collector's way
@@ -71,3 +71,18 @@ async def test_a_short_change_leaves_the_collector_alone() -> None:
     assert gc.isenabled()
     assert gc.get_freeze_count() == frozen
     assert heap._depth == 0
+
+
+async def test_a_big_ports_endpoints_in_a_few_messages_hold_the_collector_too() -> None:
+    """Its endpoints come in steps (``endpoint_steps``), a few messages for thousands of
+    objects: each endpoint weighs as a message."""
+    w = _worker()
+    first = _update(0)
+    eps = tuple(Endpoint(f"10.1.{i // 250}.{i % 250 + 1}", 8080) for i in range(BURST_WEIGHT))
+    w._on_message(first, None)
+    w._on_message(ChangeEndpoints(first.name, IPFamily.V4, eps[:10], ()), None)
+    assert gc.isenabled()
+    w._on_message(ChangeEndpoints(first.name, IPFamily.V4, eps[10:], ()), None)
+    assert not gc.isenabled()
+    assert len(w.balancers[(first.name, IPFamily.V4)].endpoints(Traffic.CLUSTER)) == 201
+    assert await _until(gc.isenabled, timeout=10 * BURST_IDLE_S)

@@ -62,11 +62,13 @@ if TYPE_CHECKING:  # imported at run time only after series.share() (they bind l
 
 log = logging.getLogger("uproxy.dataplane.worker")
 
-# A run of this many messages is a bulk change (a big sync, a replay to a new worker): the
-# cyclic collector waits until the channel has been quiet for BURST_IDLE_S, then what the
-# burst made is frozen (``uproxy.heap``). Left on, its full passes over 10,000 new listeners
-# took 100-200 ms each, every relay of this worker stalled behind them.
-BURST_MESSAGES = 200
+# A run of messages of this weight is a bulk change (a big sync, a replay to a new worker, a
+# big service port's endpoints): the cyclic collector waits until the channel has been quiet
+# for BURST_IDLE_S, then what the burst made is frozen (``uproxy.heap``). A message weighs 1,
+# and each endpoint it brings 1 more. Left on, its full passes over 10,000 new listeners took
+# 100-200 ms each, every relay of this worker stalled behind them; over a port's 20,000 new
+# endpoints (80 messages) 4-9 ms, three times as the port came and went five times.
+BURST_WEIGHT = 200
 BURST_IDLE_S = 0.2
 
 
@@ -122,7 +124,7 @@ class Worker:
         # Closed (no longer accepting) but maybe still relaying: a stop drains them too.
         self.closing: list[TcpListener | UdpListener] = []
         self._stop = asyncio.Event()
-        self._burst = 0  # messages since the channel was last quiet
+        self._burst = 0  # the weight of the messages since the channel was last quiet
         self._burst_seen = 0  # ... as of the last quiet check
         self._bulk = False
         self._quiet_check: asyncio.TimerHandle | None = None
@@ -160,7 +162,7 @@ class Worker:
         log.log(V2, "Worker drained", extra=kv(worker=self.index, listeners=len(listeners)))
 
     def _on_message(self, message: Message, sock: socket.socket | None) -> None:
-        self._note_burst()
+        self._note_burst(message)
         try:
             self._apply(message, sock)
         except OSError as exc:
@@ -169,9 +171,15 @@ class Worker:
             if sock is not None:
                 sock.close()
 
-    def _note_burst(self) -> None:
-        self._burst += 1
-        if not self._bulk and self._burst >= BURST_MESSAGES:
+    def _note_burst(self, message: Message) -> None:
+        kind = type(message)
+        if kind is SetEndpoints:
+            self._burst += 1 + len(message.endpoints)  # type: ignore[union-attr]
+        elif kind is ChangeEndpoints:
+            self._burst += 1 + len(message.added)  # type: ignore[union-attr]
+        else:
+            self._burst += 1
+        if not self._bulk and self._burst >= BURST_WEIGHT:
             self._bulk = True
             heap.pause()
         if self._quiet_check is None:
