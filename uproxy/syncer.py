@@ -955,16 +955,20 @@ class Syncer:
         if not (self._rules_dirty or full):
             return False
         portals = frozenset(self._all_portals)
+        # Cleared before the write, not after it: endpoints that come while it is in flight
+        # (a new service's slice, mostly, right behind the Service) change the portals again,
+        # and must leave the rules pending for the next sync.
+        forced, self._rules_dirty, self._force_rules = self._force_rules, False, False
         try:
             await self.rules.sync(portals)
         except RulesError as e:
             self._rules_dirty = True
+            self._force_rules = self._force_rules or forced
             if self.rules.name == "iptables-restore":
                 metrics.IPTABLES_RESTORE_FAILURES.inc()
             elif self.rules.name == "nftables":
                 metrics.NFTABLES_SYNC_FAILURES.inc()
             raise RulesError(f"programming rules with {self.rules.name} failed: {e}") from e
-        self._rules_dirty = self._force_rules = False
         self._last_rules_sync = now
         if self._udp_added:
             added, self._udp_added = self._udp_added, set()

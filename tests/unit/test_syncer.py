@@ -177,6 +177,48 @@ def pending(syncer: Syncer) -> bool:
     return syncer.rules_pending
 
 
+class SlowRules(RecordingRules):
+    """A backend whose writes wait for ``done``: a write in flight, as ``nft -f -`` is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.started = asyncio.Event()
+        self.done = asyncio.Event()
+
+    async def sync(self, portals: Collection[Portal]) -> None:
+        self.started.set()
+        await self.done.wait()
+        await super().sync(portals)
+
+
+async def test_endpoints_that_come_while_the_rules_are_written_reach_the_next_write() -> None:
+    """A new service's first sync writes its proxy port refusing (no endpoint yet); its
+    EndpointSlice arrives while that write is in flight. The write must not clear what the
+    endpoints made pending: the next sync lifts the refusal. (The flag was cleared after the
+    write, and with the nftables backend a new service refused its clients until some other
+    change or the periodic sync.)"""
+    tracker, syncer, _, _ = make(2)
+    slow = SlowRules()
+    syncer.rules = slow
+    slow.done.set()
+    await syncer.sync()
+    slow.done.clear()
+    slow.started.clear()
+    tracker.upsert(Kind.SERVICE, service("new", cluster_ip="10.97.0.1"))
+    first = asyncio.create_task(syncer.sync())
+    await asyncio.wait_for(slow.started.wait(), 5)
+    tracker.upsert(
+        Kind.ENDPOINT_SLICE, endpoint_slice("new-1", "new", endpoints=[endpoint("10.1.0.7")])
+    )
+    assert syncer.apply_endpoints() == {spn("new")} and pending(syncer)
+    slow.done.set()
+    await first
+    assert {p.service for p in refusals(slow)} == {spn("new")}  # written before it came
+    assert pending(syncer)  # what came during the write is still to be written
+    await syncer.sync()
+    assert refusals(slow) == set() and not pending(syncer)
+
+
 async def test_a_proxy_port_without_endpoints_refuses_until_it_has_one() -> None:
     tracker, syncer, _, rules = make(3)
     await syncer.sync()
@@ -900,3 +942,24 @@ async def test_a_new_zone_label_reaches_the_balancers_of_hinted_ports_only() -> 
     await syncer.sync()
     assert sorted(eps(syncer, "hinted")) == ["10.1.0.1", "10.1.0.2"]
     assert link.zones[(spn("hinted"), V4)] is None
+
+
+async def test_a_forced_rules_write_that_fails_stays_forced() -> None:
+    """kube-proxy's full and partial sync metrics: the retry of a forced write that failed
+    is still a full one."""
+    _, syncer, _, rules = make(2)
+    await syncer.sync()
+    failing = True
+
+    async def write(portals: Collection[Portal]) -> None:
+        if failing:
+            raise RulesError("nft: Could not process rule: Device or resource busy")
+        rules.syncs.append(frozenset(portals))
+
+    rules.sync = write  # type: ignore[method-assign]
+    syncer.force_rules_sync()
+    with pytest.raises(RulesError):
+        await syncer._sync_rules()
+    failing = False
+    assert await syncer._sync_rules() is True  # full
+    assert await syncer._sync_rules() is False  # nothing left to write
