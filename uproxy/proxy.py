@@ -53,6 +53,13 @@ EXIT_NOW = 143  # a second stop signal: 128 + SIGTERM, as a shell reports a kill
 # Often enough that traffic is back within a few seconds of someone flushing the tables.
 RULES_CHECK_INTERVAL_S = 1.0
 
+# How long a sync waits after the request that wakes it, for the rest of the change to come:
+# a new Service's EndpointSlice comes right behind it. Each run takes a token of the rate
+# limit (--iptables-min-sync-period), so a run for the Service alone made its endpoints wait
+# up to that period for the next one: 10,000 services from the API double, 20 services
+# added, p50 / p99 to the first answer 544 / 1,055 ms without the wait, nftables.
+SYNC_SETTLE_S = 0.01
+
 # How long a stop waits for its tasks (sources, syncs, checks) to end once cancelled; a task
 # still running then is named in an error line and left behind, and the stop goes on.
 TASKS_END_S = 5.0
@@ -146,6 +153,7 @@ class Proxy:
             self._sync,
             min_interval=s.iptables_min_sync_period,
             max_interval=s.iptables_sync_period,
+            settle=SYNC_SETTLE_S,
         )
         self.healthz = self._healthz_server()
         self.metrics_server = self._metrics_server()
@@ -231,7 +239,10 @@ class Proxy:
         if self._tasks:
             # Bounded: a task that outlived its cancellation must not keep the stop from
             # draining the relays (nor make the second signal the only way out).
-            _, stuck = await asyncio.wait(self._tasks, timeout=TASKS_END_S)
+            ended, stuck = await asyncio.wait(self._tasks, timeout=TASKS_END_S)
+            for task in ended:
+                if not task.cancelled():
+                    task.exception()  # retrieved: a failure while stopping is not news
             for task in stuck:
                 log.error("A task did not end when cancelled", extra=kv(task=task.get_name()))
         self._tasks.clear()

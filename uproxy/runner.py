@@ -36,8 +36,11 @@ class BoundedFrequencyRunner:
         min_interval: float,
         max_interval: float,
         burst: int = 2,
+        settle: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``settle``: seconds a request waits before its run, for the rest of a change that
+        comes in pieces (a Service, then its EndpointSlice) to join it."""
         if min_interval < 0 or max_interval <= 0 or burst < 1:
             raise ValueError("min_interval >= 0, max_interval > 0 and burst >= 1 are required")
         self.name = name
@@ -45,6 +48,7 @@ class BoundedFrequencyRunner:
         self._min = min_interval
         self._max = max(max_interval, min_interval)
         self._burst = burst
+        self._settle = settle
         self._clock = clock
         self._tokens = float(burst)
         self._refilled = clock()
@@ -62,7 +66,8 @@ class BoundedFrequencyRunner:
     async def loop(self) -> None:
         """Run until cancelled."""
         while True:
-            await self._requested(self._max)  # else max_interval elapsed: a periodic run
+            if await self._requested(self._max) and self._settle:  # else a periodic run
+                await asyncio.sleep(self._settle)
             await self._take_token()
             self._wakeup.clear()
             try:

@@ -158,3 +158,28 @@ async def test_a_stop_that_meets_a_request_ends_the_loop(turns: int) -> None:
     task.cancel()
     await asyncio.wait([task], timeout=2)
     assert task.cancelled()
+
+
+async def test_a_change_that_comes_in_pieces_is_one_run() -> None:
+    """A Service, then its EndpointSlice a moment later: with ``settle``, the run waits for
+    the second piece and takes one token of the rate limit, not two."""
+    runs: list[int] = []
+
+    async def fn() -> None:
+        runs.append(1)
+
+    runner = BoundedFrequencyRunner("t", fn, min_interval=60, max_interval=3600, settle=0.2)
+    task = asyncio.create_task(runner.loop())
+    try:
+        await asyncio.sleep(0)
+        runner.request()
+        await asyncio.sleep(0.05)
+        assert runs == []  # settling
+        runner.request()
+        await wait_for(lambda: runs == [1], timeout=5, message="one run")
+        await asyncio.sleep(0.3)
+        assert runs == [1]
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
