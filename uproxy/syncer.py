@@ -961,9 +961,11 @@ class Syncer:
         forced, self._rules_dirty, self._force_rules = self._force_rules, False, False
         try:
             await self.rules.sync(portals)
-        except RulesError as e:
+        except BaseException as e:  # whatever stopped it (a stop's cancel too): not written
             self._rules_dirty = True
             self._force_rules = self._force_rules or forced
+            if not isinstance(e, RulesError):
+                raise
             if self.rules.name == "iptables-restore":
                 metrics.IPTABLES_RESTORE_FAILURES.inc()
             elif self.rules.name == "nftables":

@@ -963,3 +963,21 @@ async def test_a_forced_rules_write_that_fails_stays_forced() -> None:
     failing = False
     assert await syncer._sync_rules() is True  # full
     assert await syncer._sync_rules() is False  # nothing left to write
+
+
+async def test_a_rules_write_that_did_not_end_leaves_the_rules_pending() -> None:
+    """Whatever stopped a write (an unexpected error, a cancel), the rules are still to
+    be written."""
+    tracker, syncer, _, rules = make(2)
+    await syncer.sync()
+
+    async def broken(portals: Collection[Portal]) -> None:
+        raise OSError("the backend broke")
+
+    rules.sync = broken  # type: ignore[method-assign]
+    tracker.upsert(Kind.ENDPOINT_SLICE, endpoint_slice("s1-1", "s1", endpoints=[]))
+    syncer.apply_endpoints()
+    assert pending(syncer)
+    with pytest.raises(OSError):
+        await syncer.sync()
+    assert pending(syncer)
