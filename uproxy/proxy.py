@@ -25,6 +25,7 @@ from dataclasses import replace
 from typing import Any
 
 from uproxy import localnet, metrics, nodeip, priority
+from uproxy.dataplane import busypoll
 from uproxy.dataplane.limits import raise_nofile_limit
 from uproxy.dataplane.settings import DataplaneSettings
 from uproxy.health import HealthzServer, ProxyHealth
@@ -179,6 +180,8 @@ class Proxy:
         limit = raise_nofile_limit()
         log.log(V2, "File descriptor limit", extra=kv(nofile=limit))
         await self._start_http()
+        if self.workers is None:  # this loop relays
+            busypoll.install(asyncio.get_running_loop(), self.dataplane.busy_poll_s)
         if self.workers is not None:
             try:
                 await self.workers.start()

@@ -43,6 +43,9 @@ def opt(
 
 # The kernel's limit for TCP_KEEPIDLE and TCP_KEEPINTVL (MAX_TCP_KEEPIDLE, in seconds).
 MAX_TCP_KEEPALIVE_S = 32767
+# The longest --busy-poll window: one that long already polls whenever any traffic came in
+# the last second (and a bare number read as microseconds would be a mistake to catch).
+MAX_BUSY_POLL_S = 1.0
 RULES_BACKENDS = ("auto", "iptables-restore", "nftables", "iptables", "none")
 LOCAL_MODES = ("ClusterCIDR", "NodeCIDR", "BridgeInterface", "InterfaceNamePrefix")
 PRIMARY = "primary"  # --nodeport-addresses: the node's primary address
@@ -154,6 +157,18 @@ class Settings:
         kind="int",
         help="Bytes of kernel receive buffer per UDP proxy port, so bursts wait instead of "
         "being dropped (beyond net.core.rmem_max with CAP_NET_ADMIN); 0 keeps the default",
+    )
+    busy_poll: float = opt(
+        0.0,
+        flag="--busy-poll",
+        config="uproxy.busyPoll",
+        kind="duration",
+        help="How long a data-plane worker keeps polling its sockets after the last one had "
+        "an event, instead of sleeping at once (e.g. 5ms, at most 1s; 0: never). For nodes "
+        "whose idle CPUs wake slowly (virtual machines whose idle vCPUs halt): it takes the "
+        "wake-ups out of a relayed request's latency, at the cost of up to a CPU per worker "
+        "while traffic comes more often than this; longer than the usual gap between "
+        "requests, or the wake-up stays in some of them",
     )
     workers: int | None = opt(
         None,
@@ -579,6 +594,8 @@ def validate(s: Settings) -> None:
         raise SettingsError(f"invalid --workers: must be 0 to {MAX_WORKERS}, got {s.workers}")
     if not 0 <= s.control_nice <= 19:
         raise SettingsError("invalid --control-nice: must be 0 to 19")
+    if not 0 <= s.busy_poll <= MAX_BUSY_POLL_S:
+        raise SettingsError("invalid --busy-poll: must be 0 (off) up to 1s")
     if s.udp_receive_buffer < 0:
         raise SettingsError("invalid --udp-receive-buffer: must be 0 or more bytes")
     if s.endpoint_eject_after < 0:

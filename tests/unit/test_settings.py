@@ -135,6 +135,7 @@ def test_dataplane_settings_carry_every_data_plane_setting_from_the_flags() -> N
             "--endpoint-eject-after=5",
             "--tcp-keepalive=2500ms",
             "--dial-mark=0x2000",
+            "--busy-poll=750us",
         ]
     )
     dp = DataplaneSettings.from_settings(s, dial_mark=0x40)
@@ -142,6 +143,7 @@ def test_dataplane_settings_carry_every_data_plane_setting_from_the_flags() -> N
     assert dp.node_name == "node-x" and dp.default_algorithm is LbAlgorithm.RANDOM
     assert (dp.udp_timeout_s, dp.udp_max_flows, dp.udp_receive_buffer) == (5.0, 17, 12345)
     assert dp.eject_after == 5
+    assert dp.busy_poll_s == pytest.approx(0.00075)
     assert dp.tcp_keepalive_s == 3  # whole seconds, rounded up, as the kernel takes them
     for f in fields(DataplaneSettings):
         if "setting" in f.metadata:
@@ -196,6 +198,9 @@ def test_settings_as_flags_parse_back_and_start_a_worker() -> None:
         (["--nodeport-addresses", "10.0.0.0/33"], "--nodeport-addresses: not a CIDR"),
         (["--nodeport-addresses", ","], "--nodeport-addresses: an empty entry"),
         (["--workers", "300"], "--workers: must be 0 to 256, got 300"),
+        # a window in microseconds given without its unit would poll for ever
+        (["--busy-poll", "2s"], "--busy-poll: must be 0 \\(off\\) up to 1s"),
+        (["--busy-poll", "50"], "--busy-poll"),
     ],
 )
 def test_bad_flags(argv: list[str], needle: str) -> None:

@@ -67,6 +67,16 @@ class LoopEpoll:
     def fileno(self) -> int:
         return self._epoll.fileno()
 
+    def follow_with(self, after: Callable[[], None]) -> None:
+        """Call ``after`` after each pass over this set's events (``busypoll``)."""
+        ready = self._ready
+
+        def ready_then() -> None:
+            ready()
+            after()
+
+        self._loop.add_reader(self._epoll.fileno(), ready_then)  # replaces the plain one
+
     def _ready(self) -> None:
         raise NotImplementedError
 

@@ -104,6 +104,9 @@ class DataplaneSettings:
     # default 208 KiB, about 1 % of a flood was lost at uproxy's own socket. It is a limit,
     # not an allocation: memory is taken only by datagrams actually queued. 0: the default.
     udp_receive_buffer: int = setting("udp_receive_buffer", 4 << 20)
+    # Seconds a loop that relays keeps polling after the last event on its sockets, instead
+    # of sleeping at once (--busy-poll; 0: never). See ``dataplane/busypoll.py``.
+    busy_poll_s: float = setting("busy_poll", 0.0)
     # SO_MARK on every socket uproxy opens to an endpoint; 0: none. Computed at start, so
     # not a ``setting``: --dial-mark once the proxy has checked that it can set it. The
     # portal rules return at once on this mark, so a dial never walks the portal chains:

@@ -32,7 +32,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from uproxy import heap
-from uproxy.dataplane import series
+from uproxy.dataplane import busypoll, series
 from uproxy.dataplane.balancer import Balancer
 from uproxy.dataplane.counters import CounterFiles, SlotWriter
 from uproxy.dataplane.fdreserve import FD_RESERVE
@@ -222,6 +222,8 @@ class Worker:
             self._forget(message)
         elif type(message) is Configure:
             self.config = message
+            if self._loop is not None:
+                busypoll.install(self._loop, message.settings.busy_poll_s)
             if self.channel is not None:
                 self.channel.slice_s = APPLY_SLICE_S if message.serving else APPLY_SLICE_STARTING_S
 
