@@ -73,8 +73,13 @@ def planned_seconds(plan: Plan, peers: list[NodePeer] | None = None) -> float:
     total = 0.0
     for scale in plan.scales:
         for peer in all_peers() if peers is None else peers:
-            total += _planned_setup_s(plan, peer, scale)
+            if _measured_at(plan, peer, scale):
+                total += _planned_setup_s(plan, peer, scale)
     return total * plan.rounds
+
+
+def _measured_at(plan: Plan, peer: NodePeer, scale: int) -> bool:
+    return not peer.smallest_scale_only or scale == min(plan.scales)
 
 
 def _planned_setup_s(plan: Plan, peer: NodePeer, scale: int) -> float:
@@ -132,7 +137,8 @@ def run(
             order = active[shift:] + active[:shift]
             for scale in plan.scales:
                 for peer in order:
-                    keep |= _one(r, data, peer, scale, round_no)
+                    if _measured_at(plan, peer, scale):
+                        keep |= _one(r, data, peer, scale, round_no)
     finally:
         data["meta"]["elapsed_s"] = time.monotonic() - start
         if keep or keep_logs:

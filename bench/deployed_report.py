@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.deployed_peers import BUSY_POLL
 from bench.metrics import STEAL_TITLE
 from bench.stats import ratio, summarise
 
@@ -457,6 +458,14 @@ GOALS = [
     ),
     ("uproxy-nftables", "ka_p99", "vs_reference", False, "keep-alive p99", "≤ 1.5x"),
     ("uproxy-nftables", "ka_p99", "vs_reference", True, "keep-alive p99", "≤ 1.5x"),
+    (
+        "uproxy-nftables-busypoll",
+        "ka_p99",
+        "vs_reference",
+        False,
+        f"keep-alive p99 (--busy-poll {BUSY_POLL})",
+        "≤ 1.5x",
+    ),
     ("uproxy-iptables-nft", "ka_p99", "vs_reference", False, "keep-alive p99", "≤ 1.5x"),
     ("uproxy-iptables-nft", "ka_p99", "vs_reference", True, "keep-alive p99", "≤ 1.5x"),
 ]
