@@ -39,6 +39,7 @@ from bench import (
     disturb,
     netns,
     report,
+    wakeup,
     workloads as wl,
 )
 from bench.backends import BackendPorts, missing_tools, start as start_backends
@@ -264,6 +265,7 @@ def run_all(args: argparse.Namespace, args_list: list[str]) -> int:
         parts.append("profile")
     rules_sync = use_netns and not args.no_rules_sync and RULES_SYNC.exists()
     results["meta"]["load_average_start"] = _loadavg()
+    results["meta"]["wakeup"] = wakeup.probe(cores.proxy, cores.load)
     planned = sum(_part_planned_s(args, p) for p in parts)
     planned += RULES_SYNC_PLANNED_S[args.quick] if rules_sync else 0.0
     run_deployed = os.geteuid() == 0 and not args.no_deployed

@@ -54,7 +54,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from bench import deployed_report, workloads as wl
+from bench import deployed_report, wakeup, workloads as wl
 from bench.deployed_peers import REFERENCE, NodePeer, all_peers
 from bench.deployed_setup import PREFIX, WARMUP_S, PeerSkipped, Plan, Run, run_setup
 from bench.procs import Cores, run_uproxy_as_shipped
@@ -109,6 +109,7 @@ def run(
             "long_keepalive_s": plan.long_keepalive_s,
             "cores": {"proxy": cores.proxy, "load": cores.load},
             "reference": REFERENCE,
+            "wakeup": wakeup.probe(cores.proxy, cores.load),
         },
         "peers": {},
         "runs": {},

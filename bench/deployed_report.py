@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench import wakeup
 from bench.deployed_peers import BUSY_POLL
 from bench.metrics import STEAL_TITLE
 from bench.stats import ratio, summarise
@@ -291,6 +292,8 @@ def markdown(data: dict[str, Any] | None) -> list[str]:
         f"{meta.get('elapsed_s', 0):.0f} s.",
         "",
     ]
+    if woke := wakeup.describe(meta.get("wakeup")):
+        lines += [woke, ""]
     offered = paced_rate(data)
     cols = ["conn_rate", "conn_p99", "ka_p99", "ka_runq", "tcp1_gbps", "cpu_us_per_conn"]
     cols += ["machine_us_per_conn"]

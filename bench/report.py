@@ -19,7 +19,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from bench import cp_report, deployed_report, disturb_report, goals, proc_report
+from bench import cp_report, deployed_report, disturb_report, goals, proc_report, wakeup
 from bench.metrics import BY_KEY, METRICS, NOT_IN_OVERVIEW, Metric
 from bench.stats import Summary, ratio, summarise
 
@@ -213,6 +213,8 @@ def _header(results: dict[str, Any]) -> list[str]:
         "shows up as spread).",
         "",
     ]
+    if woke := wakeup.describe(meta.get("wakeup")):
+        lines += [woke, ""]
     skipped = {p: e["skipped"] for p, e in peers.items() if e.get("skipped")}
     if skipped:
         lines += ["Skipped peers:", ""]
