@@ -7,6 +7,8 @@ import asyncio
 import os
 import socket
 
+import pytest
+
 from tests.dataplane.conftest import (
     TCP_NAME,
     BackendFactory,
@@ -17,7 +19,7 @@ from tests.dataplane.conftest import (
 )
 from tests.dataplane.test_tcp import relay
 from uproxy.dataplane import busypoll
-from uproxy.dataplane.poller import read_poller_for
+from uproxy.dataplane.poller import READ_EVENTS, poller_for, read_poller_for
 from uproxy.dataplane.settings import DataplaneSettings
 
 
@@ -34,14 +36,25 @@ class Reader:
         self.got.append(self.sock.recv(64))
 
 
-async def test_after_an_event_the_loop_polls_for_its_window_then_sleeps() -> None:
+class Handler(Reader):
+    def event(self, mask: int) -> None:
+        self.readable()
+
+
+@pytest.mark.parametrize("where", ["listening", "relayed"])
+async def test_after_an_event_the_loop_polls_for_its_window_then_sleeps(where: str) -> None:
+    """An event in either set starts the window: a listening socket's (a new connection, a
+    datagram) or a relayed socket's (the next request on a kept-alive connection)."""
     loop = asyncio.get_running_loop()
     busy = busypoll.install(loop, 0.2)
     assert busy is not None
     ours, theirs = socket.socketpair()
     ours.setblocking(False)
-    reader = Reader(ours)
-    read_poller_for(loop).watch(ours.fileno(), reader)
+    reader = Handler(ours)
+    if where == "listening":
+        read_poller_for(loop).watch(ours.fileno(), reader)
+    else:
+        poller_for(loop).register(ours.fileno(), reader, READ_EVENTS)
     try:
         await asyncio.sleep(0.1)
         assert not busy.polling and busy.passes == 0  # no event yet: the loop sleeps
@@ -61,7 +74,10 @@ async def test_after_an_event_the_loop_polls_for_its_window_then_sleeps() -> Non
         await wait_until(lambda: not polling(busy), timeout=3, what="the second window's end")
         assert busy.passes > went
     finally:
-        read_poller_for(loop).unwatch(ours.fileno())
+        if where == "listening":
+            read_poller_for(loop).unwatch(ours.fileno())
+        else:
+            poller_for(loop).forget(ours.fileno())
         ours.close()
         theirs.close()
 
