@@ -37,7 +37,7 @@ from uproxy.model import IPFamily, ServicePortName
 from uproxy.rules.base import RulesBackend, RulesError
 from uproxy.rules.nodeports import NodePortReservations
 from uproxy.runner import BoundedFrequencyRunner
-from uproxy.settings import PRIMARY, Settings, parse_hostport
+from uproxy.settings import PRIMARY, Settings, format_duration, parse_hostport
 from uproxy.sources.file import FileSource
 from uproxy.syncer import ProxiedPort, Syncer, SyncerOptions, TableRow, open_listener
 from uproxy.tracker import Tracker
@@ -180,8 +180,17 @@ class Proxy:
         limit = raise_nofile_limit()
         log.log(V2, "File descriptor limit", extra=kv(nofile=limit))
         await self._start_http()
+        window = self.dataplane.busy_poll_s
+        if window > 0:
+            log.info(
+                "The relaying loops poll for a while after each event instead of sleeping: "
+                "up to a CPU each while traffic comes",
+                extra=kv(busy_poll=format_duration(window), workers=self.workers.count)
+                if self.workers is not None
+                else kv(busy_poll=format_duration(window), workers=0),
+            )
         if self.workers is None:  # this loop relays
-            busypoll.install(asyncio.get_running_loop(), self.dataplane.busy_poll_s)
+            busypoll.install(asyncio.get_running_loop(), window)
         if self.workers is not None:
             try:
                 await self.workers.start()

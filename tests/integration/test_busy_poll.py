@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import os
 from pathlib import Path
 
@@ -45,13 +46,16 @@ async def echoed(port: int, payload: bytes) -> bytes:
 
 @pytest.mark.parametrize("workers", [1, 0])
 async def test_the_relaying_loop_polls_after_traffic_sleeps_when_it_stops_and_loses_no_byte(
-    tmp_path: Path, workers: int
+    tmp_path: Path, workers: int, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="uproxy.proxy")
     backend = await NamedBackend("b1", "127.0.0.31").start()
     path = tmp_path / "services.yaml"
     services_file(path, [backend])
     proxy = await start_proxy(path, workers=workers, busy_poll=WINDOW_S)
     try:
+        said = [r for r in caplog.records if "poll for a while after each event" in r.getMessage()]
+        assert [r.__dict__["kv"] for r in said] == [{"busy_poll": "800ms", "workers": workers}]
         relaying = children(os.getpid())[0] if workers else os.getpid()
         port = proxy_port(proxy)
         await asyncio.sleep(WINDOW_S)  # whatever the start brought, its window is over
