@@ -15,7 +15,9 @@ from uproxy.dataplane.messages import (
     CHANGES_FROM,
     ENDPOINTS_PER_PACKET,
     ChangeEndpoints,
+    CommitEndpoints,
     SetEndpoints,
+    Step,
     endpoint_changes,
     endpoint_steps,
 )
@@ -315,8 +317,9 @@ def test_a_change_that_turns_hints_on_forgets_the_affinity_to_endpoints_left_out
     assert b.pick("1.1.1.1", Traffic.CLUSTER) == mine
 
 
-def apply(b: Balancer, message: SetEndpoints | ChangeEndpoints) -> None:
-    """As a worker applies what it is sent."""
+def apply(b: Balancer, message: Step) -> None:
+    """As a worker applies what it is sent (to a balancer serving: nothing staged)."""
+    assert not isinstance(message, CommitEndpoints) and not message.staged
     if isinstance(message, SetEndpoints):
         b.update(message.port, message.endpoints, message.zone)
     else:
@@ -367,10 +370,12 @@ def test_a_big_balancers_set_goes_in_steps_that_end_where_the_whole_set_does(see
     assert endpoint_steps(second, second) == []  # nothing changed
 
 
-def _step_size(message: SetEndpoints | ChangeEndpoints) -> int:
+def _step_size(message: Step) -> int:
     if isinstance(message, SetEndpoints):
         return len(message.endpoints)
-    return len(message.added) + len(message.removed)
+    if isinstance(message, ChangeEndpoints):
+        return len(message.added) + len(message.removed)
+    return 0
 
 
 def test_small_sets_a_changed_port_and_doubled_addresses_go_in_one_message() -> None:
@@ -382,10 +387,19 @@ def test_small_sets_a_changed_port_and_doubled_addresses_go_in_one_message() -> 
     bigger = SetEndpoints(NAME, IPFamily.V4, port, many)
     assert endpoint_steps(bigger, None) is not None
     assert endpoint_steps(bigger, small) is not None
-    # The port or the zone changed: the balancer takes them with the whole set.
+    # The port or the zone changed: a small set goes whole, a big one in steps built aside.
     other_port = dataclasses.replace(small, port=ServicePort(name=NAME, port=81))
-    assert endpoint_steps(bigger, other_port) is None
-    assert endpoint_steps(bigger, dataclasses.replace(small, zone="z1")) is None
+    assert endpoint_steps(small, other_port) is None
+    for previous in (other_port, dataclasses.replace(small, zone="z1")):
+        steps = endpoint_steps(bigger, previous)
+        assert steps is not None and len(steps) == 3
+        assert steps[0] == dataclasses.replace(
+            bigger, endpoints=many[:ENDPOINTS_PER_PACKET], staged=True
+        )
+        assert steps[1:] == [
+            ChangeEndpoints(NAME, IPFamily.V4, many[ENDPOINTS_PER_PACKET:], (), staged=True),
+            CommitEndpoints(NAME, IPFamily.V4),
+        ]
     # An address twice: a balancer fed the whole set keeps both, a change could not.
     doubled = SetEndpoints(NAME, IPFamily.V4, port, (*many, dataclasses.replace(many[3])))
     assert endpoint_steps(doubled, None) is None
@@ -394,3 +408,74 @@ def test_small_sets_a_changed_port_and_doubled_addresses_go_in_one_message() -> 
     replaced = SetEndpoints(NAME, IPFamily.V4, port, (*many[1:], big(1, 9000)[0]))
     steps = endpoint_steps(replaced, bigger)
     assert steps == [ChangeEndpoints(NAME, IPFamily.V4, (big(1, 9000)[0],), (many[0].address,))]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_big_balancers_new_spec_is_built_aside_and_taken_as_the_whole_set_would_be(
+    seed: int,
+) -> None:
+    """A big balancer whose port spec or zone changed: the steps build a balancer aside
+    while the serving one picks as before, and the commit makes it choose as one fed the
+    whole new set with the new spec; it keeps its watchers, forgets the failures and the
+    affinity of endpoints gone, and keeps counting the connections still open."""
+    rng = random.Random(seed)
+    hints = ("", "zone", "node")[seed % 3]
+    algorithm = (LbAlgorithm.ROUND_ROBIN, LbAlgorithm.LEAST_CONNECTIONS)[seed % 2]
+    settings = dataclasses.replace(SETTINGS, default_algorithm=algorithm)
+    # Affinity on, then off (seeds 0-1); on and on (2-3); off, then on (4-5).
+    old_port = ServicePort(name=NAME, port=80, affinity_timeout_s=60 if seed < 4 else None)
+    new_port = ServicePort(
+        name=NAME,
+        port=80,
+        affinity_timeout_s=None if seed < 2 else 60,
+        external_policy_local=seed % 2 == 0,
+    )
+    old = [endpoint(rng, i, hints=hints) for i in range(3 * ENDPOINTS_PER_PACKET + seed * 37)]
+    serving = Balancer(NAME, settings=settings, rng=random.Random(3))
+    serving.update(old_port, old, "z0")
+    calls: list[int] = []
+    serving.watch(lambda: calls.append(1))
+    held = serving.pick("1.1.1.1", Traffic.CLUSTER)  # an open connection (least-connections)
+    assert held is not None
+    failed = serving.pick("2.2.2.2", Traffic.CLUSTER)
+    assert failed is not None
+    serving.dial_failed("2.2.2.2", failed)
+    new = mutated(rng, old, fresh=1 << 16, hints=hints)
+    if seed % 2 == 0:  # both endpoints go
+        new = [ep for ep in new if ep.address not in (held.address, failed.address)]
+    before = state(serving)
+    load = dict(serving._load) if serving._load is not None else None
+    previous = SetEndpoints(NAME, IPFamily.V4, old_port, tuple(old), "z0")
+    message = SetEndpoints(NAME, IPFamily.V4, new_port, tuple(new), "z1")
+    steps = endpoint_steps(message, previous)
+    assert steps is not None and isinstance(steps[-1], CommitEndpoints)
+    aside = Balancer(NAME, settings=settings, rng=random.Random(4))
+    for step in steps[:-1]:
+        assert not isinstance(step, CommitEndpoints) and step.staged
+        assert _step_size(step) <= ENDPOINTS_PER_PACKET
+        if isinstance(step, SetEndpoints):
+            aside.update(step.port, step.endpoints, step.zone)
+        else:
+            aside.change(step.added, step.removed)
+        assert state(serving) == before and not calls  # it serves as it was meanwhile
+    serving.adopt(aside)
+    assert calls == [1]
+    whole = Balancer(NAME, settings=settings, rng=random.Random(5))
+    whole.update(new_port, new, "z1")
+    failing = {failed} & set(new)  # a failure of an endpoint gone is forgotten
+    assert state(serving)[:3] == state(whole)[:3] and state(serving)[3] == failing
+    assert serving.affinity == (new_port.affinity_timeout_s is not None)
+    assert all(ep in set(new) for ep, _ in (serving._affinity or {}).values())
+    if serving.affinity and old_port.affinity_timeout_s is not None:  # on, and still on
+        assert ("1.1.1.1" in serving._affinity) == (held in new)  # type: ignore[operator]
+    assert serving._load == load  # the connections still open, released when they end
+    if load is not None:
+        assert load.get(held.address) == 1
+        serving.release(held)
+        assert held.address not in (serving._load or {})
+    consistent(whole)
+    change = endpoint_changes(tuple(new), tuple(new[1:]))  # and it follows changes in place
+    assert change is not None
+    serving.change(*change)
+    whole.update(new_port, new[1:], "z1")
+    assert state(serving)[:3] == state(whole)[:3]

@@ -1209,9 +1209,15 @@ async def test_a_big_ports_whole_set_goes_to_the_workers_in_steps_and_traffic_fo
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A port that grows from one endpoint to 1,200, then has a third of them replaced (more
-    than a change of a few carries): each worker is sent steps of at most
-    ENDPOINTS_PER_PACKET endpoints, never the whole set, and traffic follows the ready one."""
-    from uproxy.dataplane.messages import ENDPOINTS_PER_PACKET, ChangeEndpoints
+    than a change of a few carries), then sees the node's zone change: each worker is sent
+    steps of at most ENDPOINTS_PER_PACKET endpoints, never the whole set (for the zone, a
+    balancer built aside, then committed), and traffic follows the ready one."""
+    from uproxy.dataplane.messages import (
+        ENDPOINTS_PER_PACKET,
+        ChangeEndpoints,
+        CommitEndpoints,
+        SetEndpoints,
+    )
 
     proxy, port, state, sent = await web_recording_messages(
         tmp_path, backends, proxies, monkeypatch
@@ -1236,6 +1242,16 @@ async def test_a_big_ports_whole_set_goes_to_the_workers_in_steps_and_traffic_fo
         await wait_for(lambda: pool.pending() == 0, timeout=10, message="every worker applied")
         names = await asyncio.gather(*(greet("127.0.0.1", port) for _ in range(16)))
         assert set(names) == {ready}
+    del sent[:]
+    pool.set_endpoints(WEB, IPFamily.V4, state.port, second, zone="z1")
+    kinds = [type(m) for m in sent]
+    assert kinds[0] is SetEndpoints and kinds[-1] is CommitEndpoints
+    assert set(kinds[1:-1]) == {ChangeEndpoints} and all(m.staged for m in sent[:-1])
+    assert len(sent[0].endpoints) + sum(len(m.added) for m in sent[1:-1]) == len(second)
+    assert all(len(m.added) <= ENDPOINTS_PER_PACKET for m in sent[1:-1])
+    await wait_for(lambda: pool.pending() == 0, timeout=10, message="every worker applied")
+    names = await asyncio.gather(*(greet("127.0.0.1", port) for _ in range(16)))
+    assert set(names) == {"b2"}
 
 
 def _replaced(proxy: Proxy, pid: int) -> bool:

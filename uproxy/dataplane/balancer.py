@@ -385,6 +385,49 @@ class Balancer:
         for watcher in self._watchers:
             watcher()
 
+    def adopt(self, other: Balancer) -> None:
+        """Choose from now on as ``other`` does: its port, zone, endpoints and pools, taken
+        whole (``other``, built aside in steps, is not used again; see
+        ``messages.endpoint_steps``). The effect is ``update``'s with the same port, endpoints
+        and zone, the round-robin order aside, at the cost of what this balancer keeps (its
+        failing endpoints and its affinity table), not of the endpoints. What it keeps of its
+        own: its watchers, and the connections counted per endpoint while the algorithm stays
+        least-connections (each is released here when it ends)."""
+        if other._algorithm is not self._algorithm:
+            self._load = {} if other._algorithm is LbAlgorithm.LEAST_CONNECTIONS else None
+            self.counting = self._load is not None
+        self._algorithm = other._algorithm
+        self._affinity_s = other._affinity_s
+        self._internal_local = other._internal_local
+        self._external_local = other._external_local
+        self._endpoints = other._endpoints
+        self._zone = other._zone
+        self._index = other._index
+        self._cluster = other._cluster
+        self._external = other._external
+        self._local_ips = other._local_ips
+        if self._failing is not None:
+            index = self._index
+            if index is not None:  # built by the steps' changes: a lookup per failing one
+                by_address = index.by_address
+                failing = {
+                    ep: f
+                    for ep, f in self._failing.items()
+                    if by_address.get((ep.ip, ep.port)) == ep
+                }
+            else:
+                current = frozenset(self._endpoints)
+                failing = {ep: f for ep, f in self._failing.items() if ep in current}
+            self._failing = failing or None
+        if self._affinity_s is None:
+            self._affinity = None
+        elif self._affinity is None:
+            self._affinity = OrderedDict()
+        else:
+            self._forget_stale_affinity(self._affinity)
+        for watcher in self._watchers:
+            watcher()
+
     def change(self, added: Sequence[Endpoint], removed: Collection[tuple[str, int]]) -> None:
         """Apply a change of the endpoints, sent as one: ``added`` are new, or replace the
         endpoint at their address; ``removed`` are the addresses of those gone.

@@ -11,6 +11,7 @@ channel per worker, carrying the data-plane state as changes, in order:
                                         node's zone for the endpoints' topology hints
                         ChangeEndpoints a change of a big balancer's endpoints: those that
                                         came or changed, the addresses of those gone
+                        CommitEndpoints serve a balancer built aside (``staged`` steps)
                         OpenListener    + its listening socket (SCM_RIGHTS): start serving it,
                                         instead of the one it served (a regrouped port)
                         CloseListener   stop accepting; established connections carry on
@@ -52,8 +53,10 @@ keeps the port and zone goes as a ``ChangeEndpoints``, which the balancer applie
 (``Balancer.change``) at a cost that follows the change. A bigger change of such a port, and
 a new port of more than a packet's endpoints, go as steps of at most a packet's endpoints
 (``endpoint_steps``): a worker applies each between two passes of its relays, where a whole
-set held them 35 ms at 20,000 endpoints. Only a change of the port or zone itself still
-sends the whole set, pieces ahead and all.
+set held them 35 ms at 20,000 endpoints. A change of such a port's spec or of the node's zone
+goes in steps too, to a balancer the worker builds aside (``staged``) while the one serving
+goes on as it was; a ``CommitEndpoints`` puts the new one in its place, which costs what
+the old one keeps (its failing endpoints, its affinity table), not its endpoints.
 """
 
 from __future__ import annotations
@@ -144,6 +147,9 @@ class SetEndpoints:
     port: ServicePort
     endpoints: tuple[Endpoint, ...]
     zone: str | None = None  # this node's, for topology hints (``model.topology``)
+    # A new balancer built aside, to serve from the CommitEndpoints that follows; the one
+    # serving goes on as it is meanwhile (a big balancer's new spec: ``endpoint_steps``).
+    staged: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +161,16 @@ class ChangeEndpoints:
     family: IPFamily
     added: tuple[Endpoint, ...]
     removed: tuple[tuple[str, int], ...]
+    staged: bool = False  # a change of the balancer being built aside
+
+
+@dataclass(frozen=True, slots=True)
+class CommitEndpoints:
+    """Serve the balancer built aside (``staged``) from now on, in place of the one serving
+    (see ``Balancer.adopt``)."""
+
+    name: ServicePortName
+    family: IPFamily
 
 
 # A change of a balancer's endpoints: those that came or changed, the addresses of those gone.
@@ -216,35 +232,41 @@ def _changes(
     return tuple(added), tuple(before)
 
 
-def endpoint_steps(
-    message: SetEndpoints, previous: SetEndpoints | None
-) -> list[SetEndpoints | ChangeEndpoints] | None:
+Step = SetEndpoints | ChangeEndpoints | CommitEndpoints
+
+
+def endpoint_steps(message: SetEndpoints, previous: SetEndpoints | None) -> list[Step] | None:
     """``message``, a balancer's endpoints, as steps of at most ENDPOINTS_PER_PACKET endpoints
     (added and removed together), or None when one message is the answer: a set that small,
-    a port or zone that changed, an address twice.
+    an address twice.
 
     ``previous``: what the balancer was given last (None: it is new). A new balancer gets a
     SetEndpoints of the first endpoints, then ChangeEndpoints adding the rest; a known one
     ChangeEndpoints, each taking an even share of the removals and additions, so that no
     step leaves it much smaller (or bigger) than both. A worker applies each between two
     passes of its relays, where a whole set held them for as long as it took: 35 ms at
-    20,000 endpoints. Meanwhile a picked endpoint is one the old or the new set has.
+    20,000 endpoints. Meanwhile a picked endpoint is one the old or the new set has. A known
+    balancer whose port or zone changed gets a new balancer's steps, ``staged``: the worker
+    builds it aside while the old one serves as it was, and a CommitEndpoints swaps them.
     """
     endpoints = message.endpoints
-    if previous is None:
+    if previous is None or previous.port != message.port or previous.zone != message.zone:
+        staged = previous is not None
         if len(endpoints) <= ENDPOINTS_PER_PACKET:
             return None
         if len({(ep.ip, ep.port) for ep in endpoints}) != len(endpoints):
             return None  # an address twice: only a whole set keeps both
-        first = dataclasses.replace(message, endpoints=endpoints[:ENDPOINTS_PER_PACKET])
+        first = dataclasses.replace(
+            message, endpoints=endpoints[:ENDPOINTS_PER_PACKET], staged=staged
+        )
         rest = endpoints[ENDPOINTS_PER_PACKET:]
-        steps: list[SetEndpoints | ChangeEndpoints] = [first]
+        steps: list[Step] = [first]
         for at in range(0, len(rest), ENDPOINTS_PER_PACKET):
             added = rest[at : at + ENDPOINTS_PER_PACKET]
-            steps.append(ChangeEndpoints(message.name, message.family, added, ()))
+            steps.append(ChangeEndpoints(message.name, message.family, added, (), staged))
+        if staged:
+            steps.append(CommitEndpoints(message.name, message.family))
         return steps
-    if previous.port != message.port or previous.zone != message.zone:
-        return None
     if max(len(previous.endpoints), len(endpoints)) <= ENDPOINTS_PER_PACKET:
         return None
     change = all_endpoint_changes(previous.endpoints, endpoints)
@@ -335,6 +357,7 @@ Message = (
     Configure
     | SetEndpoints
     | ChangeEndpoints
+    | CommitEndpoints
     | OpenListener
     | CloseListener
     | Forget
@@ -379,6 +402,7 @@ _fast_pickling(
     Configure,
     SetEndpoints,
     ChangeEndpoints,
+    CommitEndpoints,
     OpenListener,
     CloseListener,
     Forget,

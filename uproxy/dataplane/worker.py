@@ -44,6 +44,7 @@ from uproxy.dataplane.messages import (
     ChangeEndpoints,
     Channel,
     CloseListener,
+    CommitEndpoints,
     Configure,
     Forget,
     Message,
@@ -118,6 +119,8 @@ class Worker:
         self.index = index
         self.config: Configure | None = None
         self.balancers: dict[tuple[ServicePortName, IPFamily], Balancer] = {}
+        # Balancers being built aside in steps (``staged``), until their CommitEndpoints.
+        self.staged: dict[tuple[ServicePortName, IPFamily], Balancer] = {}
         self.listeners: dict[
             tuple[ServicePortName, Traffic, IPFamily], TcpListener | UdpListener
         ] = {}
@@ -216,6 +219,8 @@ class Worker:
         elif type(message) is OpenListener:
             if sock is not None:
                 self._open(message, sock)
+        elif type(message) is CommitEndpoints:
+            self._commit(message)
         elif type(message) is CloseListener:
             self._close(message)
         elif type(message) is Forget:
@@ -243,6 +248,7 @@ class Worker:
 
     def _forget(self, message: Forget) -> None:
         self.balancers.pop((message.name, message.family), None)
+        self.staged.pop((message.name, message.family), None)
         if not any((message.name, family) in self.balancers for family in IPFamily):
             # Gone in every family: its series go (the control process stops showing
             # them; connections still draining keep counting into slots nobody reads).
@@ -251,18 +257,34 @@ class Worker:
     def _set_endpoints(self, message: SetEndpoints) -> None:
         settings = self._configured().settings
         key = (message.name, message.family)
-        balancer = self.balancers.get(key)
-        if balancer is None:
-            balancer = self.balancers[key] = Balancer(message.name, settings=settings)
+        if message.staged:
+            balancer = self.staged[key] = Balancer(message.name, settings=settings)
+        else:
+            found = self.balancers.get(key)
+            if found is None:
+                found = self.balancers[key] = Balancer(message.name, settings=settings)
+            balancer = found
         balancer.update(message.port, message.endpoints, message.zone)
 
     def _change_endpoints(self, message: ChangeEndpoints) -> None:
         key = (message.name, message.family)
-        balancer = self.balancers.get(key)
+        where = self.staged if message.staged else self.balancers
+        balancer = where.get(key)
         if balancer is None:  # never: a change follows its balancer's SetEndpoints
             settings = self._configured().settings
-            balancer = self.balancers[key] = Balancer(message.name, settings=settings)
+            balancer = where[key] = Balancer(message.name, settings=settings)
         balancer.change(message.added, message.removed)
+
+    def _commit(self, message: CommitEndpoints) -> None:
+        key = (message.name, message.family)
+        built = self.staged.pop(key, None)
+        if built is None:  # never: a commit follows its staged SetEndpoints
+            return
+        serving = self.balancers.get(key)
+        if serving is None:
+            self.balancers[key] = built
+        else:  # the listeners keep the balancer they have; it takes the new one's state
+            serving.adopt(built)
 
     def _open(self, message: OpenListener, sock: socket.socket) -> None:
         config = self._configured()
