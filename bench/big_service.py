@@ -12,8 +12,10 @@ with N endpoints (on loopback addresses nobody dials). One client connection sen
 (the services file, generated beforehand, is swapped in): by default one endpoint is replaced
 (``--change one``); ``--change third`` replaces a third of them at once (a rollout, or a
 zone's nodes going: more than a worker takes as a change of a few), and ``--change appear``
-takes ``big`` away and brings it back in turn (a new port with all its endpoints). The client and
-the echo server run on the first CPU. The first count (100 endpoints) is the baseline: a
+takes ``big`` away and brings it back in turn (a new port with all its endpoints); ``--change
+affinity`` turns ClientIP affinity on and off on ``big`` (its spec changes: a worker builds the
+new balancer aside, in steps, then swaps it in). The client and the echo server run on the
+first CPU. The first count (100 endpoints) is the baseline: a
 change of it costs a worker next to nothing, so its tail is that of the file reloads alone
 (the control process parses the whole file each time, on the worker's CPU, below it).
 
@@ -60,16 +62,19 @@ uvloop.run(main())
 """
 
 
-def _service(name: str, ip: str, port: int, target: int) -> dict[str, Any]:
+def _service(name: str, ip: str, port: int, target: int, *, sticky: bool = False) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "type": "ClusterIP",
+        "clusterIP": ip,
+        "ports": [{"name": "p", "port": port, "protocol": "TCP", "targetPort": target}],
+    }
+    if sticky:
+        spec["sessionAffinity"] = "ClientIP"
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": {"name": name, "namespace": "bench"},
-        "spec": {
-            "type": "ClusterIP",
-            "clusterIP": ip,
-            "ports": [{"name": "p", "port": port, "protocol": "TCP", "targetPort": target}],
-        },
+        "spec": spec,
     }
 
 
@@ -91,14 +96,15 @@ def _slice(name: str, index: int, addresses: list[str], port: int) -> dict[str, 
     }
 
 
-CHANGES = ("one", "third", "appear")
+CHANGES = ("one", "third", "appear", "affinity")
 
 
 def services_file(path: Path, endpoints: int, generation: int, change: str = "one") -> None:
     """``target`` and ``big`` as generation g of ``change`` has them: "one" replaces big's
     endpoint g by a new address; "third" gives the third of big's endpoints i with i = g
     (mod 3) addresses of generation g, the others keep their last generation's; "appear"
-    leaves big out of odd generations."""
+    leaves big out of odd generations; "affinity" turns ClientIP affinity on for big in odd
+    generations (its spec changes, its endpoints do not)."""
     addresses = [f"127.2.{i // 250}.{i % 250 + 1}" for i in range(endpoints)]
     if generation and change == "one":
         addresses[generation % endpoints] = f"127.3.{generation // 250}.{generation % 250 + 1}"
@@ -114,7 +120,8 @@ def services_file(path: Path, endpoints: int, generation: int, change: str = "on
     if change == "appear" and generation % 2:
         endpoints = 0
     else:
-        docs.append(_service("big", "10.96.0.2", BIG_PORT, 9))
+        sticky = change == "affinity" and generation % 2 == 1
+        docs.append(_service("big", "10.96.0.2", BIG_PORT, 9, sticky=sticky))
     for start in range(0, endpoints, PER_SLICE):
         docs.append(_slice("big", start // PER_SLICE, addresses[start : start + PER_SLICE], 9))
     tmp = path.with_suffix(".tmp")
