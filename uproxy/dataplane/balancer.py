@@ -376,14 +376,7 @@ class Balancer:
             current = frozenset(eps)
             failing = {ep: f for ep, f in self._failing.items() if ep in current}
             self._failing = failing or None
-        if affinity_s is None:
-            self._affinity = None
-        elif self._affinity is None:
-            self._affinity = OrderedDict()
-        else:
-            self._forget_stale_affinity(self._affinity)
-        for watcher in self._watchers:
-            watcher()
+        self._affinity_then_watchers()
 
     def adopt(self, other: Balancer) -> None:
         """Choose from now on as ``other`` does: its port, zone, endpoints and pools, taken
@@ -419,6 +412,11 @@ class Balancer:
                 current = frozenset(self._endpoints)
                 failing = {ep: f for ep, f in self._failing.items() if ep in current}
             self._failing = failing or None
+        self._affinity_then_watchers()
+
+    def _affinity_then_watchers(self) -> None:
+        """After a new spec or set (``update``, ``adopt``): an affinity table while affinity is
+        on (its clients of endpoints gone forgotten), then the watchers told."""
         if self._affinity_s is None:
             self._affinity = None
         elif self._affinity is None:
