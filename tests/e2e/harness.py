@@ -249,6 +249,20 @@ class Uproxy:
             message=f"a uproxy sync after {after}",
         )
 
+    def wait_change_synced(self, *, after: float, timeout: float = 15.0) -> None:
+        """Until a change made after wall-clock time ``after`` (a services file written then)
+        has been queued for a sync, and a sync has ended since. ``wait_synced(after=...)``
+        alone can be met by a sync queued before the change (a change of endpoints the rate
+        limit held back) that ends before the file is read again."""
+
+        def synced() -> bool:
+            queued = self.metrics().get(
+                ("kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds", ()), 0.0
+            )
+            return queued > after and self.last_sync() > queued
+
+        wait_for_sync(synced, timeout=timeout, interval=0.1, message=f"a change after {after}")
+
     def proxy_ports(self, *, ipv6: bool = False) -> dict[tuple[str, str], int]:
         """(service port name, traffic) -> the proxy port uproxy logged opening last, of the
         IPv4 listeners (of the IPv6 ones with ``ipv6``)."""

@@ -182,5 +182,5 @@ def test_health_check_node_port_follows_local_endpoints(
     started = time.time()
     services.remove("Service", "local")
     services.write()
-    proxy.wait_synced(after=started)
+    proxy.wait_change_synced(after=started)
     assert curl_status(topo, topo.outside, url) == CONNECTION_REFUSED

@@ -263,7 +263,7 @@ def test_rules_are_exact_and_go_with_their_service(
     started = time.time()
     services.remove("Service", "web")
     services.write()
-    proxy.wait_synced(after=started)
+    proxy.wait_change_synced(after=started)
     assert comparable(save(topo, topo.node, mode)) == comparable(
         expected_tables(topo.node_ip, web=None, dns_port=dns_port)
     )
@@ -275,7 +275,7 @@ def test_rules_are_exact_and_go_with_their_service(
     started = time.time()
     services.remove("Service", "dns")
     services.write()
-    proxy.wait_synced(after=started)
+    proxy.wait_change_synced(after=started)
     assert comparable(save(topo, topo.node, mode)) == comparable(
         expected_tables(topo.node_ip, web=None, dns_port=None)
     )
@@ -509,14 +509,14 @@ def test_nft_table_is_exact_and_goes_with_its_service(
     started = time.time()
     services.remove("Service", "web")
     services.write()
-    proxy.wait_synced(after=started)
+    proxy.wait_change_synced(after=started)
     assert nft_table(net) == expected_nft(topo.node_ip, web=None, dns_port=dns_port)
     assert nft_table(net, 6) == expected_nft(topo.node_ip6, web=None, dns_port=None, family=6)
 
     started = time.time()
     services.remove("Service", "dns")
     services.write()
-    proxy.wait_synced(after=started)
+    proxy.wait_change_synced(after=started)
     assert nft_table(net) == expected_nft(topo.node_ip, web=None, dns_port=None)
     assert f"dst={DNS_IP}" not in conntrack_udp(net)
 
