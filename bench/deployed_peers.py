@@ -237,20 +237,18 @@ class HaproxyNode(NodePeer):
         svc = env.services
         http, iperf = HAPROXY_PORTS
         cfg = env.workdir / "haproxy-node.cfg"
-        cfg.write_text(
-            HAPROXY_CFG.format(
-                threads=1,
-                listen=NODE_POD_SIDE_IP,
-                http=http,
-                iperf=iperf,
-                backend=svc.backend_ip,
-                b_http=svc.target.target_port,
-                b_iperf=svc.bulk.target_port,
-            )
+        text = HAPROXY_CFG.format(
+            threads=1,
+            listen=NODE_POD_SIDE_IP,
+            http=http,
+            iperf=iperf,
+            backend=svc.backend_ip,
+            b_http=svc.target.target_port,
+            b_iperf=svc.bulk.target_port,
         )
         if self.busy_polling:
-            text = cfg.read_text().replace("global\n", "global\n    busy-polling\n", 1)
-            cfg.write_text(text)
+            text = text.replace("global\n", "global\n    busy-polling\n", 1)
+        cfg.write_text(text)
         proc = env.procs.start(
             ["haproxy", "-db", "-f", str(cfg)], core=env.cores.proxy, name=self.name
         )

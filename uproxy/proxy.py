@@ -182,16 +182,15 @@ class Proxy:
         await self._start_http()
         window = self.dataplane.busy_poll_s
         if window > 0:
+            workers = self.workers.count if self.workers is not None else 0
             log.info(
                 "The relaying loops poll for a while after each event instead of sleeping: "
                 "up to a CPU each while traffic comes",
-                extra=kv(busy_poll=format_duration(window), workers=self.workers.count)
-                if self.workers is not None
-                else kv(busy_poll=format_duration(window), workers=0),
+                extra=kv(busy_poll=format_duration(window), workers=workers),
             )
         if self.workers is None:  # this loop relays
             busypoll.install(asyncio.get_running_loop(), window)
-        if self.workers is not None:
+        else:
             try:
                 await self.workers.start()
             except OSError as e:

@@ -257,13 +257,10 @@ class Worker:
     def _set_endpoints(self, message: SetEndpoints) -> None:
         settings = self._configured().settings
         key = (message.name, message.family)
-        if message.staged:
-            balancer = self.staged[key] = Balancer(message.name, settings=settings)
-        else:
-            found = self.balancers.get(key)
-            if found is None:
-                found = self.balancers[key] = Balancer(message.name, settings=settings)
-            balancer = found
+        balancer = None if message.staged else self.balancers.get(key)
+        if balancer is None:  # new, or a new spec built aside (always afresh)
+            balancer = Balancer(message.name, settings=settings)
+            (self.staged if message.staged else self.balancers)[key] = balancer
         balancer.update(message.port, message.endpoints, message.zone)
 
     def _change_endpoints(self, message: ChangeEndpoints) -> None:
