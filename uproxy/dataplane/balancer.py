@@ -378,14 +378,19 @@ class Balancer:
             self._failing = failing or None
         self._affinity_then_watchers()
 
-    def adopt(self, other: Balancer) -> None:
+    def adopt(self, other: Balancer) -> list[object]:
         """Choose from now on as ``other`` does: its port, zone, endpoints and pools, taken
         whole (``other``, built aside in steps, is not used again; see
         ``messages.endpoint_steps``). The effect is ``update``'s with the same port, endpoints
         and zone, the round-robin order aside, at the cost of what this balancer keeps (its
         failing endpoints and its affinity table), not of the endpoints. What it keeps of its
         own: its watchers, and the connections counted per endpoint while the algorithm stays
-        least-connections (each is released here when it ends)."""
+        least-connections (each is released here when it ends).
+
+        Returns the containers of the state it held (``_held``), for the caller to let go of
+        a slice at a time (``release.Release``): freed here, 20,000 endpoints took 3.5-4.4 ms.
+        """
+        held = self._held()
         if other._algorithm is not self._algorithm:
             self._load = {} if other._algorithm is LbAlgorithm.LEAST_CONNECTIONS else None
             self.counting = self._load is not None
@@ -413,6 +418,40 @@ class Balancer:
                 failing = {ep: f for ep, f in self._failing.items() if ep in current}
             self._failing = failing or None
         self._affinity_then_watchers()
+        return held
+
+    def let_go(self) -> list[object]:
+        """Leave this balancer with no endpoints, as one forgotten (its port gone: a
+        connection of a closed listener that dials again finds none), and return the
+        containers of what it held, as ``adopt`` does."""
+        held = self._held()
+        if self._failing is not None:
+            held.append(self._failing)
+            self._failing = None
+        if self._affinity:
+            held.append(self._affinity)
+            self._affinity = OrderedDict()
+        self._endpoints = ()
+        self._index = None
+        self._cluster = self._external = _EMPTY
+        self._local_ips = _NO_IPS
+        return held
+
+    def _held(self) -> list[object]:
+        """The containers of this balancer's endpoints: the endpoints, their index, each
+        pool's order and members. None is shared with another balancer."""
+        held: list[object] = [self._endpoints, self._local_ips]
+        index = self._index
+        if index is not None:
+            held += (index.by_address, index.local)
+        pools: tuple[_Pool, ...] = (self._cluster,)
+        if self._external is not self._cluster:
+            pools += (self._external,)
+        for pool in pools:
+            held.append(pool.order)
+            if pool.members is not pool.order:
+                held.append(pool.members)
+        return held
 
     def _affinity_then_watchers(self) -> None:
         """After a new spec or set (``update``, ``adopt``): an affinity table while affinity is

@@ -53,6 +53,7 @@ from uproxy.dataplane.messages import (
     SetEndpoints,
 )
 from uproxy.dataplane.poller import io_waiting
+from uproxy.dataplane.release import Release
 from uproxy.lifeline import die_with_parent
 from uproxy.log import V2, kv
 from uproxy.model import IPFamily, ServicePortName, Traffic
@@ -133,6 +134,8 @@ class Worker:
         self._quiet_check: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.channel: Channel | None = None
+        # What balancers let go of, freed in slices (made on the first use, on the loop).
+        self.release: Release | None = None
 
     async def run(self) -> int:
         self._loop = loop = asyncio.get_running_loop()
@@ -247,8 +250,12 @@ class Worker:
         self.closing.append(listener)
 
     def _forget(self, message: Forget) -> None:
-        self.balancers.pop((message.name, message.family), None)
-        self.staged.pop((message.name, message.family), None)
+        for balancer in (
+            self.balancers.pop((message.name, message.family), None),
+            self.staged.pop((message.name, message.family), None),
+        ):
+            if balancer is not None:
+                self._let_go(balancer.let_go())
         if not any((message.name, family) in self.balancers for family in IPFamily):
             # Gone in every family: its series go (the control process stops showing
             # them; connections still draining keep counting into slots nobody reads).
@@ -260,7 +267,13 @@ class Worker:
         balancer = None if message.staged else self.balancers.get(key)
         if balancer is None:  # new, or a new spec built aside (always afresh)
             balancer = Balancer(message.name, settings=settings)
-            (self.staged if message.staged else self.balancers)[key] = balancer
+            if message.staged:
+                replaced = self.staged.get(key)
+                if replaced is not None:  # never: a commit or a Forget ends each build
+                    self._let_go(replaced.let_go())
+                self.staged[key] = balancer
+            else:
+                self.balancers[key] = balancer
         balancer.update(message.port, message.endpoints, message.zone)
 
     def _change_endpoints(self, message: ChangeEndpoints) -> None:
@@ -281,7 +294,15 @@ class Worker:
         if serving is None:
             self.balancers[key] = built
         else:  # the listeners keep the balancer they have; it takes the new one's state
-            serving.adopt(built)
+            self._let_go(serving.adopt(built))
+
+    def _let_go(self, held: list[object]) -> None:
+        """Free ``held`` a slice at a time between the loop's passes (``release``)."""
+        release = self.release
+        if release is None:
+            loop = asyncio.get_running_loop()
+            release = self.release = Release(loop, busy=io_waiting(loop))
+        release.later(held)
 
     def _open(self, message: OpenListener, sock: socket.socket) -> None:
         config = self._configured()
