@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 
 from tests.dataplane.test_balancer import FakeClock
-from uproxy.dataplane.balancer import Balancer
+from uproxy.dataplane.balancer import _ALL_READY, _FALLBACK, _FOR_ZONE, Balancer
 from uproxy.dataplane.messages import (
     CHANGES_FROM,
     ENDPOINTS_PER_PACKET,
@@ -114,6 +114,17 @@ def consistent(b: Balancer) -> None:
         if order and not b.affinity and b._failing is None:
             got = Counter(b.pick("9.9.9.9", traffic) for _ in range(len(order)))
             assert got == dict.fromkeys(order, 1)
+    index = b._index
+    if index is not None and index.pools is not None:
+        # A pool kept for each choice that has endpoints, exactly those it takes, each one
+        # a pool that follows changes.
+        every = list(index.by_address.values())
+        for choice in range(4):
+            taken = {ep for ep in every if index.takes(choice, ep)}
+            kept = index.pools.get(choice)
+            assert (set(kept.order) if kept is not None else set()) == taken, choice
+            if kept is not None:
+                assert kept.members == {ep: at for at, ep in enumerate(kept.order)}
 
 
 @pytest.mark.parametrize("seed", range(32))
@@ -315,6 +326,52 @@ def test_a_change_that_turns_hints_on_forgets_the_affinity_to_endpoints_left_out
     assert list(b.endpoints(Traffic.CLUSTER)) == [mine]
     assert b.affinity_entries == 0
     assert b.pick("1.1.1.1", Traffic.CLUSTER) == mine
+
+
+def test_a_change_that_turns_the_choice_takes_the_pool_kept_for_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Zone hints on 3,000 endpoints: one endpoint that comes without hints turns them off
+    for the port, and it going turns them back on; the last ready one going leaves the
+    terminating ones. Each time the new pool is one kept and followed all along, nothing
+    is computed over the endpoints (the whole-set path, ``categorize``, would fail here)."""
+    b = Balancer(NAME, settings=SETTINGS, rng=random.Random(9))
+    zones = ("z0", "z1", "z2")
+    hinted = [dataclasses.replace(ep, zone_hints=(zones[i % 3],)) for i, ep in enumerate(big(3000))]
+    port = ServicePort(name=NAME, port=80)
+    b.update(port, hinted[:250], "z0")
+    for at in range(250, 3000, 250):
+        b.change(hinted[at : at + 250], ())
+    mine = {ep for ep in hinted if "z0" in ep.zone_hints}
+    assert set(b.endpoints(Traffic.CLUSTER)) == mine
+    zone_pool = b._cluster
+
+    def no_whole_set(*args: object, **kwargs: object) -> tuple[Endpoint, ...]:
+        raise AssertionError("a pool computed over every endpoint")
+
+    monkeypatch.setattr("uproxy.dataplane.balancer.categorize", no_whole_set)
+    bare = big(1, 5000)[0]
+    b.change((bare,), ())
+    assert set(b.endpoints(Traffic.CLUSTER)) == {*hinted, bare}
+    all_ready = b._cluster
+    b.change((), (bare.address,))
+    assert b._cluster is zone_pool and set(b.endpoints(Traffic.CLUSTER)) == mine
+    assert b._index is not None and b._index.pools is not None
+    assert b._index.pools[_FOR_ZONE] is zone_pool and b._index.pools[_ALL_READY] is all_ready
+    consistent(b)
+    # Every ready endpoint going in steps, a draining copy of each coming: the last step
+    # leaves the terminating ones, followed since the first came.
+    draining = [dataclasses.replace(ep, ready=False, terminating=True) for ep in hinted]
+    for at in range(0, 3000, 250):
+        b.change(draining[at : at + 250], ())
+        consistent(b)
+    assert set(b.endpoints(Traffic.CLUSTER)) == set(draining)
+    assert set(b._index.pools) == {_FALLBACK}  # only the fallback has endpoints
+    # Let go of (a forgotten port), it hands over the pools kept for other choices too.
+    b.change(hinted[:250], ())
+    kept = [b._index.pools[c] for c in (_FOR_ZONE, _ALL_READY, _FALLBACK)]
+    held = {id(c) for c in b.let_go()}
+    assert all(id(pool.order) in held and id(pool.members) in held for pool in kept)
 
 
 def apply(b: Balancer, message: Step) -> None:

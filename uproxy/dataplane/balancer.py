@@ -155,7 +155,16 @@ _FOR_NODE, _FOR_ZONE, _ALL_READY, _FALLBACK = range(4)
 class _Index:
     """A balancer's endpoints by address, kept once they change as changes (``Balancer.change``):
     all of them, those on this node, and counts of the ready ones by their topology hints, from
-    which the choice of a cluster-wide pool follows without a pass over them."""
+    which the choice of a cluster-wide pool follows without a pass over them.
+
+    ``pools``: while some traffic class picks cluster-wide, a pool for each choice that has
+    endpoints (``takes``), all of them following each change, so that a change that turns
+    the choice (the last endpoint without hints gone or one come, the last ready endpoint
+    gone) takes the other pool as it is. Computed whole there, a pool took 7-16 ms at 20,000
+    endpoints with zone hints; a hints toggle by the EndpointSlice controller comes in steps
+    (``messages.endpoint_steps``), one of which turns the choice. The price: a port on
+    topology hints keeps its ready endpoints in two pools, those of its zone and all of them.
+    """
 
     __slots__ = (
         "by_address",
@@ -164,6 +173,7 @@ class _Index:
         "local",
         "node",
         "node_hinted",
+        "pools",
         "ready",
         "zone",
         "zone_hinted",
@@ -190,6 +200,7 @@ class _Index:
         self.node_hinted = self.zone_hinted = self.for_node = self.for_zone = 0
         for ep in hinted:
             self.count_hints(ep, 1)
+        self.pools: dict[int, _Pool] | None = None  # see ``keep_pools``
 
     def count(self, ep: Endpoint, step: int) -> None:
         """Count ``ep`` in (``step`` 1) or out (-1)."""
@@ -220,14 +231,58 @@ class _Index:
         return _ALL_READY
 
     def takes(self, choice: int, ep: Endpoint) -> bool:
-        """Whether a cluster-wide pool of ``choice`` (not the fallback) holds ``ep``."""
+        """Whether a cluster-wide pool of ``choice`` holds ``ep``."""
         if not ep.ready:
-            return False
+            return choice == _FALLBACK and ep.serving and ep.terminating
         if choice == _FOR_NODE:
             return self.node in ep.node_hints
         if choice == _FOR_ZONE:
             return self.zone is not None and self.zone in ep.zone_hints
-        return True
+        return choice == _ALL_READY
+
+    def keep_pools(self, endpoints: Sequence[Endpoint], current: _Pool, rng: random.Random) -> None:
+        """Start ``pools`` (once, linear): ``current``, the cluster-wide pool computed for
+        ``endpoints`` as they are, for the choice they make, and one for each other choice
+        that has endpoints."""
+        choice = self.choice()
+        pools = self.pools = {}
+        if current.order:
+            pools[choice] = current.thawed()
+        for other in (_FOR_NODE, _FOR_ZONE, _ALL_READY, _FALLBACK):
+            if other != choice:
+                for ep in endpoints:
+                    if self.takes(other, ep):
+                        self._into(other, ep, rng)
+
+    def follow(self, gone: list[Endpoint], new: list[Endpoint], rng: random.Random) -> None:
+        """Apply a change to every pool: ``gone`` leave, ``new`` join those that take them
+        (a pool with none left goes)."""
+        pools = self.pools
+        assert pools is not None
+        for ep in gone:
+            for pool in pools.values():
+                pool.discard(ep)
+        node, zone = self.node, self.zone
+        for ep in new:
+            if ep.ready:
+                self._into(_ALL_READY, ep, rng)
+                if node in ep.node_hints:
+                    self._into(_FOR_NODE, ep, rng)
+                if zone in ep.zone_hints:  # never None: hints are names
+                    self._into(_FOR_ZONE, ep, rng)
+            elif ep.serving and ep.terminating:
+                self._into(_FALLBACK, ep, rng)
+        if gone:
+            for choice in [c for c, pool in pools.items() if not pool.order]:
+                del pools[choice]
+
+    def _into(self, choice: int, ep: Endpoint, rng: random.Random) -> None:
+        pools = self.pools
+        assert pools is not None
+        pool = pools.get(choice)
+        if pool is None:
+            pool = pools[choice] = _EMPTY.thawed()
+        pool.add(ep, rng)
 
 
 class _PoolAddresses:
@@ -439,15 +494,15 @@ class Balancer:
 
     def _held(self) -> list[object]:
         """The containers of this balancer's endpoints: the endpoints, their index, each
-        pool's order and members. None is shared with another balancer."""
+        pool's order and members (the pools kept for other choices too). None is shared
+        with another balancer."""
         held: list[object] = [self._endpoints, self._local_ips]
+        pools = {id(pool): pool for pool in (self._cluster, self._external)}
         index = self._index
         if index is not None:
             held += (index.by_address, index.local)
-        pools: tuple[_Pool, ...] = (self._cluster,)
-        if self._external is not self._cluster:
-            pools += (self._external,)
-        for pool in pools:
+            pools.update((id(pool), pool) for pool in (index.pools or {}).values())
+        for pool in pools.values():
             held.append(pool.order)
             if pool.members is not pool.order:
                 held.append(pool.members)
@@ -472,15 +527,17 @@ class Balancer:
         The effect is ``update``'s with the whole new set (the port and zone unchanged), the
         round-robin order aside: the pools follow the change in place (an endpoint that came
         takes a random place in the order, one that went leaves it), so its cost follows the
-        change rather than the number of endpoints. Computed whole as ``update`` does, still:
-        a cluster-wide pool whose choice changes (topology hints turned on or off, the last
-        ready endpoint gone: the terminating fallback), and a Local pool, from this node's
-        endpoints alone.
+        change rather than the number of endpoints, also when the cluster-wide choice turns
+        (topology hints on or off, the terminating fallback: ``_Index.pools``). Computed
+        whole as ``update`` does, still: a Local pool, from this node's endpoints alone.
         """
         node = self._settings.node_name
         index = self._index
         if index is None:
             index = self._index = _Index(self._endpoints, node, self._zone)
+            if not (self._internal_local and self._external_local):
+                wide = self._external if self._internal_local else self._cluster
+                index.keep_pools(self._endpoints, wide, self._rng)
         by_address, local = index.by_address, index.local
         choice_before = index.choice()
         gone: list[Endpoint] = []
@@ -513,19 +570,23 @@ class Balancer:
                 local[(ep.ip, ep.port)] = ep
         self._endpoints = tuple(by_address.values())
         choice = index.choice()
-        # The same choice before and after, and some endpoint ready: the cluster-wide pool
-        # follows the change; else (None) it is computed whole.
-        same = choice == choice_before != _FALLBACK
-        follows = choice if same else None
-        cluster = self._follow(
-            self._cluster, self._internal_local, gone, new, touched_local, follows
-        )
+        pools = index.pools
+        if pools is None:  # both traffic classes pick from this node's endpoints alone
+            wide = _EMPTY
+        else:
+            index.follow(gone, new, self._rng)
+            wide = pools.get(choice, _EMPTY)
+        if self._internal_local:
+            cluster = self._local_pool(self._cluster) if touched_local else self._cluster
+        else:
+            cluster = wide
         if self._external_local == self._internal_local:
             self._external = cluster
+        elif self._external_local:
+            if touched_local:
+                self._external = self._local_pool(self._external)
         else:
-            self._external = self._follow(
-                self._external, self._external_local, gone, new, touched_local, follows
-            )
+            self._external = wide
         self._cluster = cluster
         if touched_local:
             self._local_ips = frozenset(ep.ip for ep in local.values() if ep.ready) or _NO_IPS
@@ -535,44 +596,17 @@ class Balancer:
                 failing.pop(ep, None)
             if not failing:
                 self._failing = None
-        if self._affinity and (gone or not same):  # endpoints left a pool
+        if self._affinity and (gone or choice != choice_before):  # endpoints left a pool
             self._forget_stale_affinity(self._affinity)
         for watcher in self._watchers:
             watcher()
 
-    def _follow(
-        self,
-        pool: _Pool,
-        local_only: bool,
-        gone: list[Endpoint],
-        new: list[Endpoint],
-        touched_local: bool,
-        choice: int | None,
-    ) -> _Pool:
-        """The pool of a traffic class after ``change`` (``pool`` itself, changed in place,
-        when it can follow: a cluster-wide pool whose ``choice`` is the one it had, else
-        None)."""
-        node = self._settings.node_name
-        index = self._index
-        assert index is not None
-        if local_only:
-            if not touched_local:
-                return pool
-            mine = tuple(index.local.values())
-            selected = categorize(mine, local_only=True, node_name=node)
-        else:
-            if choice is not None and pool.order:
-                live = pool.thawed()
-                for ep in gone:
-                    live.discard(ep)
-                for ep in new:
-                    if index.takes(choice, ep):
-                        live.add(ep, self._rng)
-                if live.order:
-                    return live
-            selected = categorize(
-                self._endpoints, local_only=False, node_name=node, zone=self._zone
-            )
+    def _local_pool(self, pool: _Pool) -> _Pool:
+        """The pool of a Local traffic class after a change of this node's endpoints
+        (``pool`` itself when its set did not change)."""
+        assert self._index is not None
+        mine = tuple(self._index.local.values())
+        selected = categorize(mine, local_only=True, node_name=self._settings.node_name)
         members = frozenset(selected)
         return pool if pool.holds_exactly(members) else self._new_pool(selected, members)
 
