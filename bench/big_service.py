@@ -14,9 +14,11 @@ with N endpoints (on loopback addresses nobody dials). One client connection sen
 zone's nodes going: more than a worker takes as a change of a few), and ``--change appear``
 takes ``big`` away and brings it back in turn (a new port with all its endpoints); ``--change
 affinity`` turns ClientIP affinity on and off on ``big`` (its spec changes: a worker builds the
-new balancer aside, in steps, then swaps it in). The client and the echo server run on the
-first CPU. The first count (100 endpoints) is the baseline: a
-change of it costs a worker next to nothing, so its tail is that of the file reloads alone
+new balancer aside, in steps, then swaps it in); ``--change hints`` gives all of ``big``'s
+endpoints topology hints and takes them away in turn (as the EndpointSlice controller does
+when a Service's trafficDistribution is set or its hints no longer fit). The client and the
+echo server run on the first CPU. The first count (100 endpoints) is the baseline: a change
+of it costs a worker next to nothing, so its tail is that of the file reloads alone
 (the control process parses the whole file each time, on the worker's CPU, below it).
 
 Laptop mode, not the deployed path: what is measured is the worker's loop, which is the same
@@ -50,6 +52,7 @@ MESSAGE = b"y" * 64
 INTERVAL_S = 0.001
 CHANGE_EVERY_S = 1.0
 READY_TIMEOUT_S = 90.0
+NODE = "bench-node"  # uproxy's node name (the hints of ``--change hints`` name it)
 ECHO = f"""
 import asyncio, uvloop
 class Echo(asyncio.Protocol):
@@ -78,7 +81,16 @@ def _service(name: str, ip: str, port: int, target: int, *, sticky: bool = False
     }
 
 
-def _slice(name: str, index: int, addresses: list[str], port: int) -> dict[str, Any]:
+def _slice(
+    name: str, index: int, addresses: list[str], port: int, hinted: bool = False
+) -> dict[str, Any]:
+    endpoints: list[dict[str, Any]] = [
+        {"addresses": [a], "conditions": {"ready": True}, "nodeName": f"node-{a}"}
+        for a in addresses
+    ]
+    if hinted:  # a third of them hinted for this node (PreferSameNode), the rest elsewhere
+        for i, ep in enumerate(endpoints):
+            ep["hints"] = {"forNodes": [{"name": NODE if i % 3 == 0 else f"node-{i}"}]}
     return {
         "apiVersion": "discovery.k8s.io/v1",
         "kind": "EndpointSlice",
@@ -89,14 +101,11 @@ def _slice(name: str, index: int, addresses: list[str], port: int) -> dict[str, 
         },
         "addressType": "IPv4",
         "ports": [{"name": "p", "port": port, "protocol": "TCP"}],
-        "endpoints": [
-            {"addresses": [a], "conditions": {"ready": True}, "nodeName": f"node-{a}"}
-            for a in addresses
-        ],
+        "endpoints": endpoints,
     }
 
 
-CHANGES = ("one", "third", "appear", "affinity")
+CHANGES = ("one", "third", "appear", "affinity", "hints")
 
 
 def services_file(path: Path, endpoints: int, generation: int, change: str = "one") -> None:
@@ -104,7 +113,9 @@ def services_file(path: Path, endpoints: int, generation: int, change: str = "on
     endpoint g by a new address; "third" gives the third of big's endpoints i with i = g
     (mod 3) addresses of generation g, the others keep their last generation's; "appear"
     leaves big out of odd generations; "affinity" turns ClientIP affinity on for big in odd
-    generations (its spec changes, its endpoints do not)."""
+    generations (its spec changes, its endpoints do not); "hints" gives every endpoint of big
+    a topology hint for a node in odd generations, a third of them for this one (each
+    endpoint changes: the worker gets steps, one of which turns the hints on or off)."""
     addresses = [f"127.2.{i // 250}.{i % 250 + 1}" for i in range(endpoints)]
     if generation and change == "one":
         addresses[generation % endpoints] = f"127.3.{generation // 250}.{generation % 250 + 1}"
@@ -123,7 +134,9 @@ def services_file(path: Path, endpoints: int, generation: int, change: str = "on
         sticky = change == "affinity" and generation % 2 == 1
         docs.append(_service("big", "10.96.0.2", BIG_PORT, 9, sticky=sticky))
     for start in range(0, endpoints, PER_SLICE):
-        docs.append(_slice("big", start // PER_SLICE, addresses[start : start + PER_SLICE], 9))
+        hinted = change == "hints" and generation % 2 == 1
+        chunk = addresses[start : start + PER_SLICE]
+        docs.append(_slice("big", start // PER_SLICE, chunk, 9, hinted))
     tmp = path.with_suffix(".tmp")
     tmp.write_text(yaml.dump_all(docs, Dumper=getattr(yaml, "CSafeDumper", yaml.SafeDumper)))
     os.replace(tmp, path)
@@ -166,7 +179,7 @@ def measure(endpoints: int, seconds: float, workdir: Path, change: str = "one") 
         services_file(workdir / f"gen-{g}.yaml", endpoints, g, change)
     log = workdir / "uproxy.log"
     argv = [sys.executable, "-m", "uproxy.cli", "--services", str(live), "--rules", "none"]
-    argv += ["--workers", "1", "--event-loop", "uvloop"]
+    argv += ["--workers", "1", "--event-loop", "uvloop", "--hostname-override", NODE]
     argv += ["--healthz-bind-address", "", "--metrics-bind-address", ""]
     started: list[subprocess.Popen[bytes]] = []
     try:
