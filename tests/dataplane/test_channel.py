@@ -22,11 +22,13 @@ from typing import Any
 import pytest
 
 from uproxy.dataplane.messages import (
+    APPLY_PART,
     APPLY_SLICE_S,
     APPLY_SLICE_STARTING_S,
     ENDPOINTS_PER_PACKET,
     MESSAGES_PER_PACKET,
     PACKET_BYTES,
+    ChangeEndpoints,
     Channel,
     Configure,
     EndpointsAhead,
@@ -206,6 +208,64 @@ async def test_a_packet_of_slow_messages_is_applied_in_slices() -> None:
     assert seen_by_others and seen_by_others[0] <= slice_messages < MESSAGES_PER_PACKET
     # "Applied" once everything received is applied, not after every slice.
     assert reports == [MESSAGES_PER_PACKET]
+
+
+async def test_a_big_change_is_applied_in_parts_one_a_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step of a big port's change (up to 250 endpoints and addresses) held a worker's
+    relays for all of its endpoints: it is applied a part at a time, the loop's other work
+    running between parts; together the parts are the change, each mixes removals and
+    additions as the change does, and the message counts once as applied. The CPU is
+    offered between messages, not between the parts of one (as inside a message)."""
+    loop = asyncio.get_running_loop()
+    spn = ServicePortName("ns", "big", "p", Protocol.TCP)
+    added = tuple(Endpoint(f"10.1.{i >> 8}.{i & 255}", 80) for i in range(150))
+    removed = tuple((f"10.2.{i >> 8}.{i & 255}", 80) for i in range(50))
+    change = ChangeEndpoints(spn, IPFamily.V4, added, removed, staged=True)
+    then = ChangeEndpoints(spn, IPFamily.V4, (), removed[:40])  # in the same packet
+    parts: list[tuple[ChangeEndpoints, int]] = []
+    passes = [0]
+    yields: list[int] = []
+    reports: list[int] = []
+    done = asyncio.Event()
+    monkeypatch.setattr(os, "sched_yield", lambda: yields.append(len(parts)))
+
+    def tick() -> None:  # counts the loop's passes while the parts come
+        passes[0] += 1
+        if not done.is_set():
+            loop.call_soon(tick)
+
+    def on_message(message: Message, sock: socket.socket | None) -> None:
+        assert isinstance(message, ChangeEndpoints)
+        parts.append((message, passes[0]))
+        _busy(APPLY_SLICE_S)  # a balancer's work for it: a slice's worth
+
+    def on_applied(count: int) -> None:
+        reports.append(count)
+        done.set()
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sender = Channel(ours, on_message=lambda m, s: None, on_closed=lambda: None)
+    receiver = Channel(theirs, on_message=on_message, on_closed=done.set, on_applied=on_applied)
+    try:
+        tick()
+        sender.send(change)
+        sender.send(then)
+        await asyncio.wait_for(done.wait(), 10)
+    finally:
+        sender.close()
+        receiver.close()
+    first = -(-200 // APPLY_PART)
+    assert len(parts) == first + 1
+    ours_parts = [p for p, _ in parts[:first]]
+    assert all(len(p.added) + len(p.removed) <= APPLY_PART for p in ours_parts)
+    assert tuple(ep for p in ours_parts for ep in p.added) == added
+    assert tuple(a for p in ours_parts for a in p.removed) == removed
+    assert all(p.added and p.removed and p.staged and p.name == spn for p in ours_parts)
+    assert parts[first][0] == then
+    seen = [at for _, at in parts]
+    assert seen == sorted(set(seen))  # each part in a pass of its own (a slice's worth each)
+    assert yields == [first]  # once, before the second message
+    assert reports == [2] and receiver.delivered == 2
 
 
 async def test_a_pass_ends_at_the_first_message_applied_while_a_relay_has_input() -> None:

@@ -114,6 +114,13 @@ APPLY_SLICE_S = 0.00005
 # 1.96-2.10 s against 2.05-2.18 with 0.05 ms slices throughout; from a services file the
 # same (2.74-2.85 against 2.78-2.84).
 APPLY_SLICE_STARTING_S = 0.0005
+# A ChangeEndpoints of more endpoints than this is applied in parts of this many, one part
+# a pass like a message of its own (``Channel._pump``): a step of 250 (``endpoint_steps``)
+# held a worker's relays 1-1.7 ms, with topology hints 2-4 ms (every pool it follows takes
+# each endpoint), where decoding its packet takes 0.3-0.5 ms. A part is a change of its own
+# (added and removed are disjoint), so between parts a balancer holds endpoints that the old
+# set or the new one has, as between steps.
+APPLY_PART = 64
 # The most bytes a packet holds, whole or a part of a message too big for one (``Part``), and
 # the receiver's buffer for one. A unix datagram must fit the sender's send buffer
 # (net.core.wmem_default, 212,992 bytes unless changed); a message is ~100 bytes, a
@@ -413,6 +420,19 @@ _fast_pickling(
 )
 
 
+def _first_part(message: ChangeEndpoints) -> tuple[ChangeEndpoints, ChangeEndpoints]:
+    """``APPLY_PART`` endpoints of ``message``, removals and additions in the proportion it
+    has them, and the rest of it."""
+    added, removed = message.added, message.removed
+    cut = len(removed) * APPLY_PART // (len(added) + len(removed))
+    take = APPLY_PART - cut
+    name, family, staged = message.name, message.family, message.staged
+    return (
+        ChangeEndpoints(name, family, added[:take], removed[:cut], staged),
+        ChangeEndpoints(name, family, added[take:], removed[cut:], staged),
+    )
+
+
 class ChannelClosed(Exception):
     """The other end is gone."""
 
@@ -461,6 +481,7 @@ class Channel:
         self._resume: asyncio.Handle | None = None
         self._busy = busy
         self._deferred = False  # the last pass applied nothing: ``busy`` when it began
+        self._parting = False  # the last message handed over was a part (``APPLY_PART``)
         self._flush_soon = False
         self._writing = False
         self.closed = False
@@ -599,7 +620,8 @@ class Channel:
         """
         busy = self._busy
         if self._resume is not None:
-            priority.offer_cpu(time.perf_counter())
+            if not self._parting:  # between parts of one message: as if inside it
+                priority.offer_cpu(time.perf_counter())
             if busy is not None and not self._deferred and busy():
                 # The loop runs this pass before it collects the waiting input: wait one
                 # more pass (once: a pass after that applies at least one message).
@@ -615,7 +637,18 @@ class Channel:
             while not self.closed:
                 if not inbox and not self._receive():
                     break
-                self._deliver(*inbox.popleft())
+                message = inbox[0][0]
+                if (
+                    type(message) is ChangeEndpoints
+                    and len(message.added) + len(message.removed) > APPLY_PART
+                ):
+                    part, rest = _first_part(message)
+                    inbox[0] = (rest, -1)
+                    self._parting = True
+                    self._on_message(part, None)  # counted as delivered with its last part
+                else:
+                    self._parting = False
+                    self._deliver(*inbox.popleft())
                 if time.perf_counter() >= deadline or (busy is not None and busy()):
                     break
         finally:
