@@ -295,6 +295,21 @@ def test_a_change_calls_the_watchers_only_when_something_changed() -> None:
     assert calls == [1]
     b.change((), (eps[0].address,))
     assert calls == [1, 1]
+    # Endpoints that only come take none out of a pool: nothing to check...
+    b.change(tuple(big(3, 500)), ())
+    assert calls == [1, 1]
+    # ... unless they are this node's (a Local pool computed again) or turn the choice.
+    b.change((dataclasses.replace(big(1, 700)[0], node_name=NODE),), ())
+    assert calls == [1, 1, 1]
+    hinted = Balancer(NAME, settings=SETTINGS, rng=random.Random(6))
+    hinted.update(ServicePort(name=NAME, port=80), [*big(99), *big(1, 200)])
+    hinted.watch(lambda: calls.append(2))
+    elsewhere = [dataclasses.replace(ep, node_hints=("node-9",)) for ep in big(99)]
+    hinted.change(tuple(elsewhere), (big(1, 200)[0].address,))  # every one hinted elsewhere
+    assert calls[3:] == [2]
+    mine = dataclasses.replace(big(1, 900)[0], node_hints=(NODE,))
+    hinted.change((mine,), ())  # hints on: the pool is this one alone, the others leave it
+    assert calls[3:] == [2, 2] and list(hinted.endpoints(Traffic.CLUSTER)) == [mine]
 
 
 def test_a_change_forgets_the_affinity_and_the_failures_of_the_endpoints_gone() -> None:

@@ -600,10 +600,14 @@ class Balancer:
                 failing.pop(ep, None)
             if not failing:
                 self._failing = None
-        if self._affinity and (gone or choice != choice_before):  # endpoints left a pool
-            self._forget_stale_affinity(self._affinity)
-        for watcher in self._watchers:
-            watcher()
+        if gone or choice != choice_before or touched_local:
+            # An endpoint may have left a pool (endpoints that only came take none out,
+            # unless they turn the choice or change this node's): a UDP listener's check
+            # of its flows is linear in them, and a big change comes in parts.
+            if self._affinity:
+                self._forget_stale_affinity(self._affinity)
+            for watcher in self._watchers:
+                watcher()
 
     def _local_pool(self, pool: _Pool) -> _Pool:
         """The pool of a Local traffic class after a change of this node's endpoints
@@ -624,7 +628,9 @@ class Balancer:
             del table[ip]
 
     def watch(self, callback: Callable[[], None]) -> None:
-        """Call ``callback`` after each update that changed the endpoints or their choice."""
+        """Call ``callback`` after each update that changed the endpoints or their choice
+        (after a change applied in place: one that may have taken an endpoint out of a
+        pool)."""
         self._watchers = (*self._watchers, callback)
 
     def unwatch(self, callback: Callable[[], None]) -> None:
