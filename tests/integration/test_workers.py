@@ -1151,7 +1151,7 @@ async def test_a_big_ports_changes_go_as_changes_and_a_replacement_gets_the_whol
     proxies: list[Proxy],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A port of 200 endpoints (one of them ready) whose ready one moves: each worker is sent
+    """A port of 100 endpoints (one of them ready) whose ready one moves: each worker is sent
     the change alone, traffic follows it in both, and a worker started after it (a
     replacement) is sent the whole set as it is now."""
     from uproxy.dataplane.messages import ChangeEndpoints, SetEndpoints
@@ -1162,7 +1162,7 @@ async def test_a_big_ports_changes_go_as_changes_and_a_replacement_gets_the_whol
     pool = proxy.workers
     assert pool is not None
     b1, b2 = endpoint_of(backends[0]), endpoint_of(backends[1])
-    idle = [Endpoint(f"127.0.1.{i}", 9, ready=False, serving=False) for i in range(198)]
+    idle = [Endpoint(f"127.0.1.{i}", 9, ready=False, serving=False) for i in range(98)]
     first, second = (b1, _unready(b2), *idle), (_unready(b1), b2, *idle)
     pool.set_endpoints(WEB, IPFamily.V4, state.port, first)
     pool.set_endpoints(WEB, IPFamily.V4, state.port, second)
@@ -1192,11 +1192,11 @@ async def test_a_big_ports_changes_go_as_changes_and_a_replacement_gets_the_whol
     third, fourth = (b1, _unready(b2), *idle), (_unready(b1), b2, *idle)
     a_copy = tuple(list(second))  # equal, but not what was sent
     pool.set_endpoints(WEB, IPFamily.V4, state.port, third, change=(a_copy, None))
-    assert computed == [200] and type(sent[-1]) is ChangeEndpoints
+    assert computed == [100] and type(sent[-1]) is ChangeEndpoints
     pool.set_endpoints(
         WEB, IPFamily.V4, state.port, fourth, change=(third, endpoint_changes(third, fourth))
     )
-    assert computed == [200] and type(sent[-1]) is ChangeEndpoints  # the syncer's, as given
+    assert computed == [100] and type(sent[-1]) is ChangeEndpoints  # the syncer's, as given
     await wait_for(lambda: pool.pending() == 0, timeout=10, message="every worker applied")
     names = await asyncio.gather(*(greet("127.0.0.1", port) for _ in range(16)))
     assert set(names) == {"b2"}

@@ -117,7 +117,7 @@ APPLY_SLICE_STARTING_S = 0.0005
 # A ChangeEndpoints of more endpoints than this is applied in parts of this many, one part
 # a pass like a message of its own (``Channel._pump``): a step of 250 (``endpoint_steps``)
 # held a worker's relays 1-1.7 ms, with topology hints 2-4 ms (every pool it follows takes
-# each endpoint), where decoding its packet takes 0.3-0.5 ms. A part is a change of its own
+# each endpoint), where decoding its packet took 0.3-0.5 ms. A part is a change of its own
 # (added and removed are disjoint), so between parts a balancer holds endpoints that the old
 # set or the new one has, as between steps.
 APPLY_PART = 64
@@ -129,12 +129,14 @@ PACKET_BYTES = 1 << 16
 _PART_ENVELOPE = 512  # a Part's pickle around its bytes: its class and two opcodes
 # Endpoints in one packet (SetEndpoints, EndpointsAhead and ChangeEndpoints together), and
 # in one step of a big balancer's endpoints (``endpoint_steps``): a worker decodes a packet
-# whole, 2.6 us an endpoint (0.65 ms for 250), then applies its messages one at a time
-# between passes of its relays. ``bench.big_service --change third`` (a third of 20,000
-# endpoints replaced each second, round trips every 1 ms, 2 runs each): p99.9 1.7-1.9 ms and
-# at most 3.4-5.3 ms in steps of 250, 3.4-4.0 and 5.8-11.7 ms in steps of 500 in packets of
-# 1,000, 6.5-11 and 17-24 ms for the whole set at once.
-ENDPOINTS_PER_PACKET = 250
+# whole, 1.2-2.6 us an endpoint (0.3-0.65 ms for 250), then applies its messages one at a
+# time (a big change in parts, ``APPLY_PART``) between passes of its relays.
+# ``bench.big_service --change third`` (a third of 20,000 endpoints replaced each second,
+# round trips every 1 ms, 2 runs each): p99.9 1.7-1.9 ms and at most 3.4-5.3 ms in steps of
+# 250, 3.4-4.0 and 5.8-11.7 ms in steps of 500 in packets of 1,000, 6.5-11 and 17-24 ms for
+# the whole set at once. With parts, 125 against 250, 6 alternating pairs of runs (hints,
+# third, appear, affinity): p99.9 0.79-1.06 ms against 0.84-1.33, lower in 5 of them.
+ENDPOINTS_PER_PACKET = 125
 # A balancer of at least this many endpoints (before or after) is sent a change of them
 # as a ChangeEndpoints when it touches at most a quarter of them (and fits a packet): below
 # that, a whole SetEndpoints costs a worker under 0.1 ms.
