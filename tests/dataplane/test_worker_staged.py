@@ -5,13 +5,18 @@ no listener has to be told)."""
 from __future__ import annotations
 
 import gc
+from collections.abc import AsyncIterator
+
+import pytest
 
 from tests.dataplane.conftest import wait_until
+from uproxy.dataplane.balancer import Balancer
 from uproxy.dataplane.messages import (
     CommitEndpoints,
     Configure,
     Forget,
     SetEndpoints,
+    Step,
     endpoint_steps,
 )
 from uproxy.dataplane.settings import DataplaneSettings
@@ -28,25 +33,33 @@ def endpoints(first: int, count: int) -> tuple[Endpoint, ...]:
     )
 
 
-async def test_the_serving_balancer_keeps_its_spec_until_the_commit_then_the_new() -> None:
-    worker = Worker(channel_fd=-1, index=0)
-    try:
-        _steps_then_commit(worker)
-    finally:
-        worker._end_burst()  # the steps made a bulk: the collector back on, as a quiet channel does
-        gc.unfreeze()
+@pytest.fixture
+async def worker() -> AsyncIterator[Worker]:
+    made = Worker(channel_fd=-1, index=0)
+    made._on_message(Configure(DataplaneSettings(node_name="node")), None)
+    yield made
+    made._end_burst()  # the steps made a bulk: the collector back on, as a quiet channel does
+    gc.unfreeze()
 
 
-def _steps_then_commit(worker: Worker) -> None:
-    worker._on_message(Configure(DataplaneSettings(node_name="node")), None)
-    plain = ServicePort(NAME, 80)
+def _affinity_turned_on(
+    worker: Worker, count: int, shift: int
+) -> tuple[Balancer, SetEndpoints, SetEndpoints, list[Step]]:
+    """A port of ``count`` endpoints served without affinity, and the steps to affinity on
+    with the endpoints ``shift`` further: the serving balancer, the old set, the new one."""
+    old = SetEndpoints(NAME, IPFamily.V4, ServicePort(NAME, 80), endpoints(0, count))
     sticky = ServicePort(NAME, 80, affinity_timeout_s=60)
-    old = SetEndpoints(NAME, IPFamily.V4, plain, endpoints(0, 600))
-    new = SetEndpoints(NAME, IPFamily.V4, sticky, endpoints(100, 600))
+    new = SetEndpoints(NAME, IPFamily.V4, sticky, endpoints(shift, count))
     worker._on_message(old, None)
-    serving = worker.balancers[KEY]
     steps = endpoint_steps(new, old)
     assert steps is not None and type(steps[-1]) is CommitEndpoints
+    return worker.balancers[KEY], old, new, steps
+
+
+async def test_the_serving_balancer_keeps_its_spec_until_the_commit_then_the_new(
+    worker: Worker,
+) -> None:
+    serving, old, new, steps = _affinity_turned_on(worker, 600, 100)
     for step in steps[:-1]:
         worker._on_message(step, None)
         assert worker.balancers[KEY] is serving and not serving.affinity
@@ -65,25 +78,10 @@ def _steps_then_commit(worker: Worker) -> None:
     assert not worker.staged and KEY not in worker.balancers
 
 
-async def test_what_a_big_port_held_is_freed_after_its_commit_and_its_forget() -> None:
-    worker = Worker(channel_fd=-1, index=0)
-    try:
-        await _freed_in_slices(worker)
-    finally:
-        worker._end_burst()
-        gc.unfreeze()
-
-
-async def _freed_in_slices(worker: Worker) -> None:
-    worker._on_message(Configure(DataplaneSettings(node_name="node")), None)
-    plain = ServicePort(NAME, 80)
-    sticky = ServicePort(NAME, 80, affinity_timeout_s=60)
-    old = SetEndpoints(NAME, IPFamily.V4, plain, endpoints(0, 1000))
-    new = SetEndpoints(NAME, IPFamily.V4, sticky, endpoints(500, 1000))
-    worker._on_message(old, None)
-    serving = worker.balancers[KEY]
-    steps = endpoint_steps(new, old)
-    assert steps is not None
+async def test_what_a_big_port_held_is_freed_after_its_commit_and_its_forget(
+    worker: Worker,
+) -> None:
+    serving, _, new, steps = _affinity_turned_on(worker, 1000, 500)
     for step in steps:
         worker._on_message(step, None)
     # The commit handed the old state over instead of freeing it: the endpoints, the pool's
