@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 
 from tests.dataplane.test_balancer import FakeClock
-from uproxy.dataplane.balancer import _ALL_READY, _FALLBACK, _FOR_ZONE, Balancer
+from uproxy.dataplane.balancer import _ALL_READY, _FALLBACK, _FOR_NODE, _FOR_ZONE, Balancer
 from uproxy.dataplane.messages import (
     CHANGES_FROM,
     ENDPOINTS_PER_PACKET,
@@ -120,11 +120,23 @@ def consistent(b: Balancer) -> None:
         # a pool that follows changes.
         every = list(index.by_address.values())
         for choice in range(4):
-            taken = {ep for ep in every if index.takes(choice, ep)}
+            taken = {ep for ep in every if _takes(index.node, index.zone, choice, ep)}
             kept = index.pools.get(choice)
             assert (set(kept.order) if kept is not None else set()) == taken, choice
             if kept is not None:
                 assert kept.members == {ep: at for at, ep in enumerate(kept.order)}
+
+
+def _takes(node: str, zone: str | None, choice: int, ep: Endpoint) -> bool:
+    """Whether the cluster-wide pool of ``choice`` holds ``ep`` (``model.categorize``'s
+    rules, one choice at a time)."""
+    if not ep.ready:
+        return choice == _FALLBACK and ep.serving and ep.terminating
+    if choice == _FOR_NODE:
+        return node in ep.node_hints
+    if choice == _FOR_ZONE:
+        return zone is not None and zone in ep.zone_hints
+    return choice == _ALL_READY
 
 
 @pytest.mark.parametrize("seed", range(32))

@@ -158,7 +158,7 @@ class _Index:
     which the choice of a cluster-wide pool follows without a pass over them.
 
     ``pools``: while some traffic class picks cluster-wide, a pool for each choice that has
-    endpoints (``takes``), all of them following each change, so that a change that turns
+    endpoints (``_join``), all of them following each change, so that a change that turns
     the choice (the last endpoint without hints gone or one come, the last ready endpoint
     gone) takes the other pool as it is. Computed whole there, a pool took 7-16 ms at 20,000
     endpoints with zone hints; a hints toggle by the EndpointSlice controller comes in steps
@@ -230,29 +230,16 @@ class _Index:
             return _FOR_ZONE
         return _ALL_READY
 
-    def takes(self, choice: int, ep: Endpoint) -> bool:
-        """Whether a cluster-wide pool of ``choice`` holds ``ep``."""
-        if not ep.ready:
-            return choice == _FALLBACK and ep.serving and ep.terminating
-        if choice == _FOR_NODE:
-            return self.node in ep.node_hints
-        if choice == _FOR_ZONE:
-            return self.zone is not None and self.zone in ep.zone_hints
-        return choice == _ALL_READY
-
     def keep_pools(self, endpoints: Sequence[Endpoint], current: _Pool, rng: random.Random) -> None:
         """Start ``pools`` (once, linear): ``current``, the cluster-wide pool computed for
         ``endpoints`` as they are, for the choice they make, and one for each other choice
         that has endpoints."""
         choice = self.choice()
-        pools = self.pools = {}
+        self.pools = {}
         if current.order:
-            pools[choice] = current.thawed()
-        for other in (_FOR_NODE, _FOR_ZONE, _ALL_READY, _FALLBACK):
-            if other != choice:
-                for ep in endpoints:
-                    if self.takes(other, ep):
-                        self._into(other, ep, rng)
+            self.pools[choice] = current.thawed()
+        for ep in endpoints:
+            self._join(ep, rng, skip=choice)
 
     def follow(self, gone: list[Endpoint], new: list[Endpoint], rng: random.Random) -> None:
         """Apply a change to every pool: ``gone`` leave, ``new`` join those that take them
@@ -262,27 +249,34 @@ class _Index:
         for ep in gone:
             for pool in pools.values():
                 pool.discard(ep)
-        node, zone = self.node, self.zone
         for ep in new:
-            if ep.ready:
-                self._into(_ALL_READY, ep, rng)
-                if node in ep.node_hints:
-                    self._into(_FOR_NODE, ep, rng)
-                if zone in ep.zone_hints:  # never None: hints are names
-                    self._into(_FOR_ZONE, ep, rng)
-            elif ep.serving and ep.terminating:
-                self._into(_FALLBACK, ep, rng)
+            self._join(ep, rng)
         if gone:
             for choice in [c for c, pool in pools.items() if not pool.order]:
                 del pools[choice]
 
-    def _into(self, choice: int, ep: Endpoint, rng: random.Random) -> None:
+    def _join(self, ep: Endpoint, rng: random.Random, skip: int | None = None) -> None:
+        """Put ``ep`` in the pool of each choice that takes it (but ``skip``): every ready
+        endpoint in all-ready's, those hinted for this node (zone) in its, the terminating
+        ones still serving in the fallback's."""
+        if ep.ready:
+            choices = [_ALL_READY]
+            if self.node in ep.node_hints:
+                choices.append(_FOR_NODE)
+            if self.zone in ep.zone_hints:  # never None: hints are names
+                choices.append(_FOR_ZONE)
+        elif ep.serving and ep.terminating:
+            choices = [_FALLBACK]
+        else:
+            return
         pools = self.pools
         assert pools is not None
-        pool = pools.get(choice)
-        if pool is None:
-            pool = pools[choice] = _EMPTY.thawed()
-        pool.add(ep, rng)
+        for choice in choices:
+            if choice != skip:
+                pool = pools.get(choice)
+                if pool is None:
+                    pool = pools[choice] = _EMPTY.thawed()
+                pool.add(ep, rng)
 
 
 class _PoolAddresses:
