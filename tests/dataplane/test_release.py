@@ -1,15 +1,17 @@
 """Big structures let go of a slice at a time (``release.Release``): nothing is freed in the
 call that hands them over, each later pass frees at most a slice's worth, and in the end
-everything is freed, whatever the kind of container."""
+everything is freed, whatever the kind of container. Sockets handed over are closed the
+same way."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import socket
 import weakref
 
 from tests.dataplane.conftest import wait_until
-from uproxy.dataplane.release import CHUNK, SMALL, Release
+from uproxy.dataplane.release import CHUNK, CLOSE_CHUNK, SMALL, Release, release_for
 
 
 class Item:
@@ -71,3 +73,70 @@ async def test_small_containers_go_at_once_and_take_no_pass() -> None:
     assert ref() is None and release.pending == 0
     await asyncio.sleep(0)
     assert release.passes == 0
+
+
+def _udp_sockets(count: int) -> list[socket.socket]:
+    return [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(count)]
+
+
+async def test_sockets_are_closed_over_later_passes_a_chunk_at_a_time() -> None:
+    release = Release(asyncio.get_running_loop(), slice_s=0.0)  # one chunk a pass
+    socks = _udp_sockets(10 * CLOSE_CHUNK + 3)
+    release.close_later(socks)
+    assert release.closing == len(socks)
+    assert all(s.fileno() >= 0 for s in socks)  # none closed in the call
+    passes = 0
+    while release.closing:
+        await asyncio.sleep(0)
+        passes += 1
+        open_now = sum(s.fileno() >= 0 for s in socks)
+        assert open_now == release.closing >= len(socks) - passes * CLOSE_CHUNK
+        assert passes <= 20, "bounded"
+    assert all(s.fileno() < 0 for s in socks) and release.closed == len(socks)
+    assert release.passes == 11
+
+
+async def test_a_few_sockets_are_closed_at_once_and_close_now_closes_the_rest() -> None:
+    release = Release(asyncio.get_running_loop())
+    few = _udp_sockets(CLOSE_CHUNK)
+    release.close_later(few)
+    assert all(s.fileno() < 0 for s in few) and release.closing == 0
+    many = _udp_sockets(CLOSE_CHUNK + 1)
+    release.close_later(many)
+    release.later([_items(SMALL + 1)])
+    assert release.closing == len(many) and release.pending == SMALL + 1
+    release.close_now()  # the loop goes: nothing is left open
+    assert all(s.fileno() < 0 for s in many)
+    assert release.closing == 0 and release.pending == 0
+
+
+async def test_each_loop_has_one_release_cut_short_by_waiting_input() -> None:
+    loop = asyncio.get_running_loop()
+    release = release_for(loop)
+    assert release_for(loop) is release
+    r, w = socket.socketpair()
+    try:
+        from uproxy.dataplane.poller import read_poller_for
+
+        read_poller_for(loop).watch(r.fileno(), _Drain(r))
+        socks = _udp_sockets(4 * CLOSE_CHUNK)
+        release.slice_s = 1.0  # only waiting input ends a pass early
+        w.send(b"x")
+        release.close_later(socks)
+        await asyncio.sleep(0)
+        assert release.closing == 3 * CLOSE_CHUNK  # one chunk, then it saw the input
+        await wait_until(lambda: release.closing == 0, what="all closed")
+    finally:
+        read_poller_for(loop).unwatch(r.fileno())
+        r.close()
+        w.close()
+
+
+class _Drain:
+    """A reader that leaves its input waiting (level-triggered: reported on every pass)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    def readable(self) -> None:
+        pass

@@ -25,6 +25,7 @@ from tests.dataplane.conftest import (
 )
 from uproxy import metrics
 from uproxy.dataplane.poller import read_poller_for
+from uproxy.dataplane.release import CLOSE_CHUNK, release_for
 from uproxy.dataplane.settings import DataplaneSettings
 from uproxy.dataplane.udp import reply_pktinfo
 from uproxy.localnet import has_loopback6
@@ -349,6 +350,69 @@ async def test_flows_to_endpoints_that_stay_persist_and_those_to_removed_ones_mo
             assert (await exchange(on_b, b"z%d" % i, to))[:1] == b"b"  # still its flow
         assert (await exchange(on_a, b"w", to))[:1] in {b"b", b"n"}  # a current endpoint
         assert listener.active == 2
+
+
+async def test_flows_that_go_in_bulk_leave_the_table_at_once_and_their_sockets_later(
+    udp_backends: UdpBackendFactory, udp_listener: UdpListenerFactory
+) -> None:
+    # Closing thousands of flow sockets in one pass held every relay of the loop for
+    # milliseconds: the flows of a removed endpoint leave the table in the same pass (a
+    # client's next datagram picks a current endpoint), their sockets a chunk a pass after.
+    (a, _), (b, _) = await udp_backends("a"), await udp_backends("b")
+    settings = DataplaneSettings(udp_timeout_s=30)
+    balancer = make_balancer(UDP_NAME, [a, b], settings=settings)
+    listener = await udp_listener(balancer, settings=settings)
+    to = ("127.0.0.1", listener.port)
+    clients = [client_socket() for _ in range(4 * CLOSE_CHUNK)]
+    try:
+        first = [(await exchange(c, b"x", to))[:1] for c in clients]
+        assert first.count(b"a") == first.count(b"b") == 2 * CLOSE_CHUNK  # round robin
+        release = release_for(asyncio.get_running_loop())
+        fds = open_fds()
+        balancer.update(ServicePort(name=UDP_NAME, port=53), [b])  # a goes
+        assert listener.active == 2 * CLOSE_CHUNK  # a's flows are out of the table now
+        assert release.closing == 2 * CLOSE_CHUNK  # their sockets not closed yet
+        assert open_fds() == fds
+        for c in clients:  # every client still answered, by b
+            assert (await exchange(c, b"y", to)) == b"by"
+            assert listener.active <= 4 * CLOSE_CHUNK
+        await wait_until(lambda: release.closing == 0, what="the gone flows' sockets closed")
+        assert listener.active == 4 * CLOSE_CHUNK
+        assert open_fds() == fds  # as many new flows as closed ones
+        # The listener's close: the same, and nothing stays open.
+        listener.close()
+        assert listener.active == 0
+        await wait_until(lambda: release.closing == 0, what="every flow's socket closed")
+        assert open_fds() == fds - 4 * CLOSE_CHUNK - 1  # the flows' and the listener's
+    finally:
+        for c in clients:
+            c.close()
+
+
+async def test_a_sweep_of_many_idle_flows_closes_their_sockets_over_later_passes(
+    udp_backends: UdpBackendFactory, udp_listener: UdpListenerFactory
+) -> None:
+    ep, _ = await udp_backends("x")
+    settings = DataplaneSettings(udp_timeout_s=0.2)
+    listener = await udp_listener(
+        make_balancer(UDP_NAME, [ep], settings=settings), settings=settings
+    )
+    to = ("127.0.0.1", listener.port)
+    release = release_for(asyncio.get_running_loop())
+    fds = open_fds()
+    clients = [client_socket() for _ in range(3 * CLOSE_CHUNK)]
+    try:
+        for c in clients:
+            await exchange(c, b"x", to)
+        closed = release.closed
+        assert listener.active == len(clients)
+        await wait_until(lambda: listener.active == 0, timeout=2, what="flow expiry")
+        await wait_until(lambda: release.closing == 0, what="their sockets closed")
+        assert release.closed - closed == len(clients)  # by the release, not in the sweep
+    finally:
+        for c in clients:
+            c.close()
+    assert open_fds() == fds
 
 
 async def test_least_connections_counts_open_flows_until_they_expire(

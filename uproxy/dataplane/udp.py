@@ -45,6 +45,7 @@ from typing import Self
 
 from uproxy.dataplane.balancer import Balancer
 from uproxy.dataplane.poller import read_poller_for
+from uproxy.dataplane.release import release_for
 from uproxy.dataplane.settings import DataplaneSettings
 from uproxy.dataplane.sockets import bind_udp
 from uproxy.dataplane.stats import Stats
@@ -253,9 +254,8 @@ class UdpListener:
             return
         live = self.balancer.addresses(self.traffic)
         gone = [f for f in self.flows.values() if (f.endpoint.ip, f.endpoint.port) not in live]
-        for flow in gone:
-            self.drop_flow(flow)
         if gone:
+            self._drop_flows(gone)
             self._count_flows()
 
     @property
@@ -389,8 +389,7 @@ class UdpListener:
     def _sweep(self) -> None:
         self._sweeper = None
         deadline = self.loop.time() - self.settings.udp_timeout_s
-        for flow in [f for f in self.flows.values() if f.last <= deadline]:
-            self.drop_flow(flow)
+        self._drop_flows([f for f in self.flows.values() if f.last <= deadline])
         self._count_flows()
         if self.flows and self.sock is not None:
             self._sweeper = self.loop.call_later(self._sweep_interval(), self._sweep)
@@ -411,15 +410,27 @@ class UdpListener:
             self.balancer.dial_failed(flow.client[0], flow.endpoint)
 
     def drop_flow(self, flow: UdpFlow) -> None:
+        """``flow`` goes, and its socket is closed now."""
+        self._forget_flow(flow)
+        flow.sock.close()  # its only copy: closing it takes it out of the poller's set
+
+    def _drop_flows(self, flows: list[UdpFlow]) -> None:
+        """``flows`` go from the table now (a client's next datagram opens a new flow), their
+        sockets are closed over the loop's next passes (``release``): closing thousands in
+        one pass held every relay of the loop for milliseconds."""
+        for flow in flows:
+            self._forget_flow(flow)
+        release_for(self.loop).close_later([f.sock for f in flows])
+
+    def _forget_flow(self, flow: UdpFlow) -> None:
+        """Out of the table and the poller, its endpoint released; its socket is the
+        caller's to close."""
         if self.flows.get(flow.key) is flow:
             del self.flows[flow.key]
         if flow.held:
             flow.held = False
             self.balancer.release(flow.endpoint)
-        fd = flow.sock.fileno()
-        if fd >= 0:
-            self.poller.forget(fd)  # the flow's socket is its only copy: closing it unwatches
-            flow.sock.close()
+        self.poller.forget(flow.sock.fileno())
 
     def retire(self, idle_s: float) -> None:
         """Replaced by another socket of this port: as ``close``. (A UDP port changes how
@@ -438,8 +449,7 @@ class UdpListener:
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None
-        for flow in list(self.flows.values()):
-            self.drop_flow(flow)
+        self._drop_flows(list(self.flows.values()))
         self._count_flows()
 
     async def shutdown(self, timeout: float) -> None:

@@ -53,7 +53,7 @@ from uproxy.dataplane.messages import (
     SetEndpoints,
 )
 from uproxy.dataplane.poller import io_waiting
-from uproxy.dataplane.release import Release
+from uproxy.dataplane.release import Release, release_for
 from uproxy.lifeline import die_with_parent
 from uproxy.log import V2, kv
 from uproxy.model import IPFamily, ServicePortName, Traffic
@@ -300,8 +300,7 @@ class Worker:
         """Free ``held`` a slice at a time between the loop's passes (``release``)."""
         release = self.release
         if release is None:
-            loop = asyncio.get_running_loop()
-            release = self.release = Release(loop, busy=io_waiting(loop))
+            release = self.release = release_for(asyncio.get_running_loop())
         release.later(held)
 
     def _open(self, message: OpenListener, sock: socket.socket) -> None:
