@@ -170,6 +170,46 @@ def _children(pid: int) -> list[int]:
     return [int(c) for c in text.split()]
 
 
+def round_trips(conn: socket.socket, seconds: float) -> list[float]:
+    """``MESSAGE`` echoed through ``conn`` every ``INTERVAL_S`` for ``seconds``: each round
+    trip's time (seconds)."""
+    took: list[float] = []
+    end = time.monotonic() + seconds
+    due = time.monotonic()
+    while (now := time.monotonic()) < end:
+        if now < due:
+            time.sleep(due - now)
+        due += INTERVAL_S
+        sent_at = time.perf_counter()
+        conn.sendall(MESSAGE)
+        got = 0
+        while got < len(MESSAGE):
+            chunk = conn.recv(len(MESSAGE))
+            if not chunk:
+                raise RuntimeError("the connection closed")
+            got += len(chunk)
+        took.append(time.perf_counter() - sent_at)
+    return took
+
+
+def summary(took: list[float]) -> dict[str, float]:
+    """Round trips' count, p50 / p99 / p99.9 / max (ms), and how many took over 2 and 5 ms."""
+    took = sorted(took)
+
+    def q(p: float) -> float:
+        return 1e3 * took[min(len(took) - 1, int(p * len(took)))]
+
+    return {
+        "requests": len(took),
+        "p50_ms": q(0.5),
+        "p99_ms": q(0.99),
+        "p999_ms": q(0.999),
+        "max_ms": 1e3 * took[-1],
+        "over_2ms": sum(t > 0.002 for t in took),
+        "over_5ms": sum(t > 0.005 for t in took),
+    }
+
+
 def measure(endpoints: int, seconds: float, workdir: Path, change: str = "one") -> dict[str, float]:
     """One run: round trips for ``seconds`` while ``big`` changes once a second."""
     live = workdir / "services.yaml"
@@ -202,25 +242,10 @@ def measure(endpoints: int, seconds: float, workdir: Path, change: str = "one") 
                 os.replace(workdir / f"gen-{g}.yaml", live)
                 swapped.append(g)
 
-        took: list[float] = []
         mover = threading.Thread(target=churn)
-        end = time.monotonic() + seconds
-        due = time.monotonic()
         mover.start()
         try:
-            while (now := time.monotonic()) < end:
-                if now < due:
-                    time.sleep(due - now)
-                due += INTERVAL_S
-                sent_at = time.perf_counter()
-                conn.sendall(MESSAGE)
-                got = 0
-                while got < len(MESSAGE):
-                    chunk = conn.recv(len(MESSAGE))
-                    if not chunk:
-                        raise RuntimeError("the connection closed")
-                    got += len(chunk)
-                took.append(time.perf_counter() - sent_at)
+            took = round_trips(conn, seconds)
             mover.join()
             time.sleep(0.5)  # the last change applied
             cpu_after = [_cpu_s(proxy.pid), sum(_cpu_s(w) for w in workers)]
@@ -232,21 +257,10 @@ def measure(endpoints: int, seconds: float, workdir: Path, change: str = "one") 
         for proc in reversed(started):
             proc.terminate()
             proc.wait(30)
-    took.sort()
-
-    def q(p: float) -> float:
-        return 1e3 * took[min(len(took) - 1, int(p * len(took)))]
-
     return {
         "endpoints": endpoints,
-        "requests": len(took),
+        **summary(took),
         "changes": len(swapped),
-        "p50_ms": q(0.5),
-        "p99_ms": q(0.99),
-        "p999_ms": q(0.999),
-        "max_ms": 1e3 * took[-1],
-        "over_2ms": sum(t > 0.002 for t in took),
-        "over_5ms": sum(t > 0.005 for t in took),
         "control_ms_per_change": 1e3 * (cpu_after[0] - cpu_before[0]) / max(1, len(swapped)),
         "worker_ms_per_change": 1e3 * (cpu_after[1] - cpu_before[1]) / max(1, len(swapped)),
     }
