@@ -343,7 +343,8 @@ class UdpListener:
             self.drop_flow(next(iter(flows.values())))
         family = socket.AF_INET6 if ":" in ep.ip else socket.AF_INET
         try:
-            sock = socket.socket(family, socket.SOCK_DGRAM)
+            # Non-blocking from the start: no ioctl(FIONBIO) per flow (a DNS query's flow).
+            sock = socket.socket(family, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK)
         except OSError as exc:
             # Out of fds (or memory): drop this datagram, the client will retry. One line
             # per episode; the count goes on in uproxy_connections_total.
@@ -363,7 +364,6 @@ class UdpListener:
         try:
             if self.settings.dial_mark:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, self.settings.dial_mark)
-            sock.setblocking(False)
             sock.connect(ep.address)
         except OSError:
             sock.close()
