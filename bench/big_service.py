@@ -39,6 +39,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -210,6 +211,34 @@ def summary(took: list[float]) -> dict[str, float]:
     }
 
 
+def tail_text(f: dict[str, float]) -> str:
+    """``summary``'s figures as one run's line says them."""
+    return (
+        f"p50 {f['p50_ms']:.3f} p99 {f['p99_ms']:.3f} p99.9 {f['p999_ms']:.3f} max "
+        f"{f['max_ms']:.1f} ms; {f['over_2ms']:.0f} over 2 ms, {f['over_5ms']:.0f} over 5 ms"
+    )
+
+
+def interleaved(
+    sizes: list[int],
+    runs: int,
+    prefix: str,
+    one: Callable[[int, Path], dict[str, float]],
+    line: Callable[[int, dict[str, float]], str],
+) -> list[dict[str, float]]:
+    """``one(size, workdir)`` for every size, ``runs`` times over, each in a directory of its
+    own, printing ``line`` of each run's figures as it ends."""
+    results: list[dict[str, float]] = []
+    for run in range(runs):
+        for n in sizes:
+            with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+                figures = one(n, Path(tmp))
+            figures["run"] = run + 1
+            results.append(figures)
+            print(f"run {run + 1}, {line(n, figures)}", flush=True)
+    return results
+
+
 def measure(endpoints: int, seconds: float, workdir: Path, change: str = "one") -> dict[str, float]:
     """One run: round trips for ``seconds`` while ``big`` changes once a second."""
     live = workdir / "services.yaml"
@@ -279,22 +308,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     counts = [int(c) for c in args.endpoints.split(",")]
     os.sched_setaffinity(0, {0})
-    results: list[dict[str, float]] = []
-    for run in range(args.runs):
-        for n in counts:
-            with tempfile.TemporaryDirectory(prefix="uproxy-big-") as tmp:
-                figures = measure(n, args.seconds, Path(tmp), args.change)
-            figures["run"] = run + 1
-            results.append(figures)
-            print(
-                f"run {run + 1}, {n:,} endpoints: p50 {figures['p50_ms']:.3f} p99 "
-                f"{figures['p99_ms']:.3f} p99.9 {figures['p999_ms']:.3f} max "
-                f"{figures['max_ms']:.1f} ms; {figures['over_2ms']:.0f} over 2 ms, "
-                f"{figures['over_5ms']:.0f} over 5 ms ({figures['changes']:.0f} changes); "
-                f"CPU per change: control {figures['control_ms_per_change']:.0f} ms, worker "
-                f"{figures['worker_ms_per_change']:.0f} ms",
-                flush=True,
-            )
+    results = interleaved(
+        counts,
+        args.runs,
+        "uproxy-big-",
+        lambda n, workdir: measure(n, args.seconds, workdir, args.change),
+        lambda n, f: (
+            f"{n:,} endpoints: {tail_text(f)} ({f['changes']:.0f} changes); CPU per change: "
+            f"control {f['control_ms_per_change']:.0f} ms, worker "
+            f"{f['worker_ms_per_change']:.0f} ms"
+        ),
+    )
     base = sorted(r["p999_ms"] for r in results if r["endpoints"] == counts[0])
     base_p999 = base[(len(base) - 1) // 2]
     print(

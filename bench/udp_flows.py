@@ -33,7 +33,6 @@ import select
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -49,8 +48,10 @@ from bench.big_service import (
     _cpu_s,
     _service,
     _slice,
+    interleaved,
     round_trips,
     summary,
+    tail_text,
 )
 
 DNS_PORT = 18053  # laptop mode: the proxy port is the service port on 127.0.0.1
@@ -218,22 +219,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     sizes = [int(c) for c in args.burst.split(",")]
     os.sched_setaffinity(0, {0})
-    results: list[dict[str, float]] = []
-    for run in range(args.runs):
-        for n in sizes:
-            with tempfile.TemporaryDirectory(prefix="uproxy-udp-") as tmp:
-                figures = measure(n, args.seconds, Path(tmp), args.change)
-            figures["run"] = run + 1
-            results.append(figures)
-            print(
-                f"run {run + 1}, bursts of {n:,}: p50 {figures['p50_ms']:.3f} p99 "
-                f"{figures['p99_ms']:.3f} p99.9 {figures['p999_ms']:.3f} max "
-                f"{figures['max_ms']:.1f} ms; {figures['over_2ms']:.0f} over 2 ms, "
-                f"{figures['over_5ms']:.0f} over 5 ms ({figures['bursts']:.0f} bursts, "
-                f"{100 * figures['answered']:.1f} % answered); worker CPU per burst "
-                f"{figures['worker_ms_per_burst']:.0f} ms",
-                flush=True,
-            )
+    results = interleaved(
+        sizes,
+        args.runs,
+        "uproxy-udp-",
+        lambda n, workdir: measure(n, args.seconds, workdir, args.change),
+        lambda n, f: (
+            f"bursts of {n:,}: {tail_text(f)} ({f['bursts']:.0f} bursts, "
+            f"{100 * f['answered']:.1f} % answered); worker CPU per burst "
+            f"{f['worker_ms_per_burst']:.0f} ms"
+        ),
+    )
     print("\n| queries per burst | p99 ms | p99.9 ms | max ms | over 2 ms | worker ms per burst |")
     print("|---|---|---|---|---|---|")
     for n in sizes:

@@ -27,7 +27,7 @@ from uproxy import metrics
 from uproxy.dataplane.poller import read_poller_for
 from uproxy.dataplane.release import CLOSE_CHUNK, release_for
 from uproxy.dataplane.settings import DataplaneSettings
-from uproxy.dataplane.udp import reply_pktinfo
+from uproxy.dataplane.udp import UdpListener, reply_pktinfo
 from uproxy.localnet import has_loopback6
 from uproxy.model import Endpoint, LbAlgorithm, ServicePort, Traffic
 
@@ -153,15 +153,22 @@ async def test_a_60000_byte_datagram_arrives_whole(
     assert echo.received == 1
 
 
-async def test_flows_expire_after_the_idle_timeout(
+async def _idling_out(
     udp_backends: UdpBackendFactory, udp_listener: UdpListenerFactory
-) -> None:
+) -> tuple[UdpListener, tuple[str, int]]:
+    """A listener whose flows expire after 0.2 s idle, to an echo endpoint; its address."""
     ep, _ = await udp_backends("x")
     settings = DataplaneSettings(udp_timeout_s=0.2)
     listener = await udp_listener(
         make_balancer(UDP_NAME, [ep], settings=settings), settings=settings
     )
-    to = ("127.0.0.1", listener.port)
+    return listener, ("127.0.0.1", listener.port)
+
+
+async def test_flows_expire_after_the_idle_timeout(
+    udp_backends: UdpBackendFactory, udp_listener: UdpListenerFactory
+) -> None:
+    listener, to = await _idling_out(udp_backends, udp_listener)
     fds = open_fds()
     with client_socket() as c:
         await exchange(c, b"1", to)
@@ -392,12 +399,7 @@ async def test_flows_that_go_in_bulk_leave_the_table_at_once_and_their_sockets_l
 async def test_a_sweep_of_many_idle_flows_closes_their_sockets_over_later_passes(
     udp_backends: UdpBackendFactory, udp_listener: UdpListenerFactory
 ) -> None:
-    ep, _ = await udp_backends("x")
-    settings = DataplaneSettings(udp_timeout_s=0.2)
-    listener = await udp_listener(
-        make_balancer(UDP_NAME, [ep], settings=settings), settings=settings
-    )
-    to = ("127.0.0.1", listener.port)
+    listener, to = await _idling_out(udp_backends, udp_listener)
     release = release_for(asyncio.get_running_loop())
     fds = open_fds()
     clients = [client_socket() for _ in range(3 * CLOSE_CHUNK)]
