@@ -65,6 +65,7 @@ _REFUSED = frozenset((errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH,
 # A flow's key: the client's address and port, and on a wildcard-bound listener the
 # datagram's packet info as received (the address it was sent to, and the interface).
 FlowKey = tuple[str, int] | tuple[str, int, bytes]
+_Socket = socket.socket  # in ``UdpListener``, ``socket`` is its property
 
 
 class UdpFlow:
@@ -411,26 +412,24 @@ class UdpListener:
 
     def drop_flow(self, flow: UdpFlow) -> None:
         """``flow`` goes, and its socket is closed now."""
-        self._forget_flow(flow)
-        flow.sock.close()  # its only copy: closing it takes it out of the poller's set
+        self._forget_flow(flow).close()  # its only copy: closing it leaves the poller's set
 
     def _drop_flows(self, flows: list[UdpFlow]) -> None:
         """``flows`` go from the table now (a client's next datagram opens a new flow), their
         sockets are closed over the loop's next passes (``release``): closing thousands in
         one pass held every relay of the loop for milliseconds."""
-        for flow in flows:
-            self._forget_flow(flow)
-        release_for(self.loop).close_later([f.sock for f in flows])
+        release_for(self.loop).close_later([self._forget_flow(f) for f in flows])
 
-    def _forget_flow(self, flow: UdpFlow) -> None:
-        """Out of the table and the poller, its endpoint released; its socket is the
-        caller's to close."""
+    def _forget_flow(self, flow: UdpFlow) -> _Socket:
+        """Out of the table and the poller, its endpoint released; its socket, the caller's
+        to close."""
         if self.flows.get(flow.key) is flow:
             del self.flows[flow.key]
         if flow.held:
             flow.held = False
             self.balancer.release(flow.endpoint)
         self.poller.forget(flow.sock.fileno())
+        return flow.sock
 
     def retire(self, idle_s: float) -> None:
         """Replaced by another socket of this port: as ``close``. (A UDP port changes how
