@@ -138,6 +138,11 @@ def services_file(path: Path, endpoints: int, generation: int, change: str = "on
         hinted = change == "hints" and generation % 2 == 1
         chunk = addresses[start : start + PER_SLICE]
         docs.append(_slice("big", start // PER_SLICE, chunk, 9, hinted))
+    write_services(path, docs)
+
+
+def write_services(path: Path, docs: list[dict[str, Any]]) -> None:
+    """``docs`` as a services file at ``path``, swapped in whole (uproxy never reads half)."""
     tmp = path.with_suffix(".tmp")
     tmp.write_text(yaml.dump_all(docs, Dumper=getattr(yaml, "CSafeDumper", yaml.SafeDumper)))
     os.replace(tmp, path)
@@ -191,6 +196,11 @@ def round_trips(conn: socket.socket, seconds: float) -> list[float]:
             got += len(chunk)
         took.append(time.perf_counter() - sent_at)
     return took
+
+
+def middle(rows: list[dict[str, float]], key: str) -> dict[str, float]:
+    """The row of the median ``key`` (the lower one of an even count)."""
+    return sorted(rows, key=lambda r: r[key])[(len(rows) - 1) // 2]
 
 
 def summary(took: list[float]) -> dict[str, float]:
@@ -328,9 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|")
     for n in counts:
         rows = [r for r in results if r["endpoints"] == n]
-        mid = sorted(rows, key=lambda r: r["p999_ms"])[(len(rows) - 1) // 2]
-        control = sorted(r["control_ms_per_change"] for r in rows)[(len(rows) - 1) // 2]
-        worker = sorted(r["worker_ms_per_change"] for r in rows)[(len(rows) - 1) // 2]
+        mid = middle(rows, "p999_ms")
+        control = middle(rows, "control_ms_per_change")["control_ms_per_change"]
+        worker = middle(rows, "worker_ms_per_change")["worker_ms_per_change"]
         print(
             f"| {n:,} | {mid['p99_ms']:.3f} | {mid['p999_ms']:.3f} | {mid['max_ms']:.1f} | "
             f"{mid['over_2ms']:.0f} | {mid['p999_ms'] / base_p999:.2f}x | {control:.0f} / "

@@ -37,8 +37,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from bench.big_service import (
     ECHO,
     ECHO_PORT,
@@ -49,9 +47,11 @@ from bench.big_service import (
     _service,
     _slice,
     interleaved,
+    middle,
     round_trips,
     summary,
     tail_text,
+    write_services,
 )
 
 DNS_PORT = 18053  # laptop mode: the proxy port is the service port on 127.0.0.1
@@ -101,9 +101,7 @@ def services_file(path: Path, both: bool) -> None:
         endpoints = _slice("dns", i, ["127.0.0.1"], port)
         endpoints["ports"][0]["protocol"] = "UDP"
         docs.append(endpoints)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(yaml.dump_all(docs, Dumper=getattr(yaml, "CSafeDumper", yaml.SafeDumper)))
-    os.replace(tmp, path)
+    write_services(path, docs)
 
 
 def burst(count: int) -> int:
@@ -111,9 +109,8 @@ def burst(count: int) -> int:
     socks = []
     try:
         for i in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK)
             socks.append(s)
-            s.setblocking(False)
             s.sendto(b"q%d" % i, ("127.0.0.1", DNS_PORT))
         waiting = {s.fileno(): s for s in socks}
         ep = select.epoll()
@@ -141,7 +138,7 @@ def measure(queries: int, seconds: float, workdir: Path, change: str = "none") -
     argv = [sys.executable, "-m", "uproxy.cli", "--services", str(live), "--rules", "none"]
     argv += ["--workers", "1", "--event-loop", "uvloop"]
     argv += ["--healthz-bind-address", "", "--metrics-bind-address", ""]
-    started: list[subprocess.Popen[bytes]] = []
+    started: list[subprocess.Popen[Any]] = []
     try:
         started.append(subprocess.Popen(["taskset", "-c", "0", sys.executable, "-c", ECHO]))
         started.append(subprocess.Popen([*IDLE_CPU0, sys.executable, "-c", UDP_ECHO]))
@@ -164,7 +161,7 @@ def measure(queries: int, seconds: float, workdir: Path, change: str = "none") -
             stdout=subprocess.PIPE,
             text=True,
         )
-        started.append(loader)  # type: ignore[arg-type]
+        started.append(loader)
         try:
             took = round_trips(conn, seconds)
         finally:
@@ -233,8 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n| queries per burst | p99 ms | p99.9 ms | max ms | over 2 ms | worker ms per burst |")
     print("|---|---|---|---|---|---|")
     for n in sizes:
-        rows = sorted((r for r in results if r["queries"] == n), key=lambda r: r["p999_ms"])
-        mid = rows[(len(rows) - 1) // 2]
+        mid = middle([r for r in results if r["queries"] == n], "p999_ms")
         print(
             f"| {n:,} | {mid['p99_ms']:.3f} | {mid['p999_ms']:.3f} | {mid['max_ms']:.1f} | "
             f"{mid['over_2ms']:.0f} | {mid['worker_ms_per_burst']:.0f} |"

@@ -11,6 +11,7 @@ import socket
 import weakref
 
 from tests.dataplane.conftest import wait_until
+from uproxy.dataplane.poller import read_poller_for
 from uproxy.dataplane.release import CHUNK, CLOSE_CHUNK, SMALL, Release, release_for
 
 
@@ -116,8 +117,6 @@ async def test_each_loop_has_one_release_cut_short_by_waiting_input() -> None:
     assert release_for(loop) is release
     r, w = socket.socketpair()
     try:
-        from uproxy.dataplane.poller import read_poller_for
-
         read_poller_for(loop).watch(r.fileno(), _Drain(r))
         socks = _udp_sockets(4 * CLOSE_CHUNK)
         release.slice_s = 1.0  # only waiting input ends a pass early
