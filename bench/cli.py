@@ -522,7 +522,14 @@ def _run_with_backends(
     peer = _peer(name)
     index = [p.name for p in all_peers()].index(name)
     progress.say(f"{name}: {where}, backends up, {ctx.where.describe()}")
-    return {"entry": dataplane.run_peer(index, peer, ctx, backends, plan, scripts, progress)}
+    # The machine's wake-ups just before this peer's runs: peers run minutes apart, and on a
+    # virtual machine an idle CPU's wake-up time moves between them (39 us at the start of
+    # one run, 298 us twenty minutes later); latency and 2-CPU figures move with it.
+    woke = None if args.quick else wakeup.probe(ctx.cores.proxy, ctx.cores.load)
+    entry = dataplane.run_peer(index, peer, ctx, backends, plan, scripts, progress)
+    if woke is not None:
+        entry["wakeup"] = woke
+    return {"entry": entry}
 
 
 def _peer(name: str) -> Peer:

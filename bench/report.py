@@ -229,15 +229,30 @@ def _overview(results: dict[str, Any], rows: list[str], title: str) -> list[str]
         return []
     peers, summary = results["peers"], results["summary"]
     overview = [m for m in METRICS if m.key not in NOT_IN_OVERVIEW]
+    woke = any("wakeup" in peers[p] for p in rows)
     lines = [f"## Overview (medians). {title}", ""]
-    lines.append(
-        "| peer | " + " | ".join(f"{m.title} ({m.unit}) {_arrow(m)}" for m in overview) + " |"
-    )
-    lines.append("|---|" + "---|" * len(overview))
+    head = "| peer | " + " | ".join(f"{m.title} ({m.unit}) {_arrow(m)}" for m in overview)
+    lines.append(head + (" | idle CPU woken, p99 before its runs (us)" if woke else "") + " |")
+    lines.append("|---|" + "---|" * (len(overview) + woke))
     for p in rows:
         cells = [_fmt(summary.get(p, {}).get(m.key, {}).get("median"), m.unit) for m in overview]
+        if woke:
+            cells.append(_woken_p99(peers[p].get("wakeup")))
         lines.append(f"| {peers[p]['label']} | " + " | ".join(cells) + " |")
+    if woke:
+        lines += [
+            "",
+            "The last column: `bench.wakeup` run just before the peer's runs (a process blocked "
+            "on the proxy's CPU, woken from the load CPU). Where it moves between peers, their "
+            "latency and 2-CPU figures moved with the machine.",
+        ]
     return [*lines, ""]
+
+
+def _woken_p99(w: dict[str, Any] | None) -> str:
+    if not w or "error" in w:
+        return "-"
+    return f"{w.get('idle', {}).get('p99_us', 0):.0f}"
 
 
 def _uproxy_table(results: dict[str, Any], up: list[str]) -> list[str]:
