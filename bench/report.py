@@ -233,7 +233,7 @@ def _overview(results: dict[str, Any], rows: list[str], title: str) -> list[str]
     lines = [f"## Overview (medians). {title}", ""]
     head = "| peer | " + " | ".join(f"{m.title} ({m.unit}) {_arrow(m)}" for m in overview)
     lines.append(head + (" | idle CPU woken, p99 before its runs (us)" if woke else "") + " |")
-    lines.append("|---|" + "---|" * (len(overview) + woke))
+    lines.append("|---|" + "---|" * (len(overview) + int(woke)))
     for p in rows:
         cells = [_fmt(summary.get(p, {}).get(m.key, {}).get("median"), m.unit) for m in overview]
         if woke:
