@@ -229,6 +229,20 @@ def tail_text(f: dict[str, float]) -> str:
     )
 
 
+def tail_cells(f: dict[str, float]) -> str:
+    """``summary``'s tail as table cells: p99, p99.9, max and round trips over 2 ms."""
+    return f"{f['p99_ms']:.3f} | {f['p999_ms']:.3f} | {f['max_ms']:.1f} | {f['over_2ms']:.0f}"
+
+
+def on_first_cpu() -> bool:
+    """Pin this process (the probe) to CPU 0; False, said on stderr, with fewer than 2 CPUs."""
+    if (os.cpu_count() or 0) < 2:
+        print("needs 2 CPUs", file=sys.stderr)
+        return False
+    os.sched_setaffinity(0, {0})
+    return True
+
+
 def interleaved(
     sizes: list[int],
     runs: int,
@@ -313,11 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--change", choices=CHANGES, default="one", help="what each change is")
     parser.add_argument("--json", type=Path, help="write the figures here too")
     args = parser.parse_args(argv)
-    if os.cpu_count() is None or (os.cpu_count() or 0) < 2:
-        print("needs 2 CPUs", file=sys.stderr)
+    if not on_first_cpu():
         return 2
     counts = [int(c) for c in args.endpoints.split(",")]
-    os.sched_setaffinity(0, {0})
     results = interleaved(
         counts,
         args.runs,
@@ -342,9 +354,8 @@ def main(argv: list[str] | None = None) -> int:
         control = middle(rows, "control_ms_per_change")["control_ms_per_change"]
         worker = middle(rows, "worker_ms_per_change")["worker_ms_per_change"]
         print(
-            f"| {n:,} | {mid['p99_ms']:.3f} | {mid['p999_ms']:.3f} | {mid['max_ms']:.1f} | "
-            f"{mid['over_2ms']:.0f} | {mid['p999_ms'] / base_p999:.2f}x | {control:.0f} / "
-            f"{worker:.0f} |"
+            f"| {n:,} | {tail_cells(mid)} | {mid['p999_ms'] / base_p999:.2f}x | "
+            f"{control:.0f} / {worker:.0f} |"
         )
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
