@@ -11,6 +11,8 @@ import enum
 import operator
 from dataclasses import dataclass, field
 
+from uproxy.records import quick_init
+
 DEFAULT_AFFINITY_TIMEOUT_S = 10800  # Kubernetes' default for ClientIP affinity (3 hours)
 
 
@@ -51,6 +53,7 @@ class LbAlgorithm(enum.StrEnum):
     LEAST_CONNECTIONS = "least-connections"
 
 
+@quick_init
 @dataclass(frozen=True, slots=True, order=True)
 class ServicePortName:
     namespace: str
@@ -76,6 +79,7 @@ spn_order = operator.attrgetter("namespace", "name", "port_name", "protocol")
 address_of = operator.attrgetter("ip", "port")
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class ServicePort:
     """One port of one Service, with everything the proxy and the rules need."""
@@ -119,6 +123,7 @@ class ServicePort:
         return self.has_external and self.external_policy_local != self.internal_policy_local
 
 
+@quick_init
 @dataclass(frozen=True, slots=True, order=True)
 class Endpoint:
     ip: str
@@ -199,6 +204,7 @@ class NodeInfo:
         return not any(t.partition(":")[0] == TO_BE_DELETED_TAINT for t in self.taints)
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class EndpointsDelta:
     """How a service port's endpoints came from ``base`` (the state's before): ``added`` are
@@ -209,6 +215,7 @@ class EndpointsDelta:
     removed: tuple[tuple[str, int], ...]
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class ServiceState:
     """A service port and its merged endpoints: one entry of the desired state."""

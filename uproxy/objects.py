@@ -27,6 +27,7 @@ from uproxy.model import (
     ServicePortName,
     ip_family,
 )
+from uproxy.records import quick_init
 
 log = logging.getLogger("uproxy.objects")
 
@@ -52,6 +53,7 @@ class InvalidObject(ValueError):
         super().__init__(f"{kind} {key}: {field}: {reason}")
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class SlicePort:
     name: str
@@ -59,6 +61,7 @@ class SlicePort:
     port: int
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class EndpointSliceInfo:
     """The part of an EndpointSlice the tracker merges into its service's endpoints."""

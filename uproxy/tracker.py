@@ -51,6 +51,7 @@ from uproxy.objects import (
     object_key,
     service_ports,
 )
+from uproxy.records import quick_init
 from uproxy.timeslice import TimeSlice
 
 log = logging.getLogger("uproxy.tracker")
@@ -61,6 +62,7 @@ Address = tuple[str, int]
 Edit = tuple[EndpointSliceInfo | None, EndpointSliceInfo | None]  # a slice before, after
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Converted:
     """An object with what its source already converted it to (``service_ports`` or

@@ -86,6 +86,7 @@ from uproxy.model import (
     ServicePortName,
     Traffic,
 )
+from uproxy.records import quick_init
 
 log = logging.getLogger("uproxy.dataplane.messages")
 
@@ -149,6 +150,7 @@ class Configure:
     serving: bool = False  # the proxy serves: changes are applied in short slices
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class SetEndpoints:
     name: ServicePortName
@@ -161,6 +163,7 @@ class SetEndpoints:
     staged: bool = False
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class ChangeEndpoints:
     """A balancer's endpoints changed, its port and zone did not: ``added`` are new or
@@ -173,6 +176,7 @@ class ChangeEndpoints:
     staged: bool = False  # a change of the balancer being built aside
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class CommitEndpoints:
     """Serve the balancer built aside (``staged``) from now on, in place of the one serving
@@ -294,6 +298,7 @@ def endpoint_steps(message: SetEndpoints, previous: SetEndpoints | None) -> list
     ]
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class OpenListener:
     """Serve the socket that comes with this message (one per OpenListener, in order).
@@ -318,6 +323,7 @@ class OpenListener:
 RETIRE_IDLE_S = 2.0
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class CloseListener:
     name: ServicePortName
@@ -325,12 +331,14 @@ class CloseListener:
     family: IPFamily
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Forget:
     name: ServicePortName
     family: IPFamily
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class EndpointsAhead:
     """The first endpoints of this balancer's next SetEndpoints, which has too many for one
@@ -342,6 +350,7 @@ class EndpointsAhead:
     endpoints: tuple[Endpoint, ...]
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Part:
     """A piece of a packet too big for one datagram: the pieces follow each other with

@@ -124,6 +124,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from uproxy.model import IPFamily
+from uproxy.records import quick_init
 from uproxy.rules import command
 from uproxy.rules.base import (
     NO_LOCAL_TRAFFIC,
@@ -247,6 +248,7 @@ FAMILY_OF = {IPFamily.V4: IPV4, IPFamily.V6: IPV6}
 Key = tuple[str | int, ...]
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Element:
     """One element of a map (with a value) or of a set (without)."""

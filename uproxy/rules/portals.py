@@ -80,6 +80,7 @@ from dataclasses import dataclass, field, replace
 from ipaddress import IPv4Network, IPv6Network
 
 from uproxy.model import IPFamily, Protocol, ip_family
+from uproxy.records import quick_init
 from uproxy.rules.base import NO_LOCAL_TRAFFIC, LocalTraffic, Portal, PortalKind, Stack
 
 NAT = "nat"
@@ -164,6 +165,7 @@ class JumpRule:
         return f"-A {self.chain} {self.spec()}"
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class PortalRule:
     """One rule in one of uproxy's chains, as data both backends can render."""
