@@ -310,6 +310,44 @@ async def test_a_pass_ends_at_the_first_message_applied_while_a_relay_has_input(
     assert seen == [3]  # the relay ran right after the message during which its input came
 
 
+async def test_busy_is_not_asked_while_not_watched() -> None:
+    """Until the proxy serves, a worker's passes do not ask ``busy`` after each message (a
+    system call each, and nothing relays yet); from then on they do."""
+    asked: list[int] = []
+    applied = asyncio.Event()
+    count = 0
+
+    def on_message(message: object, sock: socket.socket | None) -> None:
+        nonlocal count
+        count += 1
+        if count % MESSAGES_PER_PACKET == 0:
+            applied.set()
+
+    def busy() -> bool:
+        asked.append(1)
+        return False
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sender = Channel(ours, on_message=lambda m, s: None, on_closed=lambda: None)
+    receiver = Channel(theirs, on_message=on_message, on_closed=lambda: None, busy=busy)
+    receiver.slice_s = 1.0  # only busy() could end a pass early
+    try:
+        receiver.watch_busy = False
+        for i in range(MESSAGES_PER_PACKET):
+            sender.send(_forget(i))
+        await asyncio.wait_for(applied.wait(), 10)
+        assert asked == []
+        applied.clear()
+        receiver.watch_busy = True
+        for i in range(MESSAGES_PER_PACKET):
+            sender.send(_forget(i))
+        await asyncio.wait_for(applied.wait(), 10)
+        assert len(asked) >= MESSAGES_PER_PACKET
+    finally:
+        sender.close()
+        receiver.close()
+
+
 async def test_a_loop_that_stays_busy_still_gets_every_message_applied() -> None:
     """Input that nobody takes (a flood, a stuck socket) must not stop the data plane from
     following the control process: busy or not, the messages keep being applied."""
@@ -395,8 +433,12 @@ async def test_a_worker_applies_long_passes_until_the_proxy_serves() -> None:
         assert APPLY_SLICE_STARTING_S > APPLY_SLICE_S
         worker._on_message(Configure(settings), None)
         assert channel.slice_s == APPLY_SLICE_STARTING_S
+        # Nor does a pass look for a relay's input after each message (a system call each).
+        watched = [channel.watch_busy]
         worker._on_message(Configure(settings, serving=True), None)
         assert channel.slice_s == APPLY_SLICE_S
+        watched.append(channel.watch_busy)
+        assert watched == [False, True]
         assert worker.config == Configure(settings, serving=True)
     finally:
         channel.close()

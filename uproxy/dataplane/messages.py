@@ -502,6 +502,10 @@ class Channel:
         self._on_applied = on_applied
         # How long one pass of ``_pump`` may apply messages (a worker sets it, ``Configure``).
         self.slice_s = APPLY_SLICE_S
+        # Whether a pass ends early at ``busy()`` (a worker clears it until the proxy serves:
+        # nothing relays yet, and the check is a system call after each message, 30,000 at
+        # a start of 10,000 services).
+        self.watch_busy = True
         self._loop.add_reader(sock.fileno(), self._readable)
 
     def send(self, message: Message, fd: int | None = None) -> None:
@@ -629,7 +633,7 @@ class Channel:
         costs nothing when nobody waits. On a CPU saturated by others it costs a tick
         each time, so a yield that comes back late pauses them (``priority.offer_cpu``).
         """
-        busy = self._busy
+        busy = self._busy if self.watch_busy else None
         if self._resume is not None:
             if not self._parting:  # between parts of one message: as if inside it
                 priority.offer_cpu(time.perf_counter())

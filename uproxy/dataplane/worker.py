@@ -234,6 +234,7 @@ class Worker:
                 busypoll.install(self._loop, message.settings.busy_poll_s)
             if self.channel is not None:
                 self.channel.slice_s = APPLY_SLICE_S if message.serving else APPLY_SLICE_STARTING_S
+                self.channel.watch_busy = message.serving
 
     def _close(self, message: CloseListener) -> None:
         key = (message.name, message.traffic, message.family)
