@@ -42,9 +42,17 @@ class IPFamily(enum.IntEnum):
         return f"IPv{self.value}"
 
 
+_V4 = IPFamily.V4  # an enum member read from its class is a lookup each time
+_V6 = IPFamily.V6
+
+
 def ip_family(ip: str) -> IPFamily:
     """The family of a textual address (canonical or not); never raises."""
-    return IPFamily.V6 if ":" in ip else IPFamily.V4
+    return _V6 if ":" in ip else _V4
+
+
+_ONLY_V4 = frozenset((_V4,))
+_ONLY_V6 = frozenset((_V6,))
 
 
 class LbAlgorithm(enum.StrEnum):
@@ -115,7 +123,10 @@ class ServicePort:
     def families(self) -> frozenset[IPFamily]:
         """The families of its ClusterIPs: those it is proxied in (kube-proxy ignores a
         service in a family it has no ClusterIP of, external addresses and node port too)."""
-        return frozenset(ip_family(ip) for ip in self.cluster_ips)
+        ips = self.cluster_ips
+        if len(ips) == 1:  # nearly every service: no generator, one set made once
+            return _ONLY_V6 if ":" in ips[0] else _ONLY_V4
+        return frozenset(ip_family(ip) for ip in ips)
 
     @property
     def needs_external_listener(self) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from uproxy.model import Endpoint
+from uproxy.model import Endpoint, IPFamily, Protocol, ServicePort, ServicePortName, ip_family
 
 BASE = Endpoint(
     "10.0.0.1",
@@ -51,3 +51,18 @@ def test_an_endpoint_equals_no_other_kind_of_object() -> None:
     assert BASE != ("10.0.0.1", 8080)
     assert BASE != "10.0.0.1:8080"
     assert BASE.__eq__(1) is NotImplemented
+
+
+def test_a_service_ports_families_are_those_of_its_cluster_ips() -> None:
+    name = ServicePortName("ns", "svc", "", Protocol.TCP)
+
+    def families(*ips: str) -> frozenset[IPFamily]:
+        return ServicePort(name, 80, cluster_ips=ips).families()
+
+    assert families("10.96.0.1") == {IPFamily.V4}
+    assert families("fd00::1") == {IPFamily.V6}
+    assert families("10.96.0.1", "fd00::1") == {IPFamily.V4, IPFamily.V6}
+    assert families("fd00::1", "10.96.0.1") == {IPFamily.V4, IPFamily.V6}
+    assert families() == frozenset()
+    assert ip_family("::ffff:10.0.0.1") is IPFamily.V6
+    assert ip_family("10.0.0.1") is IPFamily.V4

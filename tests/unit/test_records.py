@@ -13,7 +13,7 @@ import pytest
 from uproxy import model, objects
 from uproxy.dataplane import messages
 from uproxy.records import quick_init
-from uproxy.rules import portals
+from uproxy.rules import base, portals
 
 
 def _make(name: str) -> type[Any]:
@@ -117,6 +117,7 @@ def test_refuses_what_it_cannot_make() -> None:
         model.ServiceState,
         objects.EndpointSliceInfo,
         portals.PortalRule,
+        base.Portal,
         messages.OpenListener,
         messages.SetEndpoints,
     ],

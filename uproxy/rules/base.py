@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol as TypingProtocol
 
 from uproxy.model import IPFamily, Protocol, ServicePortName, ip_family
+from uproxy.records import quick_init
 
 
 class PortalKind(enum.StrEnum):
@@ -32,6 +33,7 @@ class PortalKind(enum.StrEnum):
 REFUSALS = frozenset({PortalKind.NO_ENDPOINTS, PortalKind.NO_LOCAL_ENDPOINTS})
 
 
+@quick_init
 @dataclass(frozen=True, slots=True, order=True)
 class Portal:
     """One service address that must land on one uproxy proxy port.
