@@ -1,15 +1,16 @@
 """Frozen, slotted dataclasses that are cheap to make.
 
 A frozen dataclass's generated ``__init__`` sets each field with ``object.__setattr__``,
-looked up by name for every field (the class's own ``__setattr__`` refuses): 1.6 us for
-twelve fields, where a dataclass that is not frozen takes 0.3. A cold start at 10,000
-services makes a few hundred thousand of them: service ports and their names, endpoints,
-portal rules, and every message to a worker, which unpickling makes again on the other side.
+looked up by name for every field (the class's own ``__setattr__`` refuses). A cold start
+at 10,000 services makes a few hundred thousand of them: service ports and their names,
+endpoints, portal rules, and every message to a worker, which unpickling makes again on the
+other side.
 
 ``quick_init`` gives such a class an ``__init__`` with the same signature, defaults and
-default factories that sets each field through its slot's descriptor instead (0.9 us for
-twelve fields). The class stays frozen: assigning to a field still raises
-``FrozenInstanceError``.
+default factories that sets each field through its slot's descriptor instead: 0.63 us for
+twelve fields against 1.27 (one process, the two alternated over 7 rounds). The class stays
+frozen: assigning to a field still raises ``FrozenInstanceError``. The price is paid once,
+at import: one small function compiled per class, a few milliseconds for all of them.
 """
 
 from __future__ import annotations
@@ -72,6 +73,5 @@ def quick_init(cls: type[T]) -> type[T]:
     init = ns["__init__"]
     init.__qualname__ = f"{cls.__qualname__}.__init__"
     init.__module__ = cls.__module__
-    init.__doc__ = cls.__init__.__doc__
     type.__setattr__(cls, "__init__", init)
     return cls
