@@ -41,7 +41,7 @@ from uproxy.settings import PRIMARY, Settings, format_duration, parse_hostport
 from uproxy.sources.file import FileSource
 from uproxy.syncer import ProxiedPort, Syncer, SyncerOptions, TableRow, open_listener
 from uproxy.tracker import Tracker
-from uproxy.workers import WorkerPool, default_worker_count, worker_argv
+from uproxy.workers import WorkerPool, default_worker_count, worker_argv, worker_cpus
 
 log = logging.getLogger("uproxy.proxy")
 
@@ -124,6 +124,7 @@ class Proxy:
                 settings=self.dataplane,
                 argv=worker_argv(s),
                 control_nice=s.control_nice,
+                cpus=worker_cpus(s.worker_cpu_affinity),
             )
             if count > 0
             else None

@@ -179,6 +179,19 @@ class Settings:
         "does everything else), at most 256; 0 relays in the control process; default: the "
         "CPUs this process may use (affinity mask and cgroup quota), 1 with --rules none",
     )
+    worker_cpu_affinity: str = opt(
+        "none",
+        flag="--worker-cpu-affinity",
+        config="uproxy.workerCpuAffinity",
+        choices=("none", "auto"),
+        help="auto binds each data-plane worker to one CPU, in turn over the CPUs this process "
+        "may use at start (as nginx's worker_cpu_affinity auto or HAProxy's cpu-map); none "
+        "lets the scheduler move them. Bound, a worker's relaying stays on its CPU instead of "
+        "waking another, idle one, which costs most where idle CPUs wake slowly (virtual "
+        "machines whose idle vCPUs halt); but a bound worker cannot leave a CPU that others "
+        "keep busy, so bind only where uproxy has those CPUs mostly to itself; ignored with "
+        "--workers 0",
+    )
     control_nice: int = opt(
         10,
         flag="--control-nice",

@@ -122,6 +122,13 @@ def default_worker_count(*, laptop: bool) -> int:
     return max(1, min(cpus, quota) if quota else cpus)
 
 
+def worker_cpus(affinity: str) -> tuple[int, ...]:
+    """The CPUs the workers are bound to, worker ``i`` to entry ``i`` modulo their number
+    (``--worker-cpu-affinity``): with ``auto``, those this process may use now, in order;
+    with ``none``, no binding (empty)."""
+    return tuple(sorted(os.sched_getaffinity(0))) if affinity == "auto" else ()
+
+
 def _cgroup_cpus(root: str = "/sys/fs/cgroup") -> int | None:
     """CPUs the CPU quota of this process's cgroup allows (rounded up: a limit of 1.5 CPUs is
     worth two workers), as a container sees its cgroup under ``root``: cgroup v2's
@@ -217,15 +224,19 @@ class WorkerPool:
         settings: DataplaneSettings,
         argv: list[str],
         control_nice: int = 0,
+        cpus: tuple[int, ...] = (),
     ) -> None:
         """``count`` workers, each configured with ``settings``; ``argv``: the flags a worker
         is started with (``worker_argv``), since it sets up logging and its event loop before
         it reads its channel; ``control_nice``: nice levels this (the control) process takes
-        below its workers when they start (``uproxy.priority``; 0: one priority)."""
+        below its workers when they start (``uproxy.priority``; 0: one priority); ``cpus``:
+        worker ``i`` binds itself to ``cpus[i % len(cpus)]``, and its replacements to the
+        same CPU (``worker_cpus``; empty: no binding)."""
         if count < 1:
             raise ValueError("a worker pool needs at least one worker")
         self.count = count
         self._control_nice = control_nice
+        self._cpus = cpus
         self.lowered: priority.Lowered | None = None
         self._configure = Configure(
             replace(settings, accept_batch=min(settings.accept_batch, SHARED_ACCEPT_BATCH))
@@ -569,7 +580,12 @@ class WorkerPool:
             sock.close()  # the workers hold the last copies until they retire them
         listener.socks = [first]
 
+    def cpu_of(self, index: int) -> int | None:
+        """The CPU worker ``index`` is bound to; None when the workers are not bound."""
+        return self._cpus[index % len(self._cpus)] if self._cpus else None
+
     async def _spawn(self, index: int) -> _Worker:
+        cpu = self.cpu_of(index)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         files = CounterFiles.create()
         try:
@@ -587,6 +603,7 @@ class WorkerPool:
                 str(index),
                 *self._argv_extra,
                 *(["--nice", str(self.lowered.worker_nice)] if self.lowered else []),
+                *(["--cpu", str(cpu)] if cpu is not None else []),
                 pass_fds=(theirs.fileno(), files.values_fd, files.directory_fd),
                 stdin=asyncio.subprocess.DEVNULL,
                 # A process group of its own: Ctrl-C in a terminal signals the foreground
@@ -619,7 +636,10 @@ class WorkerPool:
         channel = Channel(ours, on_message=on_message, on_closed=lambda: None)
         worker = _Worker(index, process, channel, files, SlotReader(files))
         self._replay(worker)
-        log.info("Started data-plane worker", extra=kv(worker=index, pid=process.pid))
+        log.info(
+            "Started data-plane worker",
+            extra=kv(worker=index, pid=process.pid, **({} if cpu is None else {"cpu": cpu})),
+        )
         return worker
 
     def _replay(self, w: _Worker) -> None:

@@ -465,6 +465,71 @@ async def test_a_killed_worker_is_replaced_and_the_others_connections_carry_on(
     assert "intact" in outcomes
 
 
+def _cpus_of(pid: int) -> set[frozenset[int]]:
+    """The CPUs each thread of process ``pid`` may run on, as the kernel has them."""
+    out = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            out.add(frozenset(os.sched_getaffinity(int(tid))))
+        except ProcessLookupError:
+            continue  # a thread that ended
+    return out
+
+
+async def _intact_through(port: int, n: int) -> list[str]:
+    """``n`` echo streams opened at once, 256 KiB each way, sha256 checked."""
+    streams = await asyncio.gather(*(_Stream.open(port) for _ in range(n)))
+    for s in streams:
+        s.send(128 * 1024)
+    return list(await asyncio.gather(*(s.finish(128 * 1024) for s in streams)))
+
+
+async def test_bound_workers_run_on_one_cpu_each_and_a_replacement_on_the_dead_ones(
+    tmp_path: Path, backends: list[NamedBackend], proxies: list[Proxy]
+) -> None:
+    """``--worker-cpu-affinity auto``: worker i on the i-th CPU this process may use (in turn
+    when there are fewer CPUs than workers), every thread of it, its replacement too."""
+    path = tmp_path / "services.yaml"
+    services_file(path, backends)
+    mine = sorted(os.sched_getaffinity(0))
+    proxy = await start_proxy(path, worker_cpu_affinity="auto")
+    proxies.append(proxy)
+    pool = proxy.workers
+    assert pool is not None
+    expected = [{frozenset({mine[i % len(mine)]})} for i in range(2)]
+    assert [_cpus_of(pid) for pid in pool.pids] == expected
+    assert await _intact_through(proxy_port(proxy), 8) == ["intact"] * 8
+    victim = pool.pids[0]
+    os.kill(victim, signal.SIGKILL)
+    await wait_for(lambda: pool.restarts == 1 and victim not in pool.pids and _all_ready(proxy))
+    assert [_cpus_of(pid) for pid in pool.pids] == expected
+    assert await _intact_through(proxy_port(proxy), 8) == ["intact"] * 8
+
+
+async def test_workers_are_not_bound_unless_asked(
+    tmp_path: Path, backends: list[NamedBackend], proxies: list[Proxy]
+) -> None:
+    proxy = await serving_web(tmp_path / "services.yaml", backends, proxies)
+    assert proxy.workers is not None
+    everywhere = {frozenset(os.sched_getaffinity(0))}
+    assert [_cpus_of(pid) for pid in proxy.workers.pids] == [everywhere, everywhere]
+
+
+def test_a_worker_that_cannot_have_its_cpu_says_so_once_and_runs_unbound(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The CPU went away between the control process's look and the worker's start (a
+    cpuset that shrank): one error line, and the process keeps the CPUs it had."""
+    from uproxy.dataplane import worker
+
+    before = os.sched_getaffinity(0)
+    absent = max(os.cpu_count() or 1, *before) + 4096
+    worker._bind_to_cpu(absent)
+    assert os.sched_getaffinity(0) == before
+    lines = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert [r.getMessage() for r in lines] == ["Cannot bind the worker to its CPU, it runs unbound"]
+
+
 async def test_a_stop_does_not_wait_past_its_deadline_for_a_worker_that_hangs(
     tmp_path: Path, backends: list[NamedBackend], proxies: list[Proxy]
 ) -> None:
