@@ -350,7 +350,7 @@ def _disturb_parts(
     if why:
         results["disturb"]["skipped"] = why
         return []
-    return [f"disturb:{rules}" for rules in disturb.BACKENDS]
+    return [f"disturb:{variant}" for variant in disturb.VARIANTS]
 
 
 def _revision() -> str:

@@ -70,6 +70,10 @@ from bench.procs import listening_ports
 from bench.progress import Progress
 
 BACKENDS = ("iptables-restore", "nftables")
+# Each backend as a node runs it, then with every worker bound to a CPU of its own
+# (``--worker-cpu-affinity auto``): a variant is the backend's name, with BOUND after it.
+BOUND = " bound"
+VARIANTS = (*BACKENDS, *(rules + BOUND for rules in BACKENDS))
 WORKERS = 2
 NODE_IP = "10.255.0.1"
 TARGET_IP = "10.100.255.10"
@@ -252,6 +256,7 @@ class Session:
     plan: Plan
     rules: str
     services: Path
+    bound: bool = False
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -263,6 +268,7 @@ class Session:
         argv += ["--rules", self.rules, "--workers", str(WORKERS), "--event-loop", "uvloop"]
         argv += ["--proxy-port-range", f"{PROXY_PORTS[0]}-{PROXY_PORTS[1]}"]
         argv += ["--hostname-override", "bench-node", "--logging-format", "json"]
+        argv += ["--worker-cpu-affinity", "auto"] if self.bound else []
         return argv + (["--iptables-mode", "nft"] if self.rules == "iptables-restore" else [])
 
     def log(self) -> Path:
@@ -309,7 +315,9 @@ class Session:
 def start(s: Session, progress: Progress) -> dict[str, Any]:
     """uproxy up with N + 1 services, ready and carrying bytes right; its start-up figures."""
     started = time.monotonic()
-    s.proc = s.ctx.procs.start(s.argv(), core=s.ctx.where.proxy, name=f"uproxy-{s.rules}")
+    s.proc = s.ctx.procs.start(
+        s.argv(), core=s.ctx.where.proxy, name=f"uproxy-{s.rules}" + ("-bound" if s.bound else "")
+    )
     want = s.plan.services + 1
     deadline = started + READY_BASE_S + READY_PER_SERVICE_S * want
     while not answers(TARGET_IP):
@@ -323,8 +331,8 @@ def start(s: Session, progress: Progress) -> dict[str, Any]:
     out = {"serving_s": serving, "listening_s": time.monotonic() - started}
     out.update(proctree.memory_mb(s.pids))
     progress.say(
-        f"disturb {s.rules}: {want:,} services, serving after {serving:.1f} s, all listening "
-        f"after {out['listening_s']:.1f} s, bytes verified"
+        f"disturb {s.rules}{BOUND if s.bound else ''}: {want:,} services, serving after "
+        f"{serving:.1f} s, all listening after {out['listening_s']:.1f} s, bytes verified"
     )
     return out
 
@@ -414,28 +422,36 @@ def rules_repairs(s: Session) -> wl.Figures:
 
 
 def run(
-    rules: str,
+    variant: str,
     ctx: Context,
     backends: Backends,
     plan: Plan,
     scripts: dict[str, Path],
     progress: Progress,
 ) -> dict[str, Any]:
-    """One rules backend: start, the rounds of three runs, the saturated run, stop. Its entry
-    of the raw JSON: each run's figures by round (``rounds``), and under the run's own key
-    the round whose p99 is the median."""
+    """One of ``VARIANTS``: start, the rounds of three runs, the saturated run, stop. Its
+    entry of the raw JSON: each run's figures by round (``rounds``), and under the run's own
+    key the round whose p99 is the median."""
+    rules, bound = variant.removesuffix(BOUND), variant.endswith(BOUND)
     prepare_namespace()
     path = ctx.workdir / f"services-{rules}.yaml"
     path.write_text(services_file(0, plan.services, backends.ports.http))
-    s = Session(ctx, backends, scripts, plan, rules, path)
-    entry: dict[str, Any] = {"rules": rules, "services": plan.services, "workers": WORKERS}
+    s = Session(ctx, backends, scripts, plan, rules, path, bound)
+    entry: dict[str, Any] = {
+        "rules": rules,
+        "bound": bound,
+        "services": plan.services,
+        "workers": WORKERS,
+    }
     rounds: dict[str, list[wl.Figures]] = {key: [] for key in ROUND_RUNS}
     entry["rounds"] = rounds
     try:
         entry["start"] = start(s, progress)
         listening_s = entry["start"]["listening_s"]
         for i in range(plan.rounds):
-            tag = f"disturb {rules}" + (f", round {i + 1}/{plan.rounds}" if plan.rounds > 1 else "")
+            tag = f"disturb {variant}" + (
+                f", round {i + 1}/{plan.rounds}" if plan.rounds > 1 else ""
+            )
             rounds["undisturbed"].append(s.accounted(s.load(plan.undisturbed_s)))
             progress.say(f"{tag}: undisturbed: {_line(rounds['undisturbed'][-1])}")
             rounds["big_sync"].append(big_sync(s, listening_s, generation=i + 1))
@@ -446,7 +462,7 @@ def run(
                 entry[key] = median_round(rounds[key])
         saturated = big_sync(s, listening_s, generation=plan.rounds + 1, saturate=True)
         entry["big_sync_saturated"] = saturated
-        progress.say(f"disturb {rules}: big sync, workers saturated: {_sync_line(saturated)}")
+        progress.say(f"disturb {variant}: big sync, workers saturated: {_sync_line(saturated)}")
         entry["end"] = proctree.memory_mb(s.pids)
         entry["end"]["worker_restarts"] = scrape((RESTARTS,))[RESTARTS]
     finally:

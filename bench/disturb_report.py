@@ -5,8 +5,10 @@ while the workers are saturated). The first three run in rounds: their p99 is th
 round's, with the rounds' range, and the row's other figures are that round's. Each p99 is
 beside uproxy's own undisturbed p99 and
 HAProxy's plain keep-alive p99 from the peers of the same run (``haproxy-2cpu``, both CPUs
-as here, and pinned ``haproxy``; none for the saturated run, a connection run), with the CPU
-each of uproxy's roles spent during the run and what the disturbance did.
+as here, ``haproxy-bound-2cpu``, its threads bound with ``cpu-map``, and pinned ``haproxy``;
+none for the saturated run, a connection run), with the CPU each of uproxy's roles spent
+during the run and what the disturbance did. A backend's rows come twice: with the workers
+as a node runs them, then bound to a CPU each (``--worker-cpu-affinity auto``, "bound").
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ def _p99(key: str, f: dict[str, Any], entry: dict[str, Any]) -> str:
 def _rows(rules: str, entry: dict[str, Any], summary: dict[str, Any]) -> list[str]:
     base = entry.get("undisturbed", {}).get("p99_ms")
     h2, h1 = _haproxy_p99(summary, "haproxy-2cpu"), _haproxy_p99(summary, "haproxy")
+    h2b = _haproxy_p99(summary, "haproxy-bound-2cpu")
     rows = []
     for key, title in RUNS:
         f = entry.get(key)
@@ -81,9 +84,14 @@ def _rows(rules: str, entry: dict[str, Any], summary: dict[str, Any]) -> list[st
             f"{f['max_ms']:.1f}",
             f"{f['errors']:.0f}",
             *(
-                ["-"] * 3
+                ["-"] * 4
                 if key in NOT_KEEPALIVE
-                else [_x(f["p99_ms"], base), _x(f["p99_ms"], h2), _x(f["p99_ms"], h1)]
+                else [
+                    _x(f["p99_ms"], base),
+                    _x(f["p99_ms"], h2),
+                    _x(f["p99_ms"], h2b),
+                    _x(f["p99_ms"], h1),
+                ]
             ),
             f"{f.get('cpu_main_s', 0):.2f}",
             f"{f.get('cpu_workers_s', 0):.2f}",
@@ -136,14 +144,17 @@ def markdown(disturb: dict[str, Any] | None, summary: dict[str, Any]) -> list[st
         f"{disturb['services']:,} services by {disturb['services']:,} others (a big sync), and "
         "while its rules are flushed and repaired (see `bench/disturb.py`). Ratios: this p99 "
         "over uproxy's undisturbed p99, and over HAProxy's plain keep-alive p99 in this run "
-        "(`nbthread 2` on 2 CPUs, and 1 thread pinned). A run's p99 is diluted by its "
+        "(`nbthread 2` on 2 CPUs, the same with its threads bound by `cpu-map`, and 1 thread "
+        "pinned). Each backend runs twice: with the workers as a node runs them, then with "
+        'each bound to a CPU of its own (`--worker-cpu-affinity auto`, "bound"). '
+        "A run's p99 is diluted by its "
         "undisturbed part: read it with the share the disturbance covered. "
         f"{_rounds_note(disturb)}",
         "",
         "| rules | run | s | p50 ms | p99 ms | p99.9 ms | max ms | errors | x undisturbed "
-        "| x HAProxy 2 CPUs | x HAProxy pinned | CPU s control | workers | reaped "
-        "| what happened |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| x HAProxy 2 CPUs | x HAProxy 2 CPUs, cpu-map | x HAProxy pinned | CPU s control "
+        "| workers | reaped | what happened |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for rules, entry in disturb.get("backends", {}).items():
         lines += _rows(rules, entry, summary)
@@ -177,7 +188,7 @@ def plot(
         top = [e.get(key, {}).get("max_ms", 0.0) for e in backends.values()]
         ax.bar(xs, p99, width=width, label=f"{title}: p99 (tick: max)")
         ax.scatter(xs, top, marker="_", s=200, color="black")
-    for peer, style in (("haproxy-2cpu", "--"), ("haproxy", ":")):
+    for peer, style in (("haproxy-2cpu", "--"), ("haproxy-bound-2cpu", "-."), ("haproxy", ":")):
         ref = _haproxy_p99(summary, peer)
         if ref:
             ax.axhline(ref, linestyle=style, color="grey", label=f"{peer}: keep-alive p99")

@@ -65,6 +65,13 @@ CONTEXT = [
         None,
     ),
     Goal("Keep-alive p99, 2 CPUs", "uproxy-w2-2cpu", "ka_p99", "haproxy-2cpu", None),
+    # Each worker or thread bound to a CPU of its own (--worker-cpu-affinity auto, cpu-map).
+    Goal("Keep-alive p99, 2 CPUs", "uproxy-w2-bound-2cpu", "ka_p99", "haproxy-2cpu", None),
+    Goal("Keep-alive p99, 2 CPUs", "uproxy-w2-bound-2cpu", "ka_p99", "haproxy-bound-2cpu", None),
+    Goal("New connections/s, 2 CPUs", "uproxy-w2-bound-2cpu", "conn_rate", "haproxy-2cpu", None),
+    Goal(
+        "New connections/s, 2 CPUs", "uproxy-w2-bound-2cpu", "conn_rate", "haproxy-bound-2cpu", None
+    ),
     Goal("TCP 1 stream, 2 CPUs", "uproxy-w2-2cpu", "tcp1_gbps", "kernel-dnat-2cpu", None),
     Goal(
         "Proxy CPU per GB, 1 stream, 2 CPUs", "uproxy-w2-2cpu", "cpu_s_per_gb", "haproxy-2cpu", None

@@ -13,7 +13,9 @@ Two placements (``bench.procs.Placement``), two sets of peers:
 - **shared** (equal cores, names ending in ``-2cpu``): the proxy may use both CPUs and so may
   the load generators and backends, as on a node where nothing is set aside. Each proxy runs
   as it would to use two CPUs: HAProxy ``nbthread 2``, nginx with two workers, uproxy with
-  ``--workers 1`` and ``--workers 2``; kernel DNAT beside them for reference.
+  ``--workers 1`` and ``--workers 2``, and each of the last two again with every worker or
+  thread bound to a CPU of its own (uproxy ``--worker-cpu-affinity auto``, HAProxy
+  ``cpu-map``); kernel DNAT beside them for reference.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.backends import BackendPorts
-from bench.procs import Cores, Placement, ProcessGroup, wait_listening
+from bench.procs import Cores, CpuSet, Placement, ProcessGroup, wait_listening
 
 NGINX_STREAM_MODULE = Path("/usr/lib/nginx/modules/ngx_stream_module.so")
 
@@ -157,16 +159,21 @@ class Uproxy(Peer):
 
     roles = ("control", "workers")
 
-    def __init__(self, loop: str, *, workers: int | None = None, shared: bool = False) -> None:
+    def __init__(
+        self, loop: str, *, workers: int | None = None, shared: bool = False, bound: bool = False
+    ) -> None:
         self.loop = loop
         self.workers = workers
         self.shared = shared
+        self.bound = bound  # --worker-cpu-affinity auto
         if workers is None:
             self.name = f"uproxy-{loop}"
             self.label = f"uproxy ({loop})"
         else:
-            self.name = f"uproxy-w{workers}" + ("-2cpu" if shared else "")
-            self.label = f"uproxy --workers {workers}" + (" (2 CPUs)" if shared else "")
+            self.name = f"uproxy-w{workers}" + ("-bound" if bound else "")
+            self.name += "-2cpu" if shared else ""
+            self.label = f"uproxy --workers {workers}" + (", bound" if bound else "")
+            self.label += " (2 CPUs)" if shared else ""
 
     def unavailable(self, ctx: Context) -> str | None:
         probe = subprocess.run(
@@ -186,15 +193,18 @@ class Uproxy(Peer):
         services = ctx.workdir / f"{self.name}-services.yaml"
         services.write_text(services_yaml(ports, ctx.backend))
         proc = ctx.procs.start(
-            uproxy_argv(services=services, loop=self.loop, workers=self.workers),
+            uproxy_argv(services=services, loop=self.loop, workers=self.workers, bound=self.bound),
             core=ctx.where.proxy,
             name=self.name,
         )
         return self._wait(ctx, Running(ports=ports, procs=[proc]))
 
 
-def uproxy_argv(*, services: Path, loop: str, workers: int | None = None) -> list[str]:
+def uproxy_argv(
+    *, services: Path, loop: str, workers: int | None = None, bound: bool = False
+) -> list[str]:
     extra = [] if workers is None else ["--workers", str(workers)]
+    extra += ["--worker-cpu-affinity", "auto"] if bound else []
     return [
         sys.executable,
         "-m",
@@ -248,7 +258,7 @@ endpoints:
 HAPROXY_CFG = """\
 global
     nbthread {threads}
-    maxconn 8000
+{cpu_map}    maxconn 8000
 defaults
     mode tcp
     timeout connect 5s
@@ -269,16 +279,20 @@ backend iperf
 
 class Haproxy(Peer):
     """HAProxy in TCP mode, default buffers (no splice: as people deploy it); one thread pinned,
-    ``nbthread 2`` at equal cores."""
+    ``nbthread 2`` at equal cores; ``bound``: each thread bound to one of the proxy's CPUs
+    (``cpu-map``)."""
 
     udp = False
 
-    def __init__(self, *, threads: int = 1) -> None:
+    def __init__(self, *, threads: int = 1, bound: bool = False) -> None:
         self.threads = threads
         self.shared = threads > 1
-        self.name = "haproxy-2cpu" if self.shared else "haproxy"
+        self.bound = bound
+        self.name = "haproxy" + ("-bound" if bound else "") + ("-2cpu" if self.shared else "")
         self.label = (
-            f"HAProxy, nbthread {threads} (2 CPUs)" if self.shared else "HAProxy (TCP mode)"
+            f"HAProxy, nbthread {threads}" + (", cpu-map" if bound else "") + " (2 CPUs)"
+            if self.shared
+            else "HAProxy (TCP mode)"
         )
 
     def unavailable(self, ctx: Context) -> str | None:
@@ -292,6 +306,7 @@ class Haproxy(Peer):
         cfg.write_text(
             HAPROXY_CFG.format(
                 threads=self.threads,
+                cpu_map=_cpu_map(self.threads, ctx.where.proxy) if self.bound else "",
                 listen="127.0.0.1",
                 backend="127.0.0.1",
                 http=ports.http,
@@ -304,6 +319,13 @@ class Haproxy(Peer):
             ["haproxy", "-db", "-f", str(cfg)], core=ctx.where.proxy, name=self.name
         )
         return self._wait(ctx, Running(ports=ports, procs=[proc], udp=False))
+
+
+def _cpu_map(threads: int, cpus: CpuSet) -> str:
+    """HAProxy's ``cpu-map`` line binding thread i to the i-th of ``cpus`` (in turn)."""
+    listed = [cpus] if isinstance(cpus, int) else sorted(cpus)
+    each = " ".join(str(listed[i % len(listed)]) for i in range(threads))
+    return f"    cpu-map auto:1/1-{threads} {each}\n"
 
 
 NGINX_STREAM = """\
@@ -447,6 +469,8 @@ def all_peers() -> list[Peer]:
         Uproxy("uvloop", workers=1, shared=True),
         Uproxy("uvloop", workers=2, shared=True),
         Haproxy(threads=2),
+        Uproxy("uvloop", workers=2, shared=True, bound=True),
+        Haproxy(threads=2, bound=True),
         NginxStream(workers=2),
         KernelDnat(shared=True),
     ]
