@@ -239,6 +239,7 @@ class HaproxyNode(NodePeer):
         cfg = env.workdir / "haproxy-node.cfg"
         text = HAPROXY_CFG.format(
             threads=1,
+            cpu_map="",
             listen=NODE_POD_SIDE_IP,
             http=http,
             iperf=iperf,
