@@ -580,6 +580,11 @@ class WorkerPool:
             sock.close()  # the workers hold the last copies until they retire them
         listener.socks = [first]
 
+    @property
+    def bound(self) -> bool:
+        """Whether each worker is bound to a CPU (``--worker-cpu-affinity auto``)."""
+        return bool(self._cpus)
+
     def cpu_of(self, index: int) -> int | None:
         """The CPU worker ``index`` is bound to; None when the workers are not bound."""
         return self._cpus[index % len(self._cpus)] if self._cpus else None

@@ -13,13 +13,14 @@ import dataclasses
 import datetime
 import functools
 import hashlib
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from tests.integration.procs import children
 from uproxy.localnet import has_loopback6
 from uproxy.model import Endpoint, IPFamily, Protocol, ServicePortName
 from uproxy.proxy import Proxy
+from uproxy.rules.base import LocalTraffic, Portal
 from uproxy.settings import Settings
 
 WEB = ServicePortName("default", "web", "http", Protocol.TCP)
@@ -513,6 +515,68 @@ async def test_workers_are_not_bound_unless_asked(
     assert proxy.workers is not None
     everywhere = {frozenset(os.sched_getaffinity(0))}
     assert [_cpus_of(pid) for pid in proxy.workers.pids] == [everywhere, everywhere]
+
+
+class _SilentRules:
+    """A rules backend of a given name that programs nothing."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    async def prepare(self) -> None:
+        return None
+
+    async def sync(self, portals: Collection[Portal]) -> None:
+        return None
+
+    def set_local_traffic(self, local: LocalTraffic) -> None:
+        return None
+
+    def set_host_ip(self, family: IPFamily, host_ip: str) -> None:
+        return None
+
+    async def check(self) -> bool:
+        return True
+
+    async def cleanup(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+@pytest.mark.parametrize(
+    ("rules", "affinity", "warned"),
+    [
+        ("iptables-restore", "auto", True),
+        ("iptables", "auto", True),
+        ("nftables", "auto", False),
+        ("iptables-restore", "none", False),
+    ],
+)
+async def test_bound_workers_with_rules_written_as_whole_tables_get_one_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, rules: str, affinity: str, warned: bool
+) -> None:
+    caplog.set_level(logging.WARNING, logger="uproxy.proxy")
+    path = tmp_path / "services.yaml"
+    path.write_text("")
+    settings = Settings(
+        services=str(path),
+        rules=rules,
+        workers=2,
+        worker_cpu_affinity=affinity,
+        dial_mark=0,
+        healthz_bind_address="",
+        metrics_bind_address="",
+    )
+    proxy = Proxy(settings, rules=_SilentRules(rules))
+    await proxy.start()
+    try:
+        await asyncio.wait_for(proxy.synced.wait(), 10)
+    finally:
+        await proxy.stop()
+    said = [r for r in caplog.records if r.getMessage().startswith("Workers are bound")]
+    assert [r.__dict__["kv"] for r in said] == ([{"rules": rules}] if warned else [])
 
 
 def test_a_worker_that_cannot_have_its_cpu_says_so_once_and_runs_unbound(
