@@ -20,7 +20,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,7 @@ from tests.integration.procs import children
 from uproxy.localnet import has_loopback6
 from uproxy.model import Endpoint, IPFamily, Protocol, ServicePortName
 from uproxy.proxy import Proxy
-from uproxy.rules.base import LocalTraffic, Portal
+from uproxy.rules.none import NoRules
 from uproxy.settings import Settings
 
 WEB = ServicePortName("default", "web", "http", Protocol.TCP)
@@ -517,32 +517,11 @@ async def test_workers_are_not_bound_unless_asked(
     assert [_cpus_of(pid) for pid in proxy.workers.pids] == [everywhere, everywhere]
 
 
-class _SilentRules:
-    """A rules backend of a given name that programs nothing."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    async def prepare(self) -> None:
-        return None
-
-    async def sync(self, portals: Collection[Portal]) -> None:
-        return None
-
-    def set_local_traffic(self, local: LocalTraffic) -> None:
-        return None
-
-    def set_host_ip(self, family: IPFamily, host_ip: str) -> None:
-        return None
-
-    async def check(self) -> bool:
-        return True
-
-    async def cleanup(self) -> None:
-        return None
-
-    async def close(self) -> None:
-        return None
+def _silent_rules(name: str) -> NoRules:
+    """A rules backend that programs nothing, under another backend's name."""
+    rules = NoRules()
+    rules.name = name
+    return rules
 
 
 @pytest.mark.parametrize(
@@ -569,7 +548,7 @@ async def test_bound_workers_with_rules_written_as_whole_tables_get_one_warning(
         healthz_bind_address="",
         metrics_bind_address="",
     )
-    proxy = Proxy(settings, rules=_SilentRules(rules))
+    proxy = Proxy(settings, rules=_silent_rules(rules))
     await proxy.start()
     try:
         await asyncio.wait_for(proxy.synced.wait(), 10)
