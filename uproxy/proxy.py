@@ -64,8 +64,9 @@ SYNC_SETTLE_S = 0.01
 # Rules backends that write whole tables (or batches of thousands of rules) in one system
 # call: on a kernel without preemption, the CPU that makes the call is held until it returns
 # (a 10,000-service swap: up to 37 ms per commit with iptables-restore). With the workers
-# bound to CPUs (--worker-cpu-affinity auto) the one on that CPU waits it out: keep-alive p99
-# during such a swap read 0.90-4.91 ms bound against 0.91-0.94 unbound, on a 2-vCPU VM.
+# bound to CPUs (--worker-cpu-affinity auto) the one on that CPU waits it out: on a 2-vCPU VM
+# (two full bench runs), keep-alive p99 during such a swap read up to 4.9 ms bound, during
+# rules repairs up to 6.2 ms, against at most 0.94 and 0.98 ms unbound.
 TABLE_WRITERS = frozenset({"iptables-restore", "iptables"})
 
 # How long a stop waits for its tasks (sources, syncs, checks) to end once cancelled; a task
