@@ -263,6 +263,11 @@ class Session:
     def pids(self) -> list[int]:
         return [self.proc.pid] if self.proc is not None else []
 
+    @property
+    def variant(self) -> str:
+        """Its name among ``VARIANTS``."""
+        return self.rules + (BOUND if self.bound else "")
+
     def argv(self) -> list[str]:
         argv = [sys.executable, "-m", "uproxy.cli", "--services", str(self.services)]
         argv += ["--rules", self.rules, "--workers", str(WORKERS), "--event-loop", "uvloop"]
@@ -316,7 +321,7 @@ def start(s: Session, progress: Progress) -> dict[str, Any]:
     """uproxy up with N + 1 services, ready and carrying bytes right; its start-up figures."""
     started = time.monotonic()
     s.proc = s.ctx.procs.start(
-        s.argv(), core=s.ctx.where.proxy, name=f"uproxy-{s.rules}" + ("-bound" if s.bound else "")
+        s.argv(), core=s.ctx.where.proxy, name="uproxy-" + s.variant.replace(" ", "-")
     )
     want = s.plan.services + 1
     deadline = started + READY_BASE_S + READY_PER_SERVICE_S * want
@@ -331,7 +336,7 @@ def start(s: Session, progress: Progress) -> dict[str, Any]:
     out = {"serving_s": serving, "listening_s": time.monotonic() - started}
     out.update(proctree.memory_mb(s.pids))
     progress.say(
-        f"disturb {s.rules}{BOUND if s.bound else ''}: {want:,} services, serving after "
+        f"disturb {s.variant}: {want:,} services, serving after "
         f"{serving:.1f} s, all listening after {out['listening_s']:.1f} s, bytes verified"
     )
     return out
