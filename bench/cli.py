@@ -7,6 +7,8 @@ kernel-DNAT rule needs it). The bench re-executes itself inside each namespace, 
 created here and removed on every exit path, Ctrl-C included. Without root everything runs on
 the host's loopback and the kernel-DNAT peer is skipped with a note. ``--quick`` runs each
 installed peer once, briefly, and still writes every output: CI uses it as a smoke test.
+A full run measures the peers in rounds (``bench.dataplane``): each round starts every peer in
+turn, each in a fresh namespace, so a slow stretch of the machine falls on all of them.
 The peers come in two placements (``bench/peers.py``): pinned (the proxy on one core) and
 equal cores (everything on both). As root, one more part per rules backend measures uproxy's
 keep-alive latency while its control process does a big sync and repairs flushed rules
@@ -48,8 +50,10 @@ from bench.procs import Cores, Placement, ProcessGroup, run_uproxy_as_shipped
 from bench.progress import Progress
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
-FULL = dataplane.Plan(runs=3, warmup=True, durations=wl.Durations(tcp=3, http=3, udp=3))
-QUICK = dataplane.Plan(runs=1, warmup=False, durations=wl.Durations(tcp=1, http=1, udp=0.5))
+FULL = dataplane.Plan(
+    rounds=3, durations=wl.Durations(tcp=3, http=3, udp=3), warmup=dataplane.WARMUP
+)
+QUICK = dataplane.Plan(rounds=1, durations=wl.Durations(tcp=1, http=1, udp=0.5))
 FULL_SIZES = [1000, 5000, 10000]
 QUICK_SIZES = [100, 500]
 RULES_SYNC_SIZES = {False: "100,1000,10000", True: "100,1000"}
@@ -76,7 +80,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
         help="comma-separated peer names to run (default: all); the name 'disturb' selects "
         "the keep-alive runs during uproxy's control work",
     )
-    p.add_argument("--runs", type=int, help="measured runs per workload (default: 3, quick: 1)")
+    p.add_argument(
+        "--runs",
+        type=int,
+        help="rounds: measured runs per workload, each peer started afresh for each, the peers "
+        "in turn (default: 3, quick: 1)",
+    )
     p.add_argument("--no-control-plane", action="store_true", help="skip the sync-time runs")
     p.add_argument("--no-profile", action="store_true", help="skip the py-spy profile")
     p.add_argument("--no-rules-sync", action="store_true", help="skip python -m bench.rules_sync")
@@ -116,7 +125,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def _plan(args: argparse.Namespace) -> dataplane.Plan:
     plan = QUICK if args.quick else FULL
     if args.runs:
-        plan = dataplane.Plan(runs=args.runs, warmup=plan.warmup, durations=plan.durations)
+        plan = dataclasses.replace(plan, rounds=args.runs)
     return plan
 
 
@@ -149,7 +158,7 @@ def _part_planned_s(args: argparse.Namespace, part: str) -> float:
         return PROFILE_S + 4.0
     if part.startswith("disturb:"):
         return disturb.planned_seconds(_disturb_plan(args))
-    return dataplane.planned_seconds(_plan(args), 1)
+    return dataplane.round_seconds(_plan(args))
 
 
 def _disturb_plan(args: argparse.Namespace) -> disturb.Plan:
@@ -236,8 +245,13 @@ def run_all(args: argparse.Namespace, args_list: list[str]) -> int:
                 "shared": Placement.shared(cores).describe(),
             },
             "plan": {
-                "runs": plan.runs,
-                "warmup": plan.warmup,
+                "rounds": plan.rounds,
+                "warmup": (
+                    f"iperf3 {plan.warmup.tcp} s, wrk {plan.warmup.http:g} s, UDP "
+                    f"{plan.warmup.udp:g} s"
+                    if plan.warmup
+                    else None
+                ),
                 "durations": _durations_text(plan.durations),
             },
             "machine": report.machine(),
@@ -245,6 +259,7 @@ def run_all(args: argparse.Namespace, args_list: list[str]) -> int:
         },
         "peers": {},
     }
+    active: list[str] = []
     for peer in peers:
         why = peer.unavailable(probe_ctx)
         placement = peer.placement(cores).name
@@ -252,9 +267,11 @@ def run_all(args: argparse.Namespace, args_list: list[str]) -> int:
             "label": peer.label,
             "placement": placement,
             "skipped": why or "did not run",
+            "notes": [],
         }
         if not why:
-            parts.append(f"peer:{peer.name}")
+            active.append(peer.name)
+    parts += _peer_parts(active, plan.rounds)
     parts += _disturb_parts(args, results, use_netns, uproxy_missing)
     if _sizes(args):
         if uproxy_missing:
@@ -334,6 +351,22 @@ def run_all(args: argparse.Namespace, args_list: list[str]) -> int:
 BUSY_LOADAVG = 0.7
 
 
+def _peer_parts(names: list[str], rounds: int) -> list[str]:
+    """Every peer once a round, the order rotated between rounds (as the deployed part's), so
+    no peer always runs first or right after the same one."""
+    parts = []
+    for round_no in range(1, rounds + 1):
+        shift = (round_no - 1) % max(1, len(names))
+        parts += [f"peer:{name}#{round_no}" for name in names[shift:] + names[:shift]]
+    return parts
+
+
+def _peer_part(part: str) -> tuple[str, int]:
+    """``peer:NAME#ROUND`` -> (NAME, ROUND)."""
+    name, _, round_no = part.removeprefix("peer:").partition("#")
+    return name, int(round_no or 1)
+
+
 def _disturb_parts(
     args: argparse.Namespace, results: dict[str, Any], use_netns: bool, uproxy_missing: str | None
 ) -> list[str]:
@@ -405,12 +438,15 @@ def _merge(results: dict[str, Any], part: str, data: dict[str, Any], progress: P
     """Fold one part's output into the results; True when the part failed."""
     error = data.get("error")
     if part.startswith("peer:"):
-        name = part.removeprefix("peer:")
+        name, round_no = _peer_part(part)
+        before = results["peers"][name]
         if error:
-            results["peers"][name]["skipped"] = f"failed: {error}"
-            progress.say(f"{name}: FAILED: {error}")
+            before.setdefault("notes", []).append(f"round {round_no}: failed: {error}")
+            if "runs" not in before:
+                before["skipped"] = f"failed: {error}"
+            progress.say(f"{name}: FAILED in round {round_no}: {error}")
             return True
-        results["peers"][name] = data["entry"]
+        results["peers"][name] = dataplane.merge_round(before, data["entry"])
         return False
     if part.startswith("disturb:"):
         rules = part.removeprefix("disturb:")
@@ -488,7 +524,7 @@ def run_part(args: argparse.Namespace) -> int:
 
 def _placement(part: str, cores: Cores) -> Placement:
     if part.startswith("peer:"):
-        return _peer(part.removeprefix("peer:")).placement(cores)
+        return _peer(_peer_part(part)[0]).placement(cores)
     if part.startswith("disturb:"):
         return Placement.shared(cores)
     return Placement.pinned(cores)
@@ -518,15 +554,15 @@ def _run_with_backends(
         progress.say(f"disturb {rules}: {where}, backends up, {ctx.where.describe()}")
         entry = disturb.run(rules, ctx, backends, _disturb_plan(args), scripts, progress)
         return {"disturb": entry}
-    name = part.removeprefix("peer:")
+    name, round_no = _peer_part(part)
     peer = _peer(name)
     index = [p.name for p in all_peers()].index(name)
-    progress.say(f"{name}: {where}, backends up, {ctx.where.describe()}")
-    # The machine's wake-ups just before this peer's runs: peers run minutes apart, and on a
-    # virtual machine an idle CPU's wake-up time moves between them (39 us at the start of
-    # one run, 298 us twenty minutes later); latency and 2-CPU figures move with it.
+    progress.say(f"{name}, round {round_no}: {where}, backends up, {ctx.where.describe()}")
+    # The machine's wake-ups just before this round of the peer's: an idle CPU's wake-up time
+    # moves on a virtual machine (39 us at the start of one run, 298 us twenty minutes
+    # later); latency and 2-CPU figures move with it.
     woke = None if args.quick else wakeup.probe(ctx.cores.proxy, ctx.cores.load)
-    entry = dataplane.run_peer(index, peer, ctx, backends, plan, scripts, progress)
+    entry = dataplane.run_peer(index, peer, ctx, backends, plan, scripts, progress, round_no)
     if woke is not None:
         entry["wakeup"] = woke
     return {"entry": entry}

@@ -1,12 +1,16 @@
-"""Running every workload against every peer: warm-up, N measured runs, CPU accounting.
+"""Running every workload against every peer, in rounds: warm-up, a measured run, CPU accounting.
 
-One peer at a time is started, checked (a 1 MiB blob through it must hash right, a UDP datagram
-must come back unchanged), measured on every workload and stopped. Each measured run records the
+The peers are measured in rounds (``Plan.rounds``), each round taking every peer in turn, so
+that the machine's drift (its speed moves by a fifth and more over minutes on a virtual
+machine) reaches every peer alike instead of the peers that happen to run in a slow stretch.
+In each round a peer is started afresh, checked (a 1 MiB blob through it must hash right, a
+UDP datagram must come back unchanged), warmed up briefly on every workload, measured once on
+each and stopped; its figures are the medians over the rounds. Each measured run records the
 proxy's CPU seconds next to the load generator's figures: its whole process tree (uproxy's
 control process and workers, nginx's master and workers, HAProxy's threads), split by role as
 ``bench.proctree`` explains, and the whole machine's (``/proc/stat``: load generator, backend,
 proxy and the kernel's softirq work, and anything else that ran). Memory is read once, after
-the peer's last run: peak RSS summed over the tree (the headline figure, as before), per
+each round's last run: peak RSS summed over the tree (the headline figure, as before), per
 role, and the tree's Pss.
 """
 
@@ -31,9 +35,17 @@ from bench.progress import Progress
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    runs: int
-    warmup: bool
+    """``rounds``: how often each peer is started and measured (once per workload a round),
+    the peers in turn; ``warmup``: each workload once, unmeasured, for these durations before
+    a round's measured runs (None: none)."""
+
+    rounds: int
     durations: wl.Durations
+    warmup: wl.Durations | None = None
+
+
+# Long enough for a fresh peer's first connections, caches and allocations.
+WARMUP = wl.Durations(tcp=1, http=1, udp=1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,32 +54,30 @@ class Workload:
     title: str
     needs_udp: bool
     seconds: Callable[[wl.Durations], float]
-    run: Callable[[PeerPorts, Plan, dict[str, Path], CpuSet], wl.Figures]
+    run: Callable[[PeerPorts, wl.Durations, dict[str, Path], CpuSet], wl.Figures]
 
 
-def _tcp(streams: int) -> Callable[[PeerPorts, Plan, dict[str, Path], CpuSet], wl.Figures]:
-    def run(p: PeerPorts, plan: Plan, scripts: dict[str, Path], core: CpuSet) -> wl.Figures:
-        return wl.iperf(p.iperf, streams=streams, seconds=plan.durations.tcp, core=core)
+def _tcp(streams: int) -> Callable[[PeerPorts, wl.Durations, dict[str, Path], CpuSet], wl.Figures]:
+    def run(p: PeerPorts, d: wl.Durations, scripts: dict[str, Path], core: CpuSet) -> wl.Figures:
+        return wl.iperf(p.iperf, streams=streams, seconds=d.tcp, core=core)
 
     return run
 
 
-def _conn(p: PeerPorts, plan: Plan, scripts: dict[str, Path], core: CpuSet) -> wl.Figures:
-    d = plan.durations
+def _conn(p: PeerPorts, d: wl.Durations, scripts: dict[str, Path], core: CpuSet) -> wl.Figures:
     return wl.wrk(
         p.http, script=scripts["conn"], connections=d.conn_connections, seconds=d.http, core=core
     )
 
 
-def _keepalive(p: PeerPorts, plan: Plan, scripts: dict[str, Path], core: CpuSet) -> wl.Figures:
-    d = plan.durations
+def _keepalive(p: PeerPorts, d: wl.Durations, scripts: dict[str, Path], core: CpuSet) -> wl.Figures:
     return wl.wrk(
         p.http, script=scripts["keepalive"], connections=d.ka_connections, seconds=d.http, core=core
     )
 
 
-def _udp(p: PeerPorts, plan: Plan, scripts: dict[str, Path], core: CpuSet) -> wl.Figures:
-    return wl.udp(p.udp, seconds=plan.durations.udp, core=core)
+def _udp(p: PeerPorts, d: wl.Durations, scripts: dict[str, Path], core: CpuSet) -> wl.Figures:
+    return wl.udp(p.udp, seconds=d.udp, core=core)
 
 
 WORKLOADS = [
@@ -81,12 +91,19 @@ WORKLOADS = [
 STEP_OVERHEAD_S = 0.4
 
 
-def planned_seconds(plan: Plan, peers: int) -> float:
-    per_peer = sum(
-        (w.seconds(plan.durations) + STEP_OVERHEAD_S) * (plan.runs + (1 if plan.warmup else 0))
-        for w in WORKLOADS
-    )
-    return (per_peer + 1.0) * peers
+def round_seconds(plan: Plan) -> float:
+    """What one peer's round should take (the progress line's estimate)."""
+    return sum(_workload_seconds(plan, w) for w in WORKLOADS) + 1.0
+
+
+def _steps(plan: Plan) -> list[tuple[wl.Durations, bool]]:
+    """A workload's runs in a round: (durations, measured)."""
+    warm = [(plan.warmup, False)] if plan.warmup is not None else []
+    return [*warm, (plan.durations, True)]
+
+
+def _workload_seconds(plan: Plan, w: Workload) -> float:
+    return sum(w.seconds(d) + STEP_OVERHEAD_S for d, _ in _steps(plan))
 
 
 def preflight(running: Running, backends: Backends) -> str | None:
@@ -160,8 +177,10 @@ def run_peer(
     plan: Plan,
     scripts: dict[str, Path],
     progress: Progress,
+    round_no: int = 1,
 ) -> dict[str, Any]:
-    """Every workload against one peer; the peer's entry of the raw JSON."""
+    """One round of every workload against one peer: the peer's entry of the raw JSON, with
+    that round's runs (``merge_round`` adds up the rounds)."""
     where = ctx.where
     entry: dict[str, Any] = {
         "label": peer.label,
@@ -178,13 +197,12 @@ def run_peer(
             raise RuntimeError(problem)
         progress.say(f"{peer.name}: started, bytes verified")
         for w in WORKLOADS:
-            planned = (w.seconds(plan.durations) + STEP_OVERHEAD_S) * _runs_per_workload(plan)
             if w.needs_udp and not running.udp:
                 entry["notes"].append(f"{w.key}: not supported by this peer")
-                progress.advance(planned)
+                progress.advance(_workload_seconds(plan, w))
                 continue
-            entry["runs"][w.key] = _runs(
-                peer, w, running, plan, scripts, where.load, progress, entry["notes"]
+            entry["runs"][w.key] = _round(
+                peer, w, running, plan, scripts, where.load, progress, entry["notes"], round_no
             )
         if running.pids:
             entry["runs"]["peak"] = [proctree.memory_mb(running.pids)]
@@ -193,11 +211,30 @@ def run_peer(
     return entry
 
 
-def _runs_per_workload(plan: Plan) -> int:
-    return plan.runs + (1 if plan.warmup else 0)
+def merge_round(before: dict[str, Any] | None, entry: dict[str, Any]) -> dict[str, Any]:
+    """A peer's entry over its rounds so far (``before``; None, or an entry without runs,
+    before its first measured round) with one more round's (``run_peer``'s, with the wake-up
+    probe taken before it): runs appended, and notes not already there; of the probes, the
+    one with the median idle p99 is the entry's ``wakeup``."""
+    woke = entry.pop("wakeup", None)
+    if before is None or "runs" not in before:
+        merged = entry
+        merged["notes"] = [*(before or {}).get("notes", []), *entry["notes"]]
+        merged["wakeups"] = []
+    else:
+        merged = before
+        for key, runs in entry["runs"].items():
+            merged["runs"].setdefault(key, []).extend(runs)
+        merged["notes"] += [n for n in entry["notes"] if n not in merged["notes"]]
+    if woke is not None:
+        merged["wakeups"].append(woke)
+        measured = [w for w in merged["wakeups"] if "error" not in w]
+        measured.sort(key=lambda w: w.get("idle", {}).get("p99_us", 0.0))
+        merged["wakeup"] = measured[(len(measured) - 1) // 2] if measured else woke
+    return merged
 
 
-def _runs(
+def _round(
     peer: Peer,
     w: Workload,
     running: Running,
@@ -206,21 +243,20 @@ def _runs(
     load: CpuSet,
     progress: Progress,
     notes: list[str],
+    round_no: int,
 ) -> list[wl.Figures]:
-    """The warm-up and the measured runs of one workload, each with the proxy tree's CPU; a
-    failed run ends the workload with a note (the other workloads still run)."""
+    """One workload's warm-up and measured run in this round, each with the proxy tree's CPU;
+    a failed run ends the workload for the round with a note (the other workloads still
+    run)."""
     runs: list[wl.Figures] = []
-    total = _runs_per_workload(plan)
-    planned = (w.seconds(plan.durations) + STEP_OVERHEAD_S) * total
-    for i in range(total):
-        warm = plan.warmup and i == 0
+    for durations, measured in _steps(plan):
         before = proctree.sample(running.pids)
         machine_before, steal_before = machine_busy_s(), host_steal_s()
         started = time.monotonic()
         try:
-            figures = w.run(running.ports, plan, scripts, load)
+            figures = w.run(running.ports, durations, scripts, load)
         except (wl.WorkloadError, OSError) as e:
-            notes.append(f"{w.key}: {e}")
+            notes.append(f"{w.key}, round {round_no}: {e}")
             progress.say(f"{peer.name}: {w.key} failed: {e}")
             break
         figures["wall_s"] = time.monotonic() - started
@@ -230,10 +266,10 @@ def _runs(
             figures["machine_us_per_conn"] = figures["machine_cpu_s"] * 1e6 / figures["requests"]
         cpu = proctree.between(before, proctree.sample(running.pids)) if running.pids else None
         _derive(w.key, figures, cpu)
-        progress.advance(planned / total)
-        label = "warm-up" if warm else f"run {i + (0 if plan.warmup else 1)}/{plan.runs}"
+        progress.advance(w.seconds(durations) + STEP_OVERHEAD_S)
+        label = f"round {round_no}/{plan.rounds}" if measured else "warm-up"
         progress.say(f"{peer.name}: {w.title}, {label}: {_headline(w.key, figures)}")
-        if not warm:
+        if measured:
             runs.append(figures)
     return runs
 

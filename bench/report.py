@@ -202,11 +202,9 @@ def _header(results: dict[str, Any]) -> list[str]:
         "",
         "Method: "
         + "; ".join(f"{name}: {text}" for name, text in where.items())
-        + f". {meta['plan']['runs']} measured run(s) of {meta['plan']['durations']} after "
-        f"{'a warm-up run' if meta['plan']['warmup'] else 'no warm-up'}; figures are medians "
-        "with min-max. Ratios are this peer's median divided by kernel DNAT's / HAProxy's of "
-        "the same placement (for ↑ figures higher is better, for ↓ lower is better). See "
-        "bench/README.md.",
+        + f". {_plan_text(meta['plan'])}. Ratios are this peer's median divided by kernel "
+        "DNAT's / HAProxy's of the same placement (for ↑ figures higher is better, for ↓ "
+        "lower is better). See bench/README.md.",
         f"Total time: {meta.get('elapsed_s', 0):.0f} s. Load average (1, 5, 15 min) at the "
         f"start: {_loads(meta.get('load_average_start'))}, at the end: "
         f"{_loads(meta.get('load_average_end'))} (anything else running on the machine "
@@ -221,6 +219,22 @@ def _header(results: dict[str, Any]) -> list[str]:
         lines += [f"- {p}: {why}" for p, why in skipped.items()]
         lines.append("")
     return lines
+
+
+def _plan_text(plan: dict[str, Any]) -> str:
+    """How the peers were run; a results.json from before rounds says runs."""
+    if "rounds" not in plan:
+        warm = "a warm-up run" if plan["warmup"] else "no warm-up"
+        return (
+            f"{plan['runs']} measured run(s) of {plan['durations']} after {warm}; figures "
+            "are medians with min-max"
+        )
+    warm = f"warmed up ({plan['warmup']}), " if plan["warmup"] else ""
+    return (
+        f"{plan['rounds']} round(s), the peers in turn: in each, every peer started afresh, "
+        f"{warm}then measured once ({plan['durations']}); figures are medians over the "
+        "rounds with min-max"
+    )
 
 
 def _overview(results: dict[str, Any], rows: list[str], title: str) -> list[str]:
