@@ -23,6 +23,12 @@ backend (``iptables-restore`` in nft mode, ``nftables``), each in a fresh namesp
   Ready means the target answers through its ClusterIP and all N + 1 proxy ports listen; then
   a 1 MiB blob through the ClusterIP must hash right.
 - **Undisturbed.** One keep-alive run, as the peers' (uproxy's own undisturbed p99).
+- **HAProxy beside it.** The same keep-alive run through HAProxy ``nbthread 2`` (with
+  ``cpu-map`` when the workers are bound), started in the same namespace on the same CPUs
+  and run in every round right after uproxy's undisturbed run: the reference the goals read
+  the disturbed runs against. HAProxy's figure from the peers' part ran minutes away, and
+  a virtual machine's keep-alive tail moves between minutes (HAProxy ``nbthread 2`` read
+  0.593 ms in one full run and 0.722 in the next).
 - **Big sync.** A keep-alive run meant to cover it (2 x uproxy's start-up time + 3 s, 4-40 s):
   0.5 s in, the services file is replaced (atomically) by one with N *other*
   services (the target unchanged), so uproxy closes N listeners, opens N and rewrites its
@@ -65,7 +71,7 @@ from typing import Any
 
 from bench import proctree, workloads as wl
 from bench.backends import Backends
-from bench.peers import Context
+from bench.peers import Context, Haproxy, PeerPorts, Running
 from bench.procs import listening_ports
 from bench.progress import Progress
 
@@ -84,6 +90,8 @@ READY_BASE_S = 30.0
 READY_PER_SERVICE_S = 0.015
 PROBE_TIMEOUT_S = 0.5
 SATURATE_CONNECTIONS = 16  # as the peers' connection run (``workloads.Durations``)
+# The reference HAProxy's ports: below the proxy ports and the ephemeral ones.
+REFERENCE_PORTS = PeerPorts(http=14080, iperf=14201, udp=14900)
 POLL_S = 0.05
 # The rest of a node's rules: they keep the kernel's NAT hooks and conntrack registered.
 NODE_RULES = """table ip bench-node {
@@ -117,11 +125,11 @@ ROUND_RUNS = ("undisturbed", "big_sync", "repair")
 
 
 def planned_seconds(plan: Plan) -> float:
-    """Per rules backend: start-up, the rounds of runs, the saturated run, stopping (for the
-    progress estimate)."""
+    """Per variant: start-up, the rounds of runs (HAProxy's beside), the saturated run,
+    stopping (for the progress estimate)."""
     start = 1.0 + plan.services * 0.0008
     sync = min(max(2.0 * start + 3.0, plan.sync_min_s), plan.sync_max_s)
-    rounds = plan.rounds * (plan.undisturbed_s + sync + plan.repair_s + 2)
+    rounds = plan.rounds * (2 * plan.undisturbed_s + sync + plan.repair_s + 3)  # HAProxy too
     return start + 5 + rounds + plan.saturated_s + start
 
 
@@ -448,10 +456,14 @@ def run(
         "services": plan.services,
         "workers": WORKERS,
     }
-    rounds: dict[str, list[wl.Figures]] = {key: [] for key in ROUND_RUNS}
+    rounds: dict[str, list[wl.Figures]] = {key: [] for key in (*ROUND_RUNS, "reference")}
     entry["rounds"] = rounds
+    haproxy = Haproxy(threads=WORKERS, bound=bound)
+    entry["reference_peer"] = haproxy.name
+    reference: Running | None = None
     try:
         entry["start"] = start(s, progress)
+        reference = haproxy.start(ctx, REFERENCE_PORTS)
         listening_s = entry["start"]["listening_s"]
         for i in range(plan.rounds):
             tag = f"disturb {variant}" + (
@@ -459,11 +471,13 @@ def run(
             )
             rounds["undisturbed"].append(s.accounted(s.load(plan.undisturbed_s)))
             progress.say(f"{tag}: undisturbed: {_line(rounds['undisturbed'][-1])}")
+            rounds["reference"].append(beside(ctx, plan, scripts))
+            progress.say(f"{tag}: {haproxy.name} beside: {_line(rounds['reference'][-1])}")
             rounds["big_sync"].append(big_sync(s, listening_s, generation=i + 1))
             progress.say(f"{tag}: big sync: {_sync_line(rounds['big_sync'][-1])}")
             rounds["repair"].append(rules_repairs(s))
             progress.say(f"{tag}: rules repair: {_repair_line(rounds['repair'][-1])}")
-            for key in ROUND_RUNS:
+            for key in (*ROUND_RUNS, "reference"):
                 entry[key] = median_round(rounds[key])
         saturated = big_sync(s, listening_s, generation=plan.rounds + 1, saturate=True)
         entry["big_sync_saturated"] = saturated
@@ -471,9 +485,22 @@ def run(
         entry["end"] = proctree.memory_mb(s.pids)
         entry["end"]["worker_restarts"] = scrape((RESTARTS,))[RESTARTS]
     finally:
+        if reference is not None:
+            haproxy.stop(ctx, reference)
         if s.proc is not None:
             ctx.procs.stop(s.proc, timeout_s=30)
     return entry
+
+
+def beside(ctx: Context, plan: Plan, scripts: dict[str, Path]) -> wl.Figures:
+    """The undisturbed keep-alive run through the reference HAProxy (``REFERENCE_PORTS``)."""
+    return wl.wrk(
+        REFERENCE_PORTS.http,
+        script=scripts["keepalive"],
+        connections=plan.connections,
+        seconds=plan.undisturbed_s,
+        core=ctx.where.load,
+    )
 
 
 def median_round(runs: list[wl.Figures]) -> wl.Figures:
@@ -487,6 +514,8 @@ def _line(f: wl.Figures) -> str:
     text += f", {f['rate']:,.0f} req/s"
     if f.get("errors"):
         text += f", errors {f['errors']:.0f}"
+    if "cpu_main_s" not in f:
+        return text
     return text + f"; CPU control {f['cpu_main_s']:.2f} s, workers {f['cpu_workers_s']:.2f} s"
 
 

@@ -3,7 +3,9 @@
 Each rules backend gets four rows (undisturbed, big sync, rules repair, and a big sync
 while the workers are saturated). The first three run in rounds: their p99 is the median
 round's, with the rounds' range, and the row's other figures are that round's. Each p99 is
-beside uproxy's own undisturbed p99 and
+beside uproxy's own undisturbed p99, HAProxy's keep-alive p99 measured beside it (``nbthread
+2``, with ``cpu-map`` for bound workers: in the same namespace, in every round, the median
+round's; what the goals are read against), and
 HAProxy's plain keep-alive p99 from the peers of the same run (``haproxy-2cpu``, both CPUs
 as here, ``haproxy-bound-2cpu``, its threads bound with ``cpu-map``, and pinned ``haproxy``;
 none for the saturated run, a connection run), with the CPU each of uproxy's roles spent
@@ -67,6 +69,7 @@ def _p99(key: str, f: dict[str, Any], entry: dict[str, Any]) -> str:
 
 def _rows(rules: str, entry: dict[str, Any], summary: dict[str, Any]) -> list[str]:
     base = entry.get("undisturbed", {}).get("p99_ms")
+    beside = entry.get("reference", {}).get("p99_ms")
     h2, h1 = _haproxy_p99(summary, "haproxy-2cpu"), _haproxy_p99(summary, "haproxy")
     h2b = _haproxy_p99(summary, "haproxy-bound-2cpu")
     rows = []
@@ -84,10 +87,11 @@ def _rows(rules: str, entry: dict[str, Any], summary: dict[str, Any]) -> list[st
             f"{f['max_ms']:.1f}",
             f"{f['errors']:.0f}",
             *(
-                ["-"] * 4
+                ["-"] * 5
                 if key in NOT_KEEPALIVE
                 else [
                     _x(f["p99_ms"], base),
+                    _x(f["p99_ms"], beside),
                     _x(f["p99_ms"], h2),
                     _x(f["p99_ms"], h2b),
                     _x(f["p99_ms"], h1),
@@ -112,7 +116,20 @@ def _start_line(rules: str, entry: dict[str, Any]) -> str:
         f"{st['main_rss_mb']:.0f} MiB, workers {st['workers_rss_mb']:.0f} MiB (Pss of the "
         f"tree {st['pss_mb']:.0f} MiB) after start, control {end.get('main_rss_mb', 0):.0f} MiB, "
         f"workers {end.get('workers_rss_mb', 0):.0f} MiB after the runs; worker restarts: "
-        f"{end.get('worker_restarts', 0):.0f}"
+        f"{end.get('worker_restarts', 0):.0f}{_reference(entry)}"
+    )
+
+
+def _reference(entry: dict[str, Any]) -> str:
+    """The HAProxy measured beside: its keep-alive p99, the median round's, and the range."""
+    f = entry.get("reference")
+    if not f:
+        return ""
+    p99s = [r["p99_ms"] for r in entry.get("rounds", {}).get("reference", [])]
+    spread = f" ({min(p99s):.3f}-{max(p99s):.3f})" if len(p99s) > 1 else ""
+    return (
+        f"; {entry.get('reference_peer', 'HAProxy')} beside it: keep-alive p99 "
+        f"{f['p99_ms']:.3f} ms{spread}"
     )
 
 
@@ -143,7 +160,9 @@ def markdown(disturb: dict[str, Any] | None, summary: dict[str, Any]) -> list[st
         "The paced keep-alive run through a ClusterIP while uproxy's control process replaces "
         f"{disturb['services']:,} services by {disturb['services']:,} others (a big sync), and "
         "while its rules are flushed and repaired (see `bench/disturb.py`). Ratios: this p99 "
-        "over uproxy's undisturbed p99, and over HAProxy's plain keep-alive p99 in this run "
+        "over uproxy's undisturbed p99; over HAProxy `nbthread 2` measured beside it (in the "
+        "same namespace and rounds, with `cpu-map` where the workers are bound: the goals' "
+        "reference); and over HAProxy's plain keep-alive p99 from the peers of this run "
         "(`nbthread 2` on 2 CPUs, the same with its threads bound by `cpu-map`, and 1 thread "
         "pinned). Each backend runs twice: with the workers as a node runs them, then with "
         'each bound to a CPU of its own (`--worker-cpu-affinity auto`, "bound"). '
@@ -152,9 +171,9 @@ def markdown(disturb: dict[str, Any] | None, summary: dict[str, Any]) -> list[st
         f"{_rounds_note(disturb)}",
         "",
         "| rules | run | s | p50 ms | p99 ms | p99.9 ms | max ms | errors | x undisturbed "
-        "| x HAProxy 2 CPUs | x HAProxy 2 CPUs, cpu-map | x HAProxy pinned | CPU s control "
-        "| workers | reaped | what happened |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| x HAProxy beside | x HAProxy 2 CPUs | x HAProxy 2 CPUs, cpu-map | x HAProxy pinned "
+        "| CPU s control | workers | reaped | what happened |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for rules, entry in disturb.get("backends", {}).items():
         lines += _rows(rules, entry, summary)
