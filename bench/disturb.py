@@ -122,6 +122,8 @@ class Plan:
 FULL = Plan(services=10000, undisturbed_s=3, repair_s=10)
 QUICK = Plan(services=1000, undisturbed_s=1, repair_s=3, sync_min_s=3.0, saturated_s=5.0, rounds=1)
 ROUND_RUNS = ("undisturbed", "big_sync", "repair")
+# The HAProxy run beside them, also once a round (``beside``).
+ROUND_KEYS = (*ROUND_RUNS, "reference")
 
 
 def planned_seconds(plan: Plan) -> float:
@@ -456,7 +458,7 @@ def run(
         "services": plan.services,
         "workers": WORKERS,
     }
-    rounds: dict[str, list[wl.Figures]] = {key: [] for key in (*ROUND_RUNS, "reference")}
+    rounds: dict[str, list[wl.Figures]] = {key: [] for key in ROUND_KEYS}
     entry["rounds"] = rounds
     haproxy = Haproxy(threads=WORKERS, bound=bound)
     entry["reference_peer"] = haproxy.name
@@ -477,7 +479,7 @@ def run(
             progress.say(f"{tag}: big sync: {_sync_line(rounds['big_sync'][-1])}")
             rounds["repair"].append(rules_repairs(s))
             progress.say(f"{tag}: rules repair: {_repair_line(rounds['repair'][-1])}")
-            for key in (*ROUND_RUNS, "reference"):
+            for key in ROUND_KEYS:
                 entry[key] = median_round(rounds[key])
         saturated = big_sync(s, listening_s, generation=plan.rounds + 1, saturate=True)
         entry["big_sync_saturated"] = saturated
