@@ -186,7 +186,8 @@ def markdown(disturb: dict[str, Any] | None, summary: dict[str, Any]) -> list[st
 def plot(
     disturb: dict[str, Any] | None, summary: dict[str, Any], out: Path, date: str
 ) -> list[str]:
-    """``disturb.png``: p99 and max per run and rules backend, HAProxy's p99 as lines."""
+    """``disturb.png``: p99 and max per run and rules backend; HAProxy's p99 as lines, the
+    one measured beside each backend across its bars."""
     if not disturb:
         return []
     backends = {r: e for r, e in disturb.get("backends", {}).items() if "undisturbed" in e}
@@ -207,6 +208,19 @@ def plot(
         top = [e.get(key, {}).get("max_ms", 0.0) for e in backends.values()]
         ax.bar(xs, p99, width=width, label=f"{title}: p99 (tick: max)")
         ax.scatter(xs, top, marker="_", s=200, color="black")
+    beside = [
+        (i, e["reference"]["p99_ms"]) for i, e in enumerate(backends.values()) if "reference" in e
+    ]
+    if beside:
+        # Across the backend's bars: the reference its rows are read against.
+        ax.hlines(
+            [p for _, p in beside],
+            [i - 0.45 for i, _ in beside],
+            [i + 0.45 for i, _ in beside],
+            colors="black",
+            linewidths=2,
+            label="HAProxy beside: keep-alive p99",
+        )
     for peer, style in (("haproxy-2cpu", "--"), ("haproxy-bound-2cpu", "-."), ("haproxy", ":")):
         ref = _haproxy_p99(summary, peer)
         if ref:
