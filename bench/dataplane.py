@@ -211,15 +211,15 @@ def run_peer(
     return entry
 
 
-def merge_round(before: dict[str, Any] | None, entry: dict[str, Any]) -> dict[str, Any]:
-    """A peer's entry over its rounds so far (``before``; None, or an entry without runs,
-    before its first measured round) with one more round's (``run_peer``'s, with the wake-up
+def merge_round(before: dict[str, Any], entry: dict[str, Any]) -> dict[str, Any]:
+    """A peer's entry over its rounds so far (``before``; without runs before its first
+    measured round) with one more round's (``run_peer``'s, with the wake-up
     probe taken before it): runs appended, and notes not already there; of the probes, the
     one with the median idle p99 is the entry's ``wakeup``."""
     woke = entry.pop("wakeup", None)
-    if before is None or "runs" not in before:
+    if "runs" not in before:
         merged = entry
-        merged["notes"] = [*(before or {}).get("notes", []), *entry["notes"]]
+        merged["notes"] = [*before.get("notes", []), *entry["notes"]]
         merged["wakeups"] = []
     else:
         merged = before

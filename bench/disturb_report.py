@@ -59,12 +59,13 @@ def _what(key: str, f: dict[str, Any], services: int) -> str:
 
 def _p99(key: str, f: dict[str, Any], entry: dict[str, Any]) -> str:
     """The p99 in bold; with its rounds' range when there were several."""
-    rounds = entry.get("rounds", {}).get(key, [])
-    cell = f"**{f['p99_ms']:.3f}**"
-    if len(rounds) > 1:
-        p99s = [r["p99_ms"] for r in rounds]
-        cell += f" ({min(p99s):.3f}-{max(p99s):.3f})"
-    return cell
+    return f"**{f['p99_ms']:.3f}**{_rounds_range(key, entry)}"
+
+
+def _rounds_range(key: str, entry: dict[str, Any]) -> str:
+    """`` (min-max)`` of a run's p99 over its rounds; empty for a single round."""
+    p99s = [r["p99_ms"] for r in entry.get("rounds", {}).get(key, [])]
+    return f" ({min(p99s):.3f}-{max(p99s):.3f})" if len(p99s) > 1 else ""
 
 
 def _rows(rules: str, entry: dict[str, Any], summary: dict[str, Any]) -> list[str]:
@@ -125,11 +126,9 @@ def _reference(entry: dict[str, Any]) -> str:
     f = entry.get("reference")
     if not f:
         return ""
-    p99s = [r["p99_ms"] for r in entry.get("rounds", {}).get("reference", [])]
-    spread = f" ({min(p99s):.3f}-{max(p99s):.3f})" if len(p99s) > 1 else ""
     return (
         f"; {entry.get('reference_peer', 'HAProxy')} beside it: keep-alive p99 "
-        f"{f['p99_ms']:.3f} ms{spread}"
+        f"{f['p99_ms']:.3f} ms{_rounds_range('reference', entry)}"
     )
 
 
