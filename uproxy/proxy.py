@@ -34,6 +34,7 @@ from uproxy.httpserver import HttpServer
 from uproxy.log import V2, V3, kv
 from uproxy.metrics_server import MetricsServer
 from uproxy.model import IPFamily, ServicePortName
+from uproxy.rules import command
 from uproxy.rules.base import RulesBackend, RulesError
 from uproxy.rules.nodeports import NodePortReservations
 from uproxy.runner import BoundedFrequencyRunner
@@ -60,14 +61,6 @@ RULES_CHECK_INTERVAL_S = 1.0
 # up to that period for the next one: 10,000 services from the API double, 20 services
 # added, p50 / p99 to the first answer 544 / 1,055 ms without the wait, nftables.
 SYNC_SETTLE_S = 0.01
-
-# Rules backends that write whole tables (or batches of thousands of rules) in one system
-# call: on a kernel without preemption, the CPU that makes the call is held until it returns
-# (a 10,000-service swap: up to 37 ms per commit with iptables-restore). With the workers
-# bound to CPUs (--worker-cpu-affinity auto) the one on that CPU waits it out: on a 2-vCPU VM
-# (two full bench runs), keep-alive p99 during such a swap read up to 4.9 ms bound, during
-# rules repairs up to 6.2 ms, against at most 0.94 and 0.98 ms unbound.
-TABLE_WRITERS = frozenset({"iptables-restore", "iptables"})
 
 # How long a stop waits for its tasks (sources, syncs, checks) to end once cancelled; a task
 # still running then is named in an error line and left behind, and the stop goes on.
@@ -197,13 +190,11 @@ class Proxy:
                 "up to a CPU each while traffic comes",
                 extra=kv(busy_poll=format_duration(window), workers=workers),
             )
-        if self.workers is not None and self.workers.bound and self.rules.name in TABLE_WRITERS:
-            log.warning(
-                "Workers are bound to CPUs and the rules are written as whole tables: a big "
-                "write runs in the kernel on one CPU, which a bound worker cannot leave "
-                "(--rules nftables writes a change as a few map elements)",
-                extra=kv(rules=self.rules.name),
-            )
+        if self.workers is not None and self.workers.bound:
+            # A rules write runs in the kernel, on one CPU, in commits that do not give way to
+            # a waking task (a whole table, or thousands of rules, each): the bound worker
+            # there would wait each one out. While a write runs, the workers may move.
+            command.guard_writes(self.workers.released)
         if self.workers is None:  # this loop relays
             busypoll.install(asyncio.get_running_loop(), window)
         else:
@@ -289,6 +280,7 @@ class Proxy:
             except RulesError as exc:
                 log.error("Cannot remove the rules on exit", extra=kv(err=exc))
         await self.rules.close()
+        command.guard_writes(None)
 
     # ----- pieces -----
 
@@ -298,9 +290,7 @@ class Proxy:
         s = self.settings
         if s.laptop:
             return make_backend("none", host_ip=())
-        from uproxy.rules.command import missing_permission
-
-        missing = missing_permission(s.rules_backend)
+        missing = command.missing_permission(s.rules_backend)
         if missing is not None:
             raise StartupError(missing)
         announce_rules(s)

@@ -189,8 +189,9 @@ class Settings:
         "lets the scheduler move them. Bound, a worker's relaying stays on its CPU instead of "
         "waking another, idle one, which costs most where idle CPUs wake slowly (virtual "
         "machines whose idle vCPUs halt); but a bound worker cannot leave a CPU that others "
-        "keep busy, so bind only where uproxy has those CPUs mostly to itself; ignored with "
-        "--workers 0",
+        "keep busy, so bind only where uproxy has those CPUs mostly to itself (while uproxy "
+        "writes rules, whose commits hold a CPU in the kernel, the workers may leave theirs); "
+        "ignored with --workers 0",
     )
     control_nice: int = opt(
         10,

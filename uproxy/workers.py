@@ -237,6 +237,7 @@ class WorkerPool:
         self.count = count
         self._control_nice = control_nice
         self._cpus = cpus
+        self._released = 0  # ``released`` blocks running
         self.lowered: priority.Lowered | None = None
         self._configure = Configure(
             replace(settings, accept_batch=min(settings.accept_batch, SHARED_ACCEPT_BATCH))
@@ -588,6 +589,39 @@ class WorkerPool:
     def cpu_of(self, index: int) -> int | None:
         """The CPU worker ``index`` is bound to; None when the workers are not bound."""
         return self._cpus[index % len(self._cpus)] if self._cpus else None
+
+    @contextlib.contextmanager
+    def released(self) -> Iterator[None]:
+        """Bound workers may run on any of the pool's CPUs while the block runs, and are
+        bound again after it (blocks may overlap: the last one to end binds them).
+
+        For the rules programs (``rules.command.write``): the kernel takes an nft commit in
+        one piece, without giving way to a waking task, and one of a rewrite's commits holds
+        its CPU for about 10 ms. A worker bound to that CPU waited for each (``perf sched``:
+        ``iptables-nft-restore`` on CPU 0 for 9-12 ms at a time, the worker bound there
+        runnable for 7-11 ms), where an unbound one moves to the other CPU."""
+        if not self._cpus:
+            yield
+            return
+        self._released += 1
+        if self._released == 1:
+            self._set_affinity(lambda _: set(self._cpus))
+        try:
+            yield
+        finally:
+            self._released -= 1
+            if self._released == 0:
+                self._set_affinity(lambda index: {self._cpus[index % len(self._cpus)]})
+
+    def _set_affinity(self, cpus: Callable[[int], set[int]]) -> None:
+        for w in self._workers.values():
+            if w.buried:
+                continue
+            try:
+                os.sched_setaffinity(w.process.pid, cpus(w.index))
+            except OSError as exc:  # gone meanwhile (its replacement binds itself), or the
+                # CPU left this cpuset: the worker runs as it can, the next write tries again
+                log.debug("Cannot set a worker's CPUs", extra=kv(worker=w.index, err=exc))
 
     async def _spawn(self, index: int) -> _Worker:
         cpu = self.cpu_of(index)

@@ -9,11 +9,11 @@ stop drains every listener at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import datetime
 import functools
 import hashlib
-import logging
 import os
 import signal
 import socket
@@ -35,7 +35,7 @@ from tests.integration.procs import children
 from uproxy.localnet import has_loopback6
 from uproxy.model import Endpoint, IPFamily, Protocol, ServicePortName
 from uproxy.proxy import Proxy
-from uproxy.rules.none import NoRules
+from uproxy.rules import command
 from uproxy.settings import Settings
 
 WEB = ServicePortName("default", "web", "http", Protocol.TCP)
@@ -517,45 +517,40 @@ async def test_workers_are_not_bound_unless_asked(
     assert [_cpus_of(pid) for pid in proxy.workers.pids] == [everywhere, everywhere]
 
 
-def _silent_rules(name: str) -> NoRules:
-    """A rules backend that programs nothing, under another backend's name."""
-    rules = NoRules()
-    rules.name = name
-    return rules
+# Prints the CPUs each worker (pid in argv) may run on, as a rules program run by
+# ``command.write`` sees them.
+_PRINT_CPUS = "import os, sys; print([sorted(os.sched_getaffinity(int(p))) for p in sys.argv[1:]])"
 
 
-@pytest.mark.parametrize(
-    ("rules", "affinity", "warned"),
-    [
-        ("iptables-restore", "auto", True),
-        ("iptables", "auto", True),
-        ("nftables", "auto", False),
-        ("iptables-restore", "none", False),
-    ],
-)
-async def test_bound_workers_with_rules_written_as_whole_tables_get_one_warning(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, rules: str, affinity: str, warned: bool
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to bind workers apart")
+async def test_bound_workers_may_use_every_cpu_while_rules_are_written(
+    tmp_path: Path, backends: list[NamedBackend], proxies: list[Proxy]
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="uproxy.proxy")
+    """A rules write's commits hold a CPU in the kernel: while one runs (every program
+    ``command.write`` starts), bound workers may run on all the pool's CPUs; once the last
+    of overlapping writes is over, each is bound to its own again."""
     path = tmp_path / "services.yaml"
-    path.write_text("")
-    settings = Settings(
-        services=str(path),
-        rules=rules,
-        workers=2,
-        worker_cpu_affinity=affinity,
-        dial_mark=0,
-        healthz_bind_address="",
-        metrics_bind_address="",
-    )
-    proxy = Proxy(settings, rules=_silent_rules(rules))
-    await proxy.start()
-    try:
-        await asyncio.wait_for(proxy.synced.wait(), 10)
-    finally:
-        await proxy.stop()
-    said = [r for r in caplog.records if r.getMessage().startswith("Workers are bound")]
-    assert [r.__dict__["kv"] for r in said] == ([{"rules": rules}] if warned else [])
+    services_file(path, backends)
+    mine = sorted(os.sched_getaffinity(0))
+    proxy = await start_proxy(path, worker_cpu_affinity="auto")
+    proxies.append(proxy)
+    pool = proxy.workers
+    assert pool is not None
+    pids = [str(pid) for pid in pool.pids]
+    own = [{frozenset({mine[i]})} for i in range(2)]
+    argv = [sys.executable, "-c", _PRINT_CPUS, *pids]
+    during = await command.write(argv, stdin="")
+    assert during.stdout.strip() == str([mine, mine])
+    assert [_cpus_of(pid) for pid in pool.pids] == own
+    with pool.released():
+        overlapping = await command.write(argv, stdin="")
+        assert [_cpus_of(pid) for pid in pool.pids] == [{frozenset(mine)}] * 2
+    assert overlapping.stdout.strip() == str([mine, mine])
+    assert [_cpus_of(pid) for pid in pool.pids] == own
+    assert await _intact_through(proxy_port(proxy), 8) == ["intact"] * 8
+    await proxy.stop()
+    proxies.remove(proxy)
+    assert isinstance(command.writing(), contextlib.nullcontext)  # stopped: writes unguarded
 
 
 def test_a_worker_that_cannot_have_its_cpu_says_so_once_and_runs_unbound(

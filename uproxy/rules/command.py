@@ -9,8 +9,10 @@ two failures users cause — a missing binary and missing privileges — into a 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 from uproxy.rules.base import RulesError
@@ -22,6 +24,11 @@ PRIVILEGE_FIX = "run as root or with CAP_NET_ADMIN (and CAP_NET_RAW for legacy i
 _FIX = f"{PRIVILEGE_FIX}, or use --rules none"
 _PERMISSION_MARKERS = ("Permission denied", "must be root", "Operation not permitted")
 _PACKAGES = {"nft": "nftables", "conntrack": "conntrack"}  # else: iptables
+
+WriteGuard = Callable[[], AbstractContextManager[None]]
+# What every program that writes rules runs inside (``write``): set by the proxy while its
+# workers are bound to CPUs (``WorkerPool.released``).
+_write_guard: WriteGuard | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +78,26 @@ class PermissionDenied(RulesError):
 
 def permission_error(program: str) -> RulesError:
     return PermissionDenied(program)
+
+
+def guard_writes(guard: WriteGuard | None) -> None:
+    """Run every rules write inside ``guard()`` from now on (None: inside nothing)."""
+    global _write_guard
+    _write_guard = guard
+
+
+def writing() -> AbstractContextManager[None]:
+    """What a rules write runs inside: the guard ``guard_writes`` set, else nothing. A
+    write's commits hold a CPU in the kernel, and the proxy's guard lets bound workers
+    leave that CPU meanwhile."""
+    return _write_guard() if _write_guard is not None else contextlib.nullcontext()
+
+
+async def write(argv: Sequence[str], *, stdin: str) -> Completed:
+    """``run`` for a program that writes rules from ``stdin`` (``iptables-restore``, ``nft
+    -f -``), inside ``writing()``."""
+    with writing():
+        return await run(argv, stdin=stdin)
 
 
 async def run(

@@ -975,7 +975,7 @@ class NftablesBackend:
     async def _commit(self, text: str, *, before: Token | None, stamp: str) -> None:
         self.transactions += 1
         try:
-            await command.run(["nft", "-f", "-"], stdin=text)
+            await command.write(["nft", "-f", "-"], stdin=text)
         except RulesError:
             self._watch.forget()
             raise

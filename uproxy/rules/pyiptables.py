@@ -448,14 +448,16 @@ class IptcBackend:
         the child process for a second one (see the module docstring)."""
         loop = asyncio.get_running_loop()
         if family is next(iter(self._stacks)):
-            return await loop.run_in_executor(
-                self._executor, self._in_thread, family, name, args, kwargs
-            )
+            with command.writing():  # both calls write (``sync``, ``cleanup``)
+                return await loop.run_in_executor(
+                    self._executor, self._in_thread, family, name, args, kwargs
+                )
         if self._child is None:
             context = multiprocessing.get_context("spawn")
             self._child = ProcessPoolExecutor(1, context, _child_start, (family.value,))
         try:
-            return await loop.run_in_executor(self._child, _child_call, name, args, kwargs)
+            with command.writing():
+                return await loop.run_in_executor(self._child, _child_call, name, args, kwargs)
         except BrokenProcessPool:
             self._child = None  # the next call starts a new one
             raise RulesError(

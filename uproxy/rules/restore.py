@@ -222,7 +222,7 @@ async def read_previous(mode: str, families: Iterable[IPFamily]) -> dict[PortalK
 
 async def restore(mode: str, payload: str, family: IPFamily = IPFamily.V4) -> None:
     argv = [program(family, mode, "-restore"), "--noflush", "-w", str(LOCK_WAIT_S)]
-    await command.run(argv, stdin=payload)
+    await command.write(argv, stdin=payload)
 
 
 # The tables uproxy writes its chains and jumps into.
