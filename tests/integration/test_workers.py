@@ -37,6 +37,7 @@ from uproxy.model import Endpoint, IPFamily, Protocol, ServicePortName
 from uproxy.proxy import Proxy
 from uproxy.rules import command
 from uproxy.settings import Settings
+from uproxy.workers import WorkerPool
 
 WEB = ServicePortName("default", "web", "http", Protocol.TCP)
 DNS = ServicePortName("default", "dns", "dns", Protocol.UDP)
@@ -486,18 +487,25 @@ async def _intact_through(port: int, n: int) -> list[str]:
     return list(await asyncio.gather(*(s.finish(128 * 1024) for s in streams)))
 
 
+async def _bound_proxy(
+    tmp_path: Path, backends: list[NamedBackend], proxies: list[Proxy]
+) -> tuple[Proxy, WorkerPool, list[int]]:
+    """A proxy serving the backends with its workers bound (``--worker-cpu-affinity auto``),
+    its pool, and the CPUs this process may use, in order."""
+    path = tmp_path / "services.yaml"
+    services_file(path, backends)
+    proxy = await start_proxy(path, worker_cpu_affinity="auto")
+    proxies.append(proxy)
+    assert proxy.workers is not None
+    return proxy, proxy.workers, sorted(os.sched_getaffinity(0))
+
+
 async def test_bound_workers_run_on_one_cpu_each_and_a_replacement_on_the_dead_ones(
     tmp_path: Path, backends: list[NamedBackend], proxies: list[Proxy]
 ) -> None:
     """``--worker-cpu-affinity auto``: worker i on the i-th CPU this process may use (in turn
     when there are fewer CPUs than workers), every thread of it, its replacement too."""
-    path = tmp_path / "services.yaml"
-    services_file(path, backends)
-    mine = sorted(os.sched_getaffinity(0))
-    proxy = await start_proxy(path, worker_cpu_affinity="auto")
-    proxies.append(proxy)
-    pool = proxy.workers
-    assert pool is not None
+    proxy, pool, mine = await _bound_proxy(tmp_path, backends, proxies)
     expected = [{frozenset({mine[i % len(mine)]})} for i in range(2)]
     assert [_cpus_of(pid) for pid in pool.pids] == expected
     assert await _intact_through(proxy_port(proxy), 8) == ["intact"] * 8
@@ -529,13 +537,7 @@ async def test_bound_workers_may_use_every_cpu_while_rules_are_written(
     """A rules write's commits hold a CPU in the kernel: while one runs (every program
     ``command.write`` starts), bound workers may run on all the pool's CPUs; once the last
     of overlapping writes is over, each is bound to its own again."""
-    path = tmp_path / "services.yaml"
-    services_file(path, backends)
-    mine = sorted(os.sched_getaffinity(0))
-    proxy = await start_proxy(path, worker_cpu_affinity="auto")
-    proxies.append(proxy)
-    pool = proxy.workers
-    assert pool is not None
+    proxy, pool, mine = await _bound_proxy(tmp_path, backends, proxies)
     pids = [str(pid) for pid in pool.pids]
     own = [{frozenset({mine[i]})} for i in range(2)]
     argv = [sys.executable, "-c", _PRINT_CPUS, *pids]
