@@ -280,7 +280,8 @@ class Proxy:
             except RulesError as exc:
                 log.error("Cannot remove the rules on exit", extra=kv(err=exc))
         await self.rules.close()
-        command.guard_writes(None)
+        if self.workers is not None:
+            command.unguard_writes(self.workers.released)
 
     # ----- pieces -----
 

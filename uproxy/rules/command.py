@@ -86,6 +86,13 @@ def guard_writes(guard: WriteGuard | None) -> None:
     _write_guard = guard
 
 
+def unguard_writes(guard: WriteGuard) -> None:
+    """Stop guarding writes with ``guard``; a guard set since then stays."""
+    global _write_guard
+    if _write_guard == guard:
+        _write_guard = None
+
+
 def writing() -> AbstractContextManager[None]:
     """What a rules write runs inside: the guard ``guard_writes`` set, else nothing. A
     write's commits hold a CPU in the kernel, and the proxy's guard lets bound workers
