@@ -605,20 +605,23 @@ class WorkerPool:
             return
         self._released += 1
         if self._released == 1:
-            self._set_affinity(lambda _: set(self._cpus))
+            self._set_affinity(released=True)
         try:
             yield
         finally:
             self._released -= 1
             if self._released == 0:
-                self._set_affinity(lambda index: {self._cpus[index % len(self._cpus)]})
+                self._set_affinity(released=False)
 
-    def _set_affinity(self, cpus: Callable[[int], set[int]]) -> None:
+    def _set_affinity(self, *, released: bool) -> None:
+        """Every live worker on all of the pool's CPUs, or back on its own (``cpu_of``)."""
         for w in self._workers.values():
             if w.buried:
                 continue
+            own = self.cpu_of(w.index)
+            cpus = set(self._cpus) if released or own is None else {own}
             try:
-                os.sched_setaffinity(w.process.pid, cpus(w.index))
+                os.sched_setaffinity(w.process.pid, cpus)
             except OSError as exc:  # gone meanwhile (its replacement binds itself), or the
                 # CPU left this cpuset: the worker runs as it can, the next write tries again
                 log.debug("Cannot set a worker's CPUs", extra=kv(worker=w.index, err=exc))
