@@ -65,6 +65,11 @@ CONTEXT = [
         None,
     ),
     Goal("Keep-alive p99, 2 CPUs", "uproxy-w2-2cpu", "ka_p99", "haproxy-2cpu", None),
+    # One thread free to use both CPUs: nbthread 2's second thread wakes on the CPU a request
+    # comes from and keeps it out of idle, which one thread (and each uproxy worker) does not.
+    Goal("Keep-alive p99, 2 CPUs", "uproxy-w2-2cpu", "ka_p99", "haproxy-t1-2cpu", None),
+    Goal("Keep-alive p99, 2 CPUs", "uproxy-w1-2cpu", "ka_p99", "haproxy-t1-2cpu", None),
+    Goal("New connections/s, 2 CPUs", "uproxy-w1-2cpu", "conn_rate", "haproxy-t1-2cpu", None),
     # Each worker or thread bound to a CPU of its own (--worker-cpu-affinity auto, cpu-map).
     Goal("Keep-alive p99, 2 CPUs", "uproxy-w2-bound-2cpu", "ka_p99", "haproxy-2cpu", None),
     Goal("Keep-alive p99, 2 CPUs", "uproxy-w2-bound-2cpu", "ka_p99", "haproxy-bound-2cpu", None),

@@ -15,7 +15,8 @@ Two placements (``bench.procs.Placement``), two sets of peers:
   as it would to use two CPUs: HAProxy ``nbthread 2``, nginx with two workers, uproxy with
   ``--workers 1`` and ``--workers 2``, and each of the last two again with every worker or
   thread bound to a CPU of its own (uproxy ``--worker-cpu-affinity auto``, HAProxy
-  ``cpu-map``); kernel DNAT beside them for reference.
+  ``cpu-map``); HAProxy ``nbthread 1`` beside uproxy's one worker, and kernel DNAT, for
+  reference.
 """
 
 from __future__ import annotations
@@ -280,15 +281,18 @@ backend iperf
 class Haproxy(Peer):
     """HAProxy in TCP mode, default buffers (no splice: as people deploy it); one thread pinned,
     ``nbthread 2`` at equal cores; ``bound``: each thread bound to one of the proxy's CPUs
-    (``cpu-map``)."""
+    (``cpu-map``). ``shared`` with one thread: ``nbthread 1`` free to use both CPUs, the
+    reference for one uproxy worker at equal cores (and for how much of ``nbthread 2``'s
+    keep-alive latency comes from its second thread: see bench/README.md)."""
 
     udp = False
 
-    def __init__(self, *, threads: int = 1, bound: bool = False) -> None:
+    def __init__(self, *, threads: int = 1, bound: bool = False, shared: bool = False) -> None:
         self.threads = threads
-        self.shared = threads > 1
+        self.shared = shared or threads > 1
         self.bound = bound
-        self.name = "haproxy" + ("-bound" if bound else "") + ("-2cpu" if self.shared else "")
+        one = "-t1" if self.shared and threads == 1 else ""
+        self.name = "haproxy" + ("-bound" if bound else "") + one + ("-2cpu" if self.shared else "")
         self.label = (
             f"HAProxy, nbthread {threads}" + (", cpu-map" if bound else "") + " (2 CPUs)"
             if self.shared
@@ -468,6 +472,7 @@ def all_peers() -> list[Peer]:
         KernelDnat(),
         Uproxy("uvloop", workers=1, shared=True),
         Uproxy("uvloop", workers=2, shared=True),
+        Haproxy(threads=1, shared=True),
         Haproxy(threads=2),
         Uproxy("uvloop", workers=2, shared=True, bound=True),
         Haproxy(threads=2, bound=True),
