@@ -65,8 +65,8 @@ CONTEXT = [
         None,
     ),
     Goal("Keep-alive p99, 2 CPUs", "uproxy-w2-2cpu", "ka_p99", "haproxy-2cpu", None),
-    # One thread free to use both CPUs: nbthread 2's second thread wakes on the CPU a request
-    # comes from and keeps it out of idle, which one thread (and each uproxy worker) does not.
+    # One thread free to use both CPUs: at 2 CPUs the keep-alive figures follow where the
+    # proxy's threads wake (bench/README.md), and nbthread 1 is the reference for one worker.
     Goal("Keep-alive p99, 2 CPUs", "uproxy-w2-2cpu", "ka_p99", "haproxy-t1-2cpu", None),
     Goal("Keep-alive p99, 2 CPUs", "uproxy-w1-2cpu", "ka_p99", "haproxy-t1-2cpu", None),
     Goal("New connections/s, 2 CPUs", "uproxy-w1-2cpu", "conn_rate", "haproxy-t1-2cpu", None),

@@ -282,8 +282,8 @@ class Haproxy(Peer):
     """HAProxy in TCP mode, default buffers (no splice: as people deploy it); one thread pinned,
     ``nbthread 2`` at equal cores; ``bound``: each thread bound to one of the proxy's CPUs
     (``cpu-map``). ``shared`` with one thread: ``nbthread 1`` free to use both CPUs, the
-    reference for one uproxy worker at equal cores (and for how much of ``nbthread 2``'s
-    keep-alive latency comes from its second thread: see bench/README.md)."""
+    reference for one uproxy worker at equal cores (and for the keep-alive figures: see
+    bench/README.md, "Reading the equal-cores keep-alive figures")."""
 
     udp = False
 
