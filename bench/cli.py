@@ -69,7 +69,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "rate, latency, UDP, CPU, RSS, latency during uproxy's control work and control-plane "
         "sync.",
     )
-    p.add_argument("--quick", action="store_true", help="one brief run per peer (~3 minutes)")
+    p.add_argument("--quick", action="store_true", help="one brief run per peer (~5 minutes)")
     p.add_argument(
         "--out",
         type=Path,
