@@ -26,6 +26,9 @@ in-process data plane, and the pool turns that into messages (``dataplane.messag
   meanwhile).
 - Counters come back through shared memory (``dataplane.counters``): ``add_up`` before every
   scrape; a dead worker's counts are kept.
+- The workers publish the connections each holds in one more page of shared memory, so that
+  a burst on a socket they share spreads over them (``dataplane.spread``); this process
+  marks a dead worker's slot there.
 - Stopping drains all workers at once, under one deadline.
 """
 
@@ -62,6 +65,7 @@ from uproxy.dataplane.messages import (
 )
 from uproxy.dataplane.settings import DataplaneSettings
 from uproxy.dataplane.sockets import bind_group, steer, steer_to_first, unsteer
+from uproxy.dataplane.spread import LoadsWriter
 from uproxy.log import kv
 from uproxy.model import (
     Endpoint,
@@ -247,6 +251,9 @@ class WorkerPool:
         self._settings = settings
         self._argv_extra = argv
         self._workers: dict[int, _Worker] = {}
+        # Every worker's connections held (``dataplane.spread``): made at ``start``, with
+        # more than one worker.
+        self._loads: LoadsWriter | None = None
         self._endpoints: dict[BalancerKey, SetEndpoints] = {}
         self._listeners: dict[ListenerKey, _Listener] = {}
         self._totals = metrics.WorkerTotals()
@@ -301,6 +308,8 @@ class WorkerPool:
         waits until each has said it is ready. What the control process does in between (its
         first listing waits on the API server) overlaps the workers' own start-up."""
         self._lower_control()
+        if self.count > 1 and self._loads is None:
+            self._loads = LoadsWriter(self.count)
         for index in range(self.count):
             self._workers[index] = await self._spawn(index)
 
@@ -353,6 +362,9 @@ class WorkerPool:
                 await w.process.wait()
             self._bury(w)
         self._workers.clear()
+        if self._loads is not None:
+            self._loads.close()
+            self._loads = None
 
     def kill_now(self) -> None:
         """A second stop signal: no draining, no waiting."""
@@ -450,6 +462,11 @@ class WorkerPool:
 
     def readers(self) -> Iterator[SlotReader]:
         return (w.reader for w in self._workers.values())
+
+    def held(self) -> list[int]:
+        """The connections each worker says it holds (``dataplane.spread``; ``GONE`` for a
+        dead one until its replacement starts); empty with one worker."""
+        return [] if self._loads is None else self._loads.read()
 
     @property
     def pids(self) -> list[int]:
@@ -630,6 +647,8 @@ class WorkerPool:
         cpu = self.cpu_of(index)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         files = CounterFiles.create()
+        loads = self._loads
+        share = [] if loads is None else ["--loads", str(loads.fd), str(self.count)]
         try:
             process = await asyncio.create_subprocess_exec(
                 sys.executable,
@@ -646,7 +665,13 @@ class WorkerPool:
                 *self._argv_extra,
                 *(["--nice", str(self.lowered.worker_nice)] if self.lowered else []),
                 *(["--cpu", str(cpu)] if cpu is not None else []),
-                pass_fds=(theirs.fileno(), files.values_fd, files.directory_fd),
+                *share,
+                pass_fds=(
+                    theirs.fileno(),
+                    files.values_fd,
+                    files.directory_fd,
+                    *([] if loads is None else [loads.fd]),
+                ),
                 stdin=asyncio.subprocess.DEVNULL,
                 # A process group of its own: Ctrl-C in a terminal signals the foreground
                 # group, which reached workers still importing (a traceback each). Not a
@@ -754,6 +779,8 @@ class WorkerPool:
         if w.buried:
             return
         w.buried = True
+        if self._loads is not None:  # the others stop leaving connections to it
+            self._loads.gone(w.index)
         w.channel.close()
         if self._applied_waiters:
             self._check_applied()  # no longer waited for

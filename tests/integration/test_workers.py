@@ -20,7 +20,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +124,21 @@ def per_worker(proxy: Proxy, family: str, labels: tuple[str, ...]) -> list[float
     return out
 
 
+@contextlib.contextmanager
+def workers_on_one_cpu(pool: WorkerPool) -> Iterator[None]:
+    """The workers share one CPU as equals and this process runs on the others, while the
+    block runs (nothing changes on a machine of one CPU)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) > 1:
+        for pid in pool.pids:
+            os.sched_setaffinity(pid, {cpus[0]})
+        os.sched_setaffinity(0, set(cpus[1:]))
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, set(cpus))
+
+
 async def test_connections_spread_over_the_workers(
     tmp_path: Path, backends: list[NamedBackend], proxies: list[Proxy]
 ) -> None:
@@ -134,25 +149,54 @@ async def test_connections_spread_over_the_workers(
     # Whichever worker is free takes the next connection, so a worker that shares its CPU
     # with this test's own busy process (clients, backends, control) takes fewer: 28-72 %
     # was seen. Here the two share one CPU as equals, and the test runs on the other.
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) > 1:
-        for pid in proxy.workers.pids:
-            os.sched_setaffinity(pid, {cpus[0]})
-        os.sched_setaffinity(0, set(cpus[1:]))
     n, clients = 2000, 25
 
     async def client() -> set[str]:  # one after another, as one client of many does
         return {await greet("127.0.0.1", port) for _ in range(n // clients)}
 
-    try:
+    with workers_on_one_cpu(proxy.workers):
         names = set().union(*await asyncio.gather(*(client() for _ in range(clients))))
-    finally:
-        os.sched_setaffinity(0, set(cpus))
     assert names <= {"b1", "b2", "b3"}
     ok = ("default/web:http", "TCP", "ok")
     await wait_for(lambda: sum(per_worker(proxy, "uproxy_connections_total", ok)) == n)
     counts = per_worker(proxy, "uproxy_connections_total", ok)
     assert all(0.35 * n <= c <= 0.65 * n for c in counts), counts
+
+
+async def test_a_burst_of_connections_spreads_over_idle_workers(
+    tmp_path: Path, backends: list[NamedBackend], proxies: list[Proxy]
+) -> None:
+    # A client's pool opening its connections at once while the workers idle. Every worker
+    # is woken, and the first one up used to take what was queued before the other's CPU
+    # had woken: all of a burst of 16 in about half the bursts. The workers share one CPU as
+    # equals (the test runs on the other), so the one that leaves the queue lets the other run.
+    path = tmp_path / "services.yaml"
+    proxy = await serving_web(path, backends, proxies)
+    pool = proxy.workers
+    assert pool is not None
+    port = proxy_port(proxy)
+    live = ("default/web:http", "TCP")
+    with workers_on_one_cpu(pool):
+        for burst in range(4):
+            clients = []
+            for _ in range(16):  # connects at once: the kernel queues them for the workers
+                c = socket.socket()
+                c.setblocking(False)
+                with contextlib.suppress(BlockingIOError):
+                    c.connect(("127.0.0.1", port))
+                clients.append(c)
+            try:
+                await wait_for(
+                    lambda: sum(per_worker(proxy, "uproxy_open_connections", live)) == 16
+                )
+                counts = per_worker(proxy, "uproxy_open_connections", live)
+                assert min(counts) >= 5, (burst, counts)
+                assert pool.held() == counts, (pool.held(), counts)
+            finally:
+                for c in clients:
+                    c.close()
+            # All released, on both counts: a count that leaked would skew every later burst.
+            await wait_for(lambda: pool.held() == [0, 0], message="connections released")
 
 
 async def test_client_ip_affinity_holds_across_workers(

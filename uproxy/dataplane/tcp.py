@@ -20,7 +20,9 @@ system calls it takes.
   endpoint the accepted socket is closed with SO_LINGER 0 at once: the client sees a RST,
   and no pair is ever made for it.
 * Near the fd limit, accepting pauses (``fdreserve``) rather than taking the fds the dials
-  in flight need."""
+  in flight need.
+* On a socket every worker accepts on, a worker ahead of the others in connections held
+  leaves the queue to them for a moment (``spread``)."""
 
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ import socket
 import sys
 from typing import Self
 
-from uproxy.dataplane import series
+from uproxy.dataplane import series, spread
 from uproxy.dataplane.balancer import Balancer
 from uproxy.dataplane.fdreserve import FD_RESERVE, RESOURCE_ERRNOS
 from uproxy.dataplane.poller import per_loop, poller_for, read_poller_for
@@ -65,7 +67,8 @@ class _Retiring:
 
     def readable(self) -> None:
         self.woken = True
-        self.listener.readable()
+        # Its own socket, or one the others are leaving: nobody else to defer to.
+        self.listener._accept(self.listener.settings.accept_batch, defer=False)
 
     def _check(self) -> None:
         listener = self.listener
@@ -75,8 +78,8 @@ class _Retiring:
             self.woken = False
             listener.loop.call_later(self.idle_s, self._check)
             return
-        if listener._paused is None:
-            listener._accept(listener.settings.listen_backlog)  # until the queue is empty
+        if listener._paused is None:  # until the queue is empty
+            listener._accept(listener.settings.listen_backlog, defer=False)
         listener.close()
 
 
@@ -104,11 +107,14 @@ class TcpListener:
         "_acceptor",
         "_address",
         "_conns",
+        "_defer_until",
         "_drained",
         "_family",
+        "_loads",
         "_paused",
         "_sock",
         "_starved",
+        "_watcher",
         "balancer",
         "dial_timers",
         "linger_timers",
@@ -149,11 +155,15 @@ class TcpListener:
         self._sock: socket.socket | None = sock
         self._family = sock.family  # read once: socket.family converts to an enum per read
         self._acceptor = read_poller_for(loop)
+        self._watcher: TcpListener | _Retiring = self  # what the acceptor calls
         # The relays' epoll set (an fd: made now, not at an fd-starved accept), and its read
         # buffer made big enough for this port's reads.
         self.poller = poller_for(loop)
         self.poller.reserve(settings.high_water)
-        self._paused: asyncio.TimerHandle | None = None
+        self._paused: asyncio.TimerHandle | None = None  # out of fds, or deferring
+        self._defer_until = 0.0
+        # Every worker's connections held, when this one shares sockets with others.
+        self._loads = spread.LOADS
         self._starved = False  # paused for lack of fds and not accepted since
         # Created by shutdown() only: an Event per listener was 6 MB at 10,000 ports.
         self._drained: asyncio.Future[None] | None = None
@@ -240,7 +250,7 @@ class TcpListener:
     def readable(self) -> None:  # the ReadPoller's call: connections are waiting
         self._accept(self.settings.accept_batch)
 
-    def _accept(self, batch: int) -> None:
+    def _accept(self, batch: int, *, defer: bool = True) -> None:
         lsock = self._sock
         if lsock is None:
             return
@@ -249,6 +259,21 @@ class TcpListener:
         family = self._family
         fds = FD_RESERVE
         stats = self.stats
+        loads = self._loads
+        # The connections this worker may hold before it leaves the queue to the others: on
+        # a socket they all accept on (ClientIP affinity gives each worker a socket of its
+        # own, see ``uproxy.workers``).
+        limit = spread.GONE
+        if loads is not None:
+            held = loads.values
+            me = loads.index
+            now = spread.CLOCK()
+            took = loads.took
+            if defer and not balancer.affinity:
+                limit = loads.limit(now)
+                if held[me] >= limit:
+                    self._defer(now)
+                    return
         for _ in range(batch):
             try:
                 # _accept() skips socket.accept()'s enum conversions (measurable per conn).
@@ -275,10 +300,15 @@ class TcpListener:
                 continue
             conn = Connection(self, addr[0], ep)
             self._conns[conn] = None
+            if loads is not None:
+                held[me] += 1
+                took[me] = now
             conn.start(sock)
             if fds.undialed >= fds.limit - 2 - fd:  # ``fds.full_after(fd)``, inline
                 self.pause("fd_reserve")
                 return
+            if loads is not None and held[me] >= limit:
+                return  # ahead now: the next wake defers, if anything is left
 
     def pause(self, reason: str) -> None:
         """Stop accepting for ``accept_backoff_s`` (out of fds or other resources)."""
@@ -308,11 +338,55 @@ class TcpListener:
     def _resume(self) -> None:
         self._paused = None
         if self._sock is not None:
-            self._acceptor.watch(self._sock.fileno(), self)
-            self._accept(self.settings.accept_batch)
+            self._acceptor.watch(self._sock.fileno(), self._watcher)
+            self._accept(self.settings.accept_batch, defer=self._watcher is self)
+
+    def _defer(self, now: float) -> None:
+        """Ahead of an idle worker: leave the queue to the others (``spread``)."""
+        if self._sock is None or self._loads is None:
+            return
+        self._acceptor.unwatch(self._sock.fileno())
+        self._loads.took[self._loads.index] = 0.0  # not taking: the others do not wait for it
+        self._defer_until = now + spread.DEFER_S
+        self._paused = self.loop.call_later(spread.POLL_S, self._look)
+        self._loads.deferring.append(self)
+
+    def undefer(self) -> None:
+        """No longer ahead, or the others are busy: accept again, as before."""
+        paused = self._paused
+        if paused is None or self._sock is None:
+            return
+        paused.cancel()
+        self._paused = None
+        self._acceptor.watch(self._sock.fileno(), self._watcher)
+
+    def _look(self) -> None:
+        """Deferring: go on, come back, or (after ``spread.DEFER_S``) take what nobody
+        took meanwhile, however loaded."""
+        self._paused = None
+        loads = self._loads
+        if self._sock is None or loads is None:
+            return
+        if loads.ahead():
+            if spread.CLOCK() < self._defer_until:
+                self._paused = self.loop.call_later(spread.POLL_S, self._look)
+                return
+            taking = True
+        else:
+            taking = False
+        if self in loads.deferring:
+            loads.deferring.remove(self)
+        self._acceptor.watch(self._sock.fileno(), self._watcher)
+        if taking:
+            self._accept(spread.TAKEN_AFTER, defer=False)
 
     def released(self, conn: Connection) -> None:
         self._conns.pop(conn, None)
+        loads = self._loads
+        if loads is not None:
+            loads.values[loads.index] -= 1
+            if loads.deferring:
+                loads.released()
         drained = self._drained
         if not self._conns and drained is not None and not drained.done():
             drained.set_result(None)
@@ -326,7 +400,7 @@ class TcpListener:
         sock = self._sock
         if sock is None:
             return
-        watch = _Retiring(self, idle_s)
+        watch = self._watcher = _Retiring(self, idle_s)
         if self._paused is None:
             self._acceptor.unwatch(sock.fileno())
             self._acceptor.watch(sock.fileno(), watch)
@@ -340,6 +414,8 @@ class TcpListener:
         if self._paused is not None:
             self._paused.cancel()
             self._paused = None
+            if self._loads is not None and self in self._loads.deferring:
+                self._loads.deferring.remove(self)
         else:
             self._acceptor.unwatch(sock.fileno())
         sock.close()

@@ -1,7 +1,8 @@
 """A data-plane worker process: accept, dial and relay, nothing else.
 
 Started by the control process (``uproxy.workers``) as ``python -m uproxy.dataplane.worker``
-with three inherited fds: its end of the channel and the two memfds of its counters. It
+with three inherited fds: its end of the channel and the two memfds of its counters (and,
+beside other workers, the page where each says how many connections it holds: ``spread``). It
 learns everything from the channel (``messages``): its settings, each service port's
 endpoints (one ``Balancer`` per service port and IP family, the same class the in-process
 data plane uses) and the listening sockets it serves: a socket that every worker accepts on,
@@ -32,7 +33,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from uproxy import heap
-from uproxy.dataplane import busypoll, series
+from uproxy.dataplane import busypoll, series, spread
 from uproxy.dataplane.balancer import Balancer
 from uproxy.dataplane.counters import CounterFiles, SlotWriter
 from uproxy.dataplane.fdreserve import FD_RESERVE
@@ -79,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--channel", type=int, required=True)
     p.add_argument("--counters", type=int, nargs=2, required=True)
     p.add_argument("--index", type=int, required=True)
+    p.add_argument(
+        "--loads", type=int, nargs=2, metavar=("FD", "WORKERS"), help="see dataplane.spread"
+    )
     p.add_argument("--event-loop", default="auto")
     p.add_argument("-v", type=int, default=0, dest="verbosity")
     p.add_argument("--logging-format", default="text")
@@ -96,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent()  # when the control process dies, however it dies: SIGTERM
     # Before the data-plane modules bind their label sets: every tally lives in shared memory.
     series.share(SlotWriter(CounterFiles(*args.counters)))
+    if args.loads is not None:  # before any listener, which reads it when made
+        fd, count = args.loads
+        spread.LOADS = spread.Loads(fd, count, args.index)
     from uproxy.eventloop import run_loop
 
     return run_loop(lambda: Worker(args.channel, args.index).run(), args.event_loop)
