@@ -21,8 +21,8 @@ system calls it takes.
   and no pair is ever made for it.
 * Near the fd limit, accepting pauses (``fdreserve``) rather than taking the fds the dials
   in flight need.
-* On a socket every worker accepts on, a worker ahead of the others in connections held
-  leaves the queue to them for a moment (``spread``)."""
+* On a socket every worker accepts on, a worker ahead of an idle one in connections held
+  leaves the queue to it for a moment (``spread``)."""
 
 from __future__ import annotations
 
