@@ -169,15 +169,19 @@ async def test_a_burst_of_connections_spreads_over_idle_workers(
     # A client's pool opening its connections at once while the workers idle. Every worker
     # is woken, and the first one up used to take what was queued before the other's CPU
     # had woken: all of a burst of 16 in about half the bursts. The workers share one CPU as
-    # equals (the test runs on the other), so the one that leaves the queue lets the other run.
+    # equals (the test runs on the other), so the one that leaves the queue lets the other run;
+    # there, without the spreading, the one that runs first took all 16 of every burst. One
+    # burst in four may still go mostly to one worker: a worker ahead takes what is left after
+    # 2 ms, and a VM's vCPU can be away from the guest that long (15/1 was seen once).
     path = tmp_path / "services.yaml"
     proxy = await serving_web(path, backends, proxies)
     pool = proxy.workers
     assert pool is not None
     port = proxy_port(proxy)
     live = ("default/web:http", "TCP")
+    splits = []
     with workers_on_one_cpu(pool):
-        for burst in range(4):
+        for _ in range(4):
             clients = []
             for _ in range(16):  # connects at once: the kernel queues them for the workers
                 c = socket.socket()
@@ -190,13 +194,14 @@ async def test_a_burst_of_connections_spreads_over_idle_workers(
                     lambda: sum(per_worker(proxy, "uproxy_open_connections", live)) == 16
                 )
                 counts = per_worker(proxy, "uproxy_open_connections", live)
-                assert min(counts) >= 5, (burst, counts)
+                splits.append(counts)
                 assert pool.held() == counts, (pool.held(), counts)
             finally:
                 for c in clients:
                     c.close()
             # All released, on both counts: a count that leaked would skew every later burst.
             await wait_for(lambda: pool.held() == [0, 0], message="connections released")
+    assert sum(min(counts) >= 5 for counts in splits) >= 3, splits
 
 
 async def test_client_ip_affinity_holds_across_workers(
