@@ -10,17 +10,18 @@ long-lived connections (a database's, gRPC's) then loads one worker while the ot
 
 So each worker publishes, in a page all of them map (a memfd the control process creates),
 the TCP connections it holds (accepted and not yet released) and when it last took one. A
-worker ahead of the least loaded one by ``lead`` or more, while that one has taken none for
-``IDLE_S`` (it is slower to wake, or its CPU is idle), leaves a shared socket's queue to the
-others: they were woken by the same connections and take them once their CPUs are up. It
-looks again at every release of its own and every ``POLL_S``, and comes back once it is no
-longer ahead or the other takes connections again (then the two take turns as equals). Still
-ahead of an idle worker after ``DEFER_S`` (that one is stopped, or stuck), it takes what is
-queued, up to ``TAKEN_AFTER``, however loaded. Under steady load every worker takes
-connections all the time, so nobody defers: deferring whenever ahead cost 2 % of the
-connections/s and 1 us of CPU per connection (``wrk -c16``, ``Connection: close``, 2 CPUs, 5
-alternating runs each) for nothing a steady load needs. A dead worker's slot reads ``GONE``
-(set by the control process) until its replacement starts, so nobody waits for it.
+worker ahead of the least loaded one by 2 connections (and a quarter more as they grow),
+while that one has taken none for ``IDLE_S`` (it is slower to wake, or its CPU is idle),
+leaves a shared socket's queue to the others: they were woken by the same connections and
+take them once their CPUs are up. It looks again at every release of its own and every
+``POLL_S``, and comes back once it is no longer ahead or the other takes connections again
+(then the two take turns as equals). Still ahead of an idle worker after ``DEFER_S`` (that
+one is stopped, or stuck), it takes what is queued, up to ``TAKEN_AFTER``, however loaded.
+Under steady load every worker takes connections all the time, so nobody defers: deferring
+whenever ahead cost 2 % of the connections/s and 1 us of CPU per connection (``wrk -c16``,
+``Connection: close``, 2 CPUs, 5 alternating runs each) for nothing a steady load needs. A
+dead worker's slot reads ``GONE`` (set by the control process) until its replacement starts,
+so nobody waits for it.
 
 HAProxy and Envoy balance their threads the same way, by connections held, but hand an
 accepted connection to the least loaded thread in memory; between processes that is a
@@ -57,19 +58,6 @@ class Deferring(Protocol):
     def undefer(self) -> None: ...
 
 
-def create(count: int) -> int:
-    """A memfd for ``count`` workers at zero (the control process's: it passes it on)."""
-    fd = os.memfd_create("uproxy-loads")
-    os.ftruncate(fd, 2 * count * _SLOT)
-    return fd
-
-
-def lead(least: int) -> int:
-    """How far ahead of the least loaded worker one may get before it defers: 2 connections,
-    and a quarter more as they grow."""
-    return 2 + (least >> 2)
-
-
 class Loads:
     """A view of every worker's slots; this worker writes its own (``index``), reads all:
     ``values`` the connections each holds, ``took`` when each last took one."""
@@ -91,7 +79,7 @@ class Loads:
     def limit(self, now: float) -> int:
         """The connections this worker may hold before it defers to the least loaded other
         worker: ``GONE`` (never) when that one is busy (it took one within ``IDLE_S``) or there
-        is none. Asked at every accepting wake: ``lead`` written out."""
+        is none. The lead allowed: 2 connections, and a quarter more as they grow."""
         values = self.values
         at = self._only
         if at is not None:
@@ -129,7 +117,8 @@ class LoadsWriter:
     """The control process's hold on the page: it marks dead workers."""
 
     def __init__(self, count: int) -> None:
-        self.fd = create(count)
+        self.fd = os.memfd_create("uproxy-loads")  # at zero; passed on to every worker
+        os.ftruncate(self.fd, 2 * count * _SLOT)
         self._map = mmap.mmap(self.fd, 2 * count * _SLOT)
         self._values = cast(MutableSequence[int], memoryview(self._map)[: count * _SLOT].cast("q"))
 
