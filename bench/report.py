@@ -13,9 +13,11 @@ tables of their own.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +45,19 @@ def placement(entry: dict[str, Any]) -> str:
 
 def is_uproxy(name: str) -> bool:
     return name.startswith("uproxy-")
+
+
+def _python_build() -> str:
+    """Which interpreter uproxy ran on: its executable, and whether libpython is a shared
+    library. The build moves a connection's user time (see bench/README.md, "Fairness"):
+    a distribution's python3 is built with profile-guided and link-time optimization, a
+    Python built from source without them (pyenv's default) is not."""
+    executable = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+    try:  # what this process mapped (a distribution's sysconfig may describe another build)
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return executable
+    return f"{executable}, {'libpython shared' if '/libpython3' in maps else 'static'}"
 
 
 def machine() -> dict[str, Any]:
@@ -84,8 +99,6 @@ def machine() -> dict[str, Any]:
         congestion = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
     except OSError:
         congestion = "?"
-    import os
-
     try:
         import uvloop
 
@@ -100,6 +113,7 @@ def machine() -> dict[str, Any]:
         "kernel": platform.release(),
         "tcp_congestion_control": congestion,
         "python": platform.python_version(),
+        "python_build": _python_build(),
         "uvloop": uvloop_version,
         "haproxy": first(["haproxy", "-v"]),
         "nginx": first(["nginx", "-v"]),
@@ -194,8 +208,8 @@ def _header(results: dict[str, Any]) -> list[str]:
         "",
         f"Machine: {mach['cpu']}, {mach['cpus']} CPUs, {mach['memory_gib']} GiB; {mach['os']}, "
         f"kernel {mach['kernel']} (TCP congestion control "
-        f"{mach.get('tcp_congestion_control', 'not recorded')}); Python {mach['python']}, "
-        f"uvloop {mach['uvloop']}.",
+        f"{mach.get('tcp_congestion_control', 'not recorded')}); Python {mach['python']} "
+        f"({mach.get('python_build', 'build not recorded')}), uvloop {mach['uvloop']}.",
         f"Tools: {mach['haproxy']}; {mach['nginx']}; {mach['socat']}; {mach['iperf3']}; "
         f"{mach['wrk']}; {mach['iptables']}.",
         f"uproxy revision: {meta.get('uproxy_revision', '?')}.",
