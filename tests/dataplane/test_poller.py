@@ -5,12 +5,17 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import time
 from collections.abc import Callable
 
+import pytest
+
 from tests.dataplane.conftest import wait_until
+from uproxy.dataplane import poller as poller_module
 from uproxy.dataplane.poller import (
     READ_EVENTS,
     EdgePoller,
+    ReadPoller,
     io_waiting,
     poller_for,
     read_poller_for,
@@ -89,6 +94,47 @@ async def test_a_failing_handler_is_reported_and_the_rest_of_the_batch_still_run
         await wait_until(lambda: len(calls) == 3, what="every handler called")
         assert sorted(calls) == ["0", "1", "2"]
         assert [type(e.get("exception")) for e in errors] == [RuntimeError]
+    finally:
+        poller.close()
+        for pair in pairs:
+            for s in pair:
+                s.close()
+
+
+async def test_a_read_pass_ends_at_its_deadline_and_the_other_readers_come_next_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pass over the listening and datagram sockets stops once ``READ_PASS_S`` is over
+    (relays wait meanwhile); the readers it did not reach are still ready, each called on a
+    later pass, none lost and none twice."""
+    monkeypatch.setattr(poller_module, "READ_PASS_S", 0.0005)
+    loop = asyncio.get_running_loop()
+    poller = ReadPoller(loop)
+    pairs = [socket.socketpair() for _ in range(10)]
+    passes: list[float] = []  # the deadline of the pass each reader was called in
+
+    class Slow:
+        def __init__(self, sock: socket.socket) -> None:
+            self.sock = sock
+
+        def readable(self) -> None:
+            passes.append(poller.deadline)
+            self.sock.recv(100)
+            until = time.perf_counter() + 0.0002  # a reader's work, 0.2 ms
+            while time.perf_counter() < until:
+                pass
+
+    try:
+        for ours, peer in pairs:
+            ours.setblocking(False)
+            poller.watch(ours.fileno(), Slow(ours))
+            peer.send(b"x")
+        await wait_until(lambda: len(passes) >= 10, what="every reader called")
+        await asyncio.sleep(0.01)  # (a reader called twice would show here)
+        assert len(passes) == 10
+        per_pass = [passes.count(d) for d in sorted(set(passes))]
+        assert max(per_pass) <= 3, per_pass  # 0.5 ms of passes at 0.2 ms a reader
+        assert len(per_pass) >= 4
     finally:
         poller.close()
         for pair in pairs:

@@ -18,7 +18,9 @@ IP_PKTINFO (IPV6_PKTINFO), which transports do not expose. The listener's socket
 flow's are in that level-triggered epoll set: one ``epoll_ctl`` per flow, where a reader of
 the loop's own cost eight system calls to add and remove (11,000-18,000 new flows/s became
 19,000-21,000 on loopback). One readiness callback drains up to ``udp_batch`` datagrams into
-the loop's one 64 KiB buffer and forwards each slice of it without a copy before it returns;
+the loop's one 64 KiB buffer and forwards each slice of it without a copy before it returns,
+or fewer once a datagram that opened a flow ends the poller's pass (``READ_PASS_S``: a
+burst of new clients waits in the socket, not in front of the worker's relays);
 a specific bound address uses ``recvfrom_into``/``sendto`` (the kernel then answers from
 that address by itself).
 
@@ -41,6 +43,7 @@ import errno
 import logging
 import socket
 import struct
+import time
 from typing import Self
 
 from uproxy.dataplane.balancer import Balancer
@@ -66,6 +69,7 @@ _REFUSED = frozenset((errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH,
 # datagram's packet info as received (the address it was sent to, and the interface).
 FlowKey = tuple[str, int] | tuple[str, int, bytes]
 _Socket = socket.socket  # in ``UdpListener``, ``socket`` is its property
+_CLOCK = time.perf_counter  # the clock of ``ReadPoller.deadline``
 
 
 class UdpFlow:
@@ -274,7 +278,8 @@ class UdpListener:
         sock = self.sock
         if sock is None:
             return
-        view = self.poller.buffer
+        poller = self.poller
+        view = poller.buffer
         flows = self.flows
         pktinfo = self._pktinfo_level is not None
         stats = self.stats
@@ -296,6 +301,7 @@ class UdpListener:
             # The socket asks for packet info alone: ancdata is that one message, if any.
             key: FlowKey = (addr[0], addr[1], ancdata[0][2]) if ancdata else (addr[0], addr[1])
             flow = flows.pop(key, None)
+            opened = flow is None
             if flow is None:
                 flow = self._new_flow(key, ancdata if pktinfo else None, now)
                 if flow is None:
@@ -309,6 +315,8 @@ class UdpListener:
                 pass  # dropped, as a full network queue would
             except OSError as exc:
                 self.flow_failed(flow, exc)  # e.g. ECONNREFUSED from an earlier datagram
+            if opened and _CLOCK() >= poller.deadline:
+                break  # the pass is over (``poller.READ_PASS_S``): the rest wait in the socket
         self._count_flows()
 
     def _new_flow(
