@@ -170,6 +170,7 @@ class Worker:
             on_applied=lambda count: channel.send(Applied(count)),
             busy=io_waiting(loop),  # a relay's input ends an apply slice early
         )
+        heap.freeze()  # what the start made (modules above all) lives as long as this process
         channel.send(Ready(os.getpid()))
         await self._stop.wait()
         channel.close()
