@@ -75,9 +75,9 @@ def freeze() -> None:
     """Everything allocated so far lives as long as the process: out of the collector's sight.
 
     For the end of a process's start. A worker's modules, classes and functions are about
-    21,000 tracked objects, and each full pass visited them all: passes of 4.5-5.5 ms while
-    its relays waited, measured in a worker whose only load was UDP clients coming and
-    going by the thousand (``python -m bench.udp_flows``), until a bulk froze them.
+    21,000 tracked objects, and until a bulk change froze them (if one ever came), each full
+    pass visited them all: 4.5-5.5 ms while its relays waited, in a worker with two services
+    and UDP clients coming and going by the thousand (``python -m bench.udp_flows``).
     """
     gc.freeze()
 

@@ -316,7 +316,7 @@ class UdpListener:
             except OSError as exc:
                 self.flow_failed(flow, exc)  # e.g. ECONNREFUSED from an earlier datagram
             if opened and _CLOCK() >= poller.deadline:
-                break  # the pass is over (``poller.READ_PASS_S``): the rest wait in the socket
+                break  # the pass is over (``READ_PASS_S``): the rest wait in the socket
         self._count_flows()
 
     def _new_flow(
