@@ -29,6 +29,7 @@ from tests.dataplane.conftest import (
     wait_until,
 )
 from uproxy import metrics
+from uproxy.dataplane.poller import read_poller_for
 from uproxy.dataplane.settings import DataplaneSettings
 from uproxy.model import Endpoint, LbAlgorithm, ServicePort, Traffic
 
@@ -602,3 +603,75 @@ async def test_a_half_closed_pair_still_moving_bytes_is_not_cut(
     finally:
         server.close()
         await server.wait_closed()
+
+
+def _queued_clients(port: int, count: int) -> list[socket.socket]:
+    """Connections the kernel completed and queued on the listener, not yet accepted."""
+    return [socket.create_connection(("127.0.0.1", port), timeout=2) for _ in range(count)]
+
+
+async def _echoed(clients: list[socket.socket]) -> list[tuple[int, str]]:
+    """What each client gets back for its own 100 KiB, by length and sha256."""
+    loop = asyncio.get_running_loop()
+
+    def exchange(i: int, c: socket.socket) -> tuple[int, str]:
+        payload = bytes([i]) * 100_000
+        c.sendall(payload)
+        c.shutdown(socket.SHUT_WR)
+        got = b""
+        while chunk := c.recv(65536):
+            got += chunk
+        return digest(got)
+
+    return list(
+        await asyncio.gather(
+            *(loop.run_in_executor(None, exchange, i, c) for i, c in enumerate(clients))
+        )
+    )
+
+
+async def test_a_flood_of_connections_is_accepted_until_the_pass_ends_and_none_is_lost(
+    backends: BackendFactory, tcp_listener: ListenerFactory
+) -> None:
+    # A call took up to 64 connections (an accept and a dial each) while every relay of the
+    # worker waited: during a flood, requests on established connections waited for whole
+    # batches. Once the poller's pass is over the listener stops; the rest stay queued.
+    b = await backends("b")
+    listener = await tcp_listener(make_balancer(TCP_NAME, [b.endpoint], settings=S))
+    acceptor = read_poller_for(asyncio.get_running_loop())
+    clients = _queued_clients(listener.port, 10)
+    try:
+        acceptor.deadline = 0.0  # a pass that is over already: one connection, then return
+        listener.readable()
+        assert listener.active == 1
+        acceptor.deadline = time.perf_counter() + 10  # a pass with time left: all 9 others
+        listener.readable()
+        assert listener.active == 10
+        expected = [digest(bytes([i]) * 100_000) for i in range(10)]
+        assert await _echoed(clients) == expected
+    finally:
+        for c in clients:
+            c.close()
+
+
+async def test_a_retiring_socket_serves_everything_queued_when_it_closes(
+    backends: BackendFactory, tcp_listener: ListenerFactory
+) -> None:
+    # Its last call takes the whole queue, whatever the pass's deadline: closing a listening
+    # socket resets every connection still queued on it.
+    b = await backends("b")
+    listener = await tcp_listener(make_balancer(TCP_NAME, [b.endpoint], settings=S))
+    sock = listener.socket
+    assert sock is not None
+    listener.retire(0.1)
+    listener._acceptor.unwatch(sock.fileno())  # what arrives now is there for the last call
+    clients = _queued_clients(listener.port, 6)
+    try:
+        read_poller_for(asyncio.get_running_loop()).deadline = 0.0
+        await wait_until(lambda: listener.socket is None, what="the retiring socket closed")
+        assert listener.active == 6
+        expected = [digest(bytes([i]) * 100_000) for i in range(6)]
+        assert await _echoed(clients) == expected
+    finally:
+        for c in clients:
+            c.close()

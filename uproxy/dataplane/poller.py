@@ -46,14 +46,15 @@ ALL_EVENTS = IN | OUT | RDHUP | _ET  # a dialed socket: "writable" is how a conn
 _MAX_EVENTS = 256  # per batch; more stay ready in the set, and the loop comes back for them
 
 # A pass over the listening and datagram sockets (``ReadPoller``) takes no more readers once
-# it has run this long, and a UDP listener opens no more flows in it: the rest stay ready in
-# the level-triggered set, and the relays' events, waiting in the other set, are taken in
-# between. A burst of 3,000 new UDP clients (``python -m bench.udp_flows``) made passes of
-# 1.2-2 ms (64 new flows at about 8 us each and 100-190 replies at about 4 us), during
-# which every relay of the worker waited.
+# it has run this long, and a listener accepts no more connections and opens no more UDP
+# flows in it: the rest stay ready in the level-triggered set (or queued in their sockets),
+# and the relays' events, waiting in the other set, are taken in between. A burst of 3,000
+# new UDP clients (``python -m bench.udp_flows``) made passes of 1.2-2 ms (64 new flows at
+# about 8 us each and 100-190 replies at about 4 us), during which every relay of the
+# worker waited; during a flood of new TCP connections each call accepted and dialed 64.
 READ_PASS_S = 0.0002
 _READ_BATCH = 64  # the readers one pass can reach in READ_PASS_S, and a few more
-_CLOCK = time.perf_counter
+PASS_CLOCK = time.perf_counter  # the clock of ``ReadPoller.deadline``
 
 
 class Handler(Protocol):
@@ -223,8 +224,9 @@ class ReadPoller(LoopEpoll):
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._readers: dict[int, Reader] = {}
         self.buffer = memoryview(bytearray(0))
-        # When the current pass ends (``READ_PASS_S``, on the ``perf_counter`` clock): a
-        # reader with costly work per item (a UDP listener opening flows) stops there too.
+        # When the current pass ends (``READ_PASS_S``, on ``PASS_CLOCK``): a reader with
+        # costly work per item (a listener accepting, or opening UDP flows) stops there too.
+        # Outside a pass (a timer's call) it is in the past: one item, the rest next pass.
         self.deadline = 0.0
         super().__init__(loop)
 
@@ -253,7 +255,7 @@ class ReadPoller(LoopEpoll):
 
     def _ready(self) -> None:
         readers = self._readers
-        clock = _CLOCK
+        clock = PASS_CLOCK
         self.deadline = deadline = clock() + READ_PASS_S
         for fd, _ in self._epoll.poll(0, _READ_BATCH):
             reader = readers.get(fd)

@@ -43,11 +43,10 @@ import errno
 import logging
 import socket
 import struct
-import time
 from typing import Self
 
 from uproxy.dataplane.balancer import Balancer
-from uproxy.dataplane.poller import read_poller_for
+from uproxy.dataplane.poller import PASS_CLOCK, read_poller_for
 from uproxy.dataplane.release import release_for
 from uproxy.dataplane.settings import DataplaneSettings
 from uproxy.dataplane.sockets import bind_udp
@@ -69,7 +68,6 @@ _REFUSED = frozenset((errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH,
 # datagram's packet info as received (the address it was sent to, and the interface).
 FlowKey = tuple[str, int] | tuple[str, int, bytes]
 _Socket = socket.socket  # in ``UdpListener``, ``socket`` is its property
-_CLOCK = time.perf_counter  # the clock of ``ReadPoller.deadline``
 
 
 class UdpFlow:
@@ -315,7 +313,7 @@ class UdpListener:
                 pass  # dropped, as a full network queue would
             except OSError as exc:
                 self.flow_failed(flow, exc)  # e.g. ECONNREFUSED from an earlier datagram
-            if opened and _CLOCK() >= poller.deadline:
+            if opened and PASS_CLOCK() >= poller.deadline:
                 break  # the pass is over (``READ_PASS_S``): the rest wait in the socket
         self._count_flows()
 
