@@ -14,9 +14,11 @@ system calls it takes.
   ``socket._accept()`` (``socket.accept()`` converts enums per call, visible in profiles),
   and stops once the poller's pass is over (``READ_PASS_S``, 0.2 ms: about 8 connections
   accepted and dialed). During a flood (``wrk -c128 -H "Connection: close"``, one worker
-  saturated) every call took a batch of 64 while the relays waited: paced keep-alive
-  requests beside it read p50 2.2-2.6 and p99 4.0-5.0 ms, against 1.15-1.19 and 2.0-2.4
-  with the bound, for as many connections/s (28,700-32,900 against 29,700-31,900).
+  saturated) every call took a batch of 64 while the relays waited. Paced keep-alive
+  requests beside it, 9 alternating pairs: p50 1.8-3.0 and p99 4.0-5.5 ms, against
+  1.10-1.19 and 1.9-2.9 with the bound; the flood's connections/s 27,800-32,900 against
+  27,300-31,900 (1 % fewer on average, within the noise). A bound of 0.5 ms read as no
+  bound.
   A connection's sockets (the accepted one and the dial) are ``_socket.socket``, the C type
   that ``socket.socket`` subclasses in Python: its ``__init__`` and ``close`` are two Python
   frames each, and nothing else of the subclass is used here (create and close: 3.0-4.5 us
