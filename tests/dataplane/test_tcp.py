@@ -14,6 +14,7 @@ import struct
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 
 import pytest
 
@@ -605,29 +606,33 @@ async def test_a_half_closed_pair_still_moving_bytes_is_not_cut(
         await server.wait_closed()
 
 
-def _queued_clients(port: int, count: int) -> list[socket.socket]:
+@contextlib.contextmanager
+def _queued_clients(port: int, count: int) -> Iterator[list[socket.socket]]:
     """Connections the kernel completed and queued on the listener, not yet accepted."""
-    return [socket.create_connection(("127.0.0.1", port), timeout=2) for _ in range(count)]
+    clients = [socket.create_connection(("127.0.0.1", port), timeout=2) for _ in range(count)]
+    try:
+        yield clients
+    finally:
+        for c in clients:
+            c.close()
 
 
-async def _echoed(clients: list[socket.socket]) -> list[tuple[int, str]]:
-    """What each client gets back for its own 100 KiB, by length and sha256."""
+async def _each_gets_its_own_bytes_back(clients: list[socket.socket]) -> None:
+    """Each client sends 100 KiB of its own and reads it back whole (length and sha256)."""
     loop = asyncio.get_running_loop()
 
     def exchange(i: int, c: socket.socket) -> tuple[int, str]:
-        payload = bytes([i]) * 100_000
-        c.sendall(payload)
+        c.sendall(bytes([i]) * 100_000)
         c.shutdown(socket.SHUT_WR)
         got = b""
         while chunk := c.recv(65536):
             got += chunk
         return digest(got)
 
-    return list(
-        await asyncio.gather(
-            *(loop.run_in_executor(None, exchange, i, c) for i, c in enumerate(clients))
-        )
+    got = await asyncio.gather(
+        *(loop.run_in_executor(None, exchange, i, c) for i, c in enumerate(clients))
     )
+    assert got == [digest(bytes([i]) * 100_000) for i in range(len(clients))]
 
 
 async def test_a_flood_of_connections_is_accepted_until_the_pass_ends_and_none_is_lost(
@@ -639,19 +644,14 @@ async def test_a_flood_of_connections_is_accepted_until_the_pass_ends_and_none_i
     b = await backends("b")
     listener = await tcp_listener(make_balancer(TCP_NAME, [b.endpoint], settings=S))
     acceptor = read_poller_for(asyncio.get_running_loop())
-    clients = _queued_clients(listener.port, 10)
-    try:
+    with _queued_clients(listener.port, 10) as clients:
         acceptor.deadline = 0.0  # a pass that is over already: one connection, then return
         listener.readable()
         assert listener.active == 1
         acceptor.deadline = time.perf_counter() + 10  # a pass with time left: all 9 others
         listener.readable()
         assert listener.active == 10
-        expected = [digest(bytes([i]) * 100_000) for i in range(10)]
-        assert await _echoed(clients) == expected
-    finally:
-        for c in clients:
-            c.close()
+        await _each_gets_its_own_bytes_back(clients)
 
 
 async def test_a_retiring_socket_serves_everything_queued_when_it_closes(
@@ -665,13 +665,8 @@ async def test_a_retiring_socket_serves_everything_queued_when_it_closes(
     assert sock is not None
     listener.retire(0.1)
     listener._acceptor.unwatch(sock.fileno())  # what arrives now is there for the last call
-    clients = _queued_clients(listener.port, 6)
-    try:
+    with _queued_clients(listener.port, 6) as clients:
         read_poller_for(asyncio.get_running_loop()).deadline = 0.0
         await wait_until(lambda: listener.socket is None, what="the retiring socket closed")
         assert listener.active == 6
-        expected = [digest(bytes([i]) * 100_000) for i in range(6)]
-        assert await _echoed(clients) == expected
-    finally:
-        for c in clients:
-            c.close()
+        await _each_gets_its_own_bytes_back(clients)
