@@ -671,7 +671,13 @@ class Syncer:
         alloc = self._allocator(spn.protocol, fp.family)
         want, old = pp.port.port, fp.cluster
         host = self.hosts[fp.family]
-        if old is None or want in alloc.in_use or not port_free(spn.protocol, host, want):
+        if old is None or want in alloc.in_use:
+            return  # still ours elsewhere: the next retry looks again
+        if not port_free(spn.protocol, host, want):
+            if (spn.protocol, want) in self._freed:
+                # Let go by this sync (another service's listener); the workers' copies
+                # close a moment later: look again soon, not after the backoff.
+                self._retry_soon = True
             return  # still taken: the next retry looks again
         self._close_listener(spn, fp, old)
         fp.cluster = await self._open_listener(spn, pp, fp, Traffic.CLUSTER)

@@ -437,6 +437,43 @@ async def test_a_laptop_port_freed_and_claimed_in_one_sync_is_retried_soon(
     assert new is not None and new.port == unused_tcp_port and syncer.retry_after() is None
 
 
+async def test_a_listener_waiting_for_its_port_moves_soon_when_a_sync_frees_it(
+    unused_tcp_port: int,
+) -> None:
+    # Two services on one laptop port: "dup" opened elsewhere and has backed off (its next
+    # look is seconds away). "a" goes: the port it frees is still held a moment by the
+    # workers' copies of its socket, so "dup" looks again soon, not after its backoff.
+    tracker = Tracker()
+    port = [{"name": "http", "port": unused_tcp_port, "protocol": "TCP"}]
+    tracker.replace(Kind.SERVICE, [service("a", ports=port), service("dup", ports=port)])
+    tracker.replace(Kind.ENDPOINT_SLICE, [])
+    syncer = Syncer(
+        tracker=tracker,
+        rules=RecordingRules(),
+        listener_factory=Factory(),
+        options=SyncerOptions(
+            settings=Settings(rules="none", proxy_port_range="40000-40100"),
+            dataplane=DataplaneSettings(node_name="node-a"),
+            listen_hosts=("127.0.0.1",),
+        ),
+    )
+    for _ in range(4):
+        await syncer.sync()
+    dup = syncer.ports[spn("dup")].cluster
+    assert dup is not None and dup.port != unused_tcp_port
+    assert syncer.retry_after() == 8 * RETRY_FIRST_S  # backed off: 1, 2, 4, 8 s
+    tracker.replace(Kind.SERVICE, [service("dup", ports=port)])
+    with socket.socket() as held:  # a worker's copy of "a"'s socket, not closed yet
+        held.bind(("127.0.0.1", unused_tcp_port))
+        held.listen()
+        await syncer.sync()
+    assert spn("a") not in syncer.ports
+    assert syncer.retry_after() == RETRY_SOON_S
+    await syncer.sync()  # the retry: home
+    dup = syncer.ports[spn("dup")].cluster
+    assert dup is not None and dup.port == unused_tcp_port and syncer.retry_after() is None
+
+
 def restarted(tracker: Tracker, rules: RecordingRules, port_range: str) -> Syncer:
     """A node's syncer over the last run's rules (``rules.previous_ports``)."""
     return Syncer(
