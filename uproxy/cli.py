@@ -8,6 +8,7 @@ on stderr and a non-zero exit, never a traceback.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -101,22 +102,43 @@ def parse_settings(argv: Sequence[str]) -> tuple[Settings, argparse.Namespace]:
     """Settings from the command line (and --config); raises SettingsError."""
     ns = build_parser().parse_args(list(argv))
     settings = Settings()
-    given: set[str] = set()
+    from_file: dict[str, str] = {}  # setting -> its field in --config, unless a flag set it
     config = getattr(ns, "config", None)
     if config:
         from uproxy.configfile import load_config
 
-        load_config(config, settings, given)
+        load_config(config, settings, from_file)
+    given = set(from_file)
     for f in setting_fields():
         if f.metadata["flag"] and hasattr(ns, f.name):
             setattr(settings, f.name, convert(f, getattr(ns, f.name)))
             given.add(f.name)
+            from_file.pop(f.name, None)
     if settings.laptop and "healthz_bind_address" not in given:
         # kube-proxy's 0.0.0.0 is for the kubelet and load balancers to reach; a laptop
         # proxy listens on loopback only, /healthz included.
         settings.healthz_bind_address = LAPTOP_HEALTHZ
-    validate(settings)
+    try:
+        validate(settings)
+    except SettingsError as e:
+        raise _where_from(e, config, from_file) from None
     return settings, ns
+
+
+_FLAG_ERROR = re.compile(r"(?:invalid )?(--[a-z0-9-]+): (.*)")
+
+
+def _where_from(err: SettingsError, config: str | None, from_file: dict[str, str]) -> SettingsError:
+    """A checked value's error names where the value came from: the flag, or the field of
+    the configuration file (``FILE: iptables.syncPeriod: must be positive``)."""
+    said = _FLAG_ERROR.fullmatch(str(err))
+    if config is None or said is None:
+        return err
+    flag, rest = said.groups()
+    for f in setting_fields():
+        if f.metadata["flag"] == flag and f.name in from_file:
+            return SettingsError(f"{config}: {from_file[f.name]}: {rest}")
+    return err
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -108,9 +108,9 @@ def write_config(path: str, settings: Settings) -> None:
         raise SettingsError(f"--write-config-to {path}: {e.strerror or e}") from None
 
 
-def load_config(path: str, settings: Settings, given: set[str] | None = None) -> Settings:
+def load_config(path: str, settings: Settings, given: dict[str, str] | None = None) -> Settings:
     """Apply the file's values to ``settings``; raises SettingsError with one clear line.
-    ``given`` collects the names of the settings the file sets."""
+    ``given`` collects the names of the settings the file sets, each with its field there."""
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -171,7 +171,11 @@ def _identity(path: str) -> tuple[int, ...] | None:
 
 
 def apply_config(
-    doc: Any, settings: Settings, *, source: str = "--config", given: set[str] | None = None
+    doc: Any,
+    settings: Settings,
+    *,
+    source: str = "--config",
+    given: dict[str, str] | None = None,
 ) -> Settings:
     if not isinstance(doc, Mapping):
         raise SettingsError(f"{source}: expected a {KIND} mapping")
@@ -184,6 +188,8 @@ def apply_config(
     if mode not in (None, "", "userspace"):
         raise SettingsError(f"{source}: mode: uproxy is the userspace mode, got {mode!r}")
     by_path = {f.metadata["config"]: f for f in setting_fields() if f.metadata["config"]}
+    groups = {"linux"} | {p.rsplit(".", 1)[0] for p in by_path if "." in p}
+    groups |= {g.rsplit(".", 1)[0] for g in groups if "." in g}
     for path, value in _flatten(doc):
         if path in ("apiVersion", "kind", "mode"):
             continue
@@ -195,13 +201,18 @@ def apply_config(
             try:
                 setattr(settings, f.name, convert(f, value))
                 if given is not None:
-                    given.add(f.name)
+                    given[f.name] = path
             except SettingsError as e:
                 raise SettingsError(
                     f"{source}: {path}: {e}".replace(f"invalid {f.metadata['flag']}: ", "")
                 ) from None
         elif canonical in NOT_APPLICABLE or canonical.split(".")[0] in NOT_APPLICABLE:
             log.log(V2, "Ignoring configuration field that does not apply", extra=kv(field=path))
+        elif canonical in groups:
+            # A block of fields: empty (every field in it commented out) is no value; any
+            # other value is the wrong type, not an unknown field to warn about and skip.
+            if value is not None and not isinstance(value, Mapping):
+                raise SettingsError(f"{source}: {path}: expected a mapping, got {value!r}")
         else:
             log.warning("Unknown configuration field", extra=kv(file=source, field=path))
     return settings

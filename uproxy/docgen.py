@@ -175,7 +175,9 @@ def configuration_md() -> str:
         ", ".join(f"`{p}`" for p in sorted(NOT_APPLICABLE)) + ".",
         "",
         "Any other field is reported with a warning (`Unknown configuration field`), and "
-        "uproxy goes on. A value of the wrong type stops uproxy with one line, for example:",
+        "uproxy goes on. A value of the wrong type (a block such as `conntrack:` that is not "
+        "a mapping included) or out of range stops uproxy with one line naming the field, for "
+        "example:",
         "",
         "```",
         f"uproxy: error: {_wrong_type_example()}",

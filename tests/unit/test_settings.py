@@ -259,8 +259,16 @@ def test_config_file_and_flag_precedence(tmp_path: Path, caplog: pytest.LogCaptu
         ("iptables:\n  syncPeriod: true", "iptables.syncPeriod"),
         ("uproxy:\n  udpMaxFlows: many", "uproxy.udpMaxFlows"),
         ("mode: ipvs", "mode"),
-        ("configSyncPeriod: 0s", "--config-sync-period: must be positive"),
-        ("iptables:\n  minSyncPeriod: -1", "--iptables-min-sync-period: must be 0 or more"),
+        # A value checked after loading names its field in the file, not the flag.
+        ("configSyncPeriod: 0s", r"c\.yaml: configSyncPeriod: must be positive$"),
+        ("iptables:\n  minSyncPeriod: -1", r"c\.yaml: iptables\.minSyncPeriod: must be 0 or more$"),
+        ("uproxy:\n  workers: -3", r"c\.yaml: uproxy\.workers: must be 0 to \d+, got -3$"),
+        ("portRange: 100-50", r"c\.yaml: portRange: .*'100-50'$"),
+        ("uproxy:\n  services: nowhere.yaml", r"c\.yaml: uproxy\.services: no such file"),
+        # A block of fields that is not a mapping is the wrong type, not an unknown field.
+        ("conntrack: 5", r"c\.yaml: conntrack: expected a mapping, got 5$"),
+        ("uproxy: [1, 2]", r"c\.yaml: uproxy: expected a mapping, got \[1, 2\]$"),
+        ("linux:\n  conntrack: x", r"c\.yaml: linux\.conntrack: expected a mapping"),
         ("kind: Pod", "KubeProxyConfiguration"),
     ],
 )
@@ -273,6 +281,29 @@ def test_config_wrong_type_fails_with_one_line(tmp_path: Path, patch: str, needl
     with pytest.raises(SettingsError, match=needle) as err:
         parse_settings(["--config", str(cfg)])
     assert "\n" not in str(err.value)
+
+
+def test_a_flag_over_a_config_value_is_named_as_the_flag(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n"
+        "uproxy:\n  workers: 2\n"
+    )
+    with pytest.raises(SettingsError, match=r"^invalid --workers: must be 0 to \d+, got -1$"):
+        parse_settings(["--config", str(cfg), "--workers=-1"])
+
+
+def test_an_empty_block_is_no_value(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Every field of the block commented out: YAML reads null; nothing to warn about.
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n"
+        "uproxy:\n  # workers: 2\nconntrack: {}\n"
+    )
+    caplog.set_level(logging.DEBUG, logger="uproxy")
+    s, _ = parse_settings(["--config", str(cfg)])
+    assert s.workers == Settings().workers
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 @pytest.mark.parametrize(
