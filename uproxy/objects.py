@@ -270,7 +270,8 @@ def service_ports(obj: Obj) -> dict[ServicePortName, ServicePort]:
     """The service ports of a v1 Service; empty for services uproxy does not proxy by design.
 
     Raises InvalidObject when the object is malformed. An SCTP port is left out (uproxy
-    relays TCP and UDP only); a service whose every port is SCTP raises.
+    relays TCP and UDP only), and a service whose every port is SCTP has none: a valid
+    object, which must not fail a services file dumped from a cluster that has one.
     """
     c = _Checker("Service", obj)
     namespace, name, _labels, annotations = _metadata(c, obj)
@@ -344,8 +345,6 @@ def service_ports(obj: Obj) -> dict[ServicePortName, ServicePort]:
             lb_source_ranges=source_ranges,
             lb_algorithm=algorithm,
         )
-    if not out:
-        raise c.fail("spec.ports", "no TCP or UDP port (SCTP is not supported)")
     return out
 
 

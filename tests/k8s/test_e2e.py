@@ -453,7 +453,6 @@ MALFORMED_SERVICES: dict[str, dict[str, Any]] = {
     "external-ip": {"externalIPs": ["999.1.1.1"]},
     "source-range": {"type": "LoadBalancer", "loadBalancerSourceRanges": ["nope"]},
     "node-port": {"type": "NodePort", "ports": [{"name": "http", "port": 80, "nodePort": -1}]},
-    "sctp-only": {"ports": [{"name": "http", "port": 80, "protocol": "SCTP"}]},
     "health-port": {"externalTrafficPolicy": "Local", "healthCheckNodePort": "abc"},
 }
 

@@ -165,6 +165,15 @@ def test_kubectl_json_is_read_as_json_and_gives_what_its_yaml_gives(
     assert got == expected and len(got.services) == 20
 
 
+def test_a_dump_with_an_sctp_only_service_loads_whole() -> None:
+    # A valid object uproxy has nothing to proxy for: skipped as a headless service is,
+    # never a reason to keep the last good state instead of the cluster's dump.
+    sctp = service("diameter", ports=[{"name": "s", "port": 3868, "protocol": "SCTP"}])
+    docs = [*cluster(2), sctp]
+    got = parse_manifests(kubectl_json(docs), "svc.json")
+    assert len(got.services) == 3 and len(got.slices) == 2
+
+
 def test_flow_style_yaml_and_broken_json_are_read_as_yaml() -> None:
     # Both start like JSON and are not: the YAML loader reads the one, and names the line
     # of the other's error.

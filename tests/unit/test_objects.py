@@ -88,6 +88,8 @@ def test_sctp_ports_are_left_out() -> None:
         service(ports=[{"name": "a", "port": 1, "protocol": "SCTP"}, {"name": "b", "port": 2}])
     )
     assert [p.name.port_name for p in ports.values()] == ["b"]
+    # Only SCTP ports: a valid service with nothing to proxy, not a malformed one.
+    assert service_ports(service(ports=[{"name": "a", "port": 1, "protocol": "SCTP"}])) == {}
 
 
 def test_legacy_zero_padded_ipv4_addresses_are_read_as_decimal() -> None:
@@ -120,7 +122,6 @@ BAD_SERVICES: list[tuple[str, dict[str, Any], str]] = [
     ("port-zero", service(ports=[{"name": "a", "port": 0}]), "spec.ports[0].port"),
     ("port-too-big", service(ports=[{"name": "a", "port": 70000}]), "spec.ports[0].port"),
     ("port-string", service(ports=[{"name": "a", "port": "80"}]), "spec.ports[0].port"),
-    ("only-sctp", service(ports=[{"name": "a", "port": 1, "protocol": "SCTP"}]), "spec.ports"),
     ("bad-protocol", service(ports=[{"name": "a", "port": 1, "protocol": "ICMP"}]), "protocol"),
     ("dup-names", service(ports=[{"name": "a", "port": 1}, {"name": "a", "port": 2}]), "name"),
     ("unnamed-multi", service(ports=[{"port": 1}, {"name": "b", "port": 2}]), "name"),
