@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import sys
 
 from uproxy import heap
@@ -52,9 +53,26 @@ def format_table(rows: list[TableRow]) -> str:
     return "\n".join(lines)
 
 
+_table_out = True  # False once stdout is gone
+
+
 def print_table(rows: list[TableRow]) -> None:
-    print(format_table(rows) if rows else "(no services)", flush=True)
-    print(flush=True)
+    """The laptop table on stdout. A stdout that is gone (a closed pipe: ``uproxy | head``)
+    ends the table with one line and never fails the sync that printed it."""
+    global _table_out
+    if not _table_out:
+        return
+    try:
+        print(format_table(rows) if rows else "(no services)", flush=True)
+        print(flush=True)
+    except OSError as e:
+        _table_out = False
+        log.warning("Cannot print the service table any more", extra=kv(err=e))
+        # What is left in the buffer would fail again at exit: stdout goes nowhere now.
+        with contextlib.suppress(OSError, ValueError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
 
 
 async def run_proxy(settings: Settings) -> int:

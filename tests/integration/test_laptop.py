@@ -402,3 +402,52 @@ def test_a_services_file_that_cannot_be_read_at_start_is_one_line(
     last = done.stderr.splitlines()[-1]
     assert last.startswith(f"uproxy: error: {said}"), done.stderr
     assert "Traceback" not in done.stderr
+
+
+def free_tcp_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+async def test_a_closed_stdout_ends_the_table_and_not_the_syncs(
+    tmp_path: Path, backends: list[NamedBackend]
+) -> None:
+    # `uproxy ... | head -1`: the table's reader is gone after the first lines. Each later
+    # table would fail its sync (EPIPE) halfway; instead the table stops with one line and
+    # every change still applies.
+    path = tmp_path / "services.yaml"
+    first, second = free_tcp_port(), free_tcp_port()
+    write_services(path, backends[:1], svc_port=first)
+    err = tmp_path / "stderr.log"
+    argv = [sys.executable, "-m", "uproxy.cli", "--services", str(path), "--rules", "none"]
+    argv += ["--healthz-bind-address", "", "--metrics-bind-address", ""]
+    argv += ["--iptables-min-sync-period", "50ms"]
+    read_end, write_end = os.pipe()
+    with err.open("wb") as err_file:
+        proc = await asyncio.create_subprocess_exec(*argv, stdout=write_end, stderr=err_file)
+    os.close(write_end)
+    try:
+        with os.fdopen(read_end, "rb") as table:
+            assert table.readline().startswith(b"SERVICE")  # the first table, then gone
+        assert await greet("127.0.0.1", first) == "b1"
+        for n, port in enumerate((second, first)):
+            write_services(path, backends[n : n + 1], svc_port=port)
+            want = f"b{n + 1}"
+
+            async def moved(port: int = port, want: str = want) -> bool:
+                with contextlib.suppress(OSError, asyncio.TimeoutError):
+                    return await greet("127.0.0.1", port, timeout=0.5) == want
+                return False
+
+            await wait_for(moved, timeout=10, message=f"port {port} serving {want}")
+        proc.terminate()
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    said = err.read_text()
+    assert said.count("Cannot print the service table any more") == 1, said
+    assert "Sync failed" not in said and "Traceback" not in said and "Exception" not in said
