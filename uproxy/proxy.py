@@ -233,7 +233,10 @@ class Proxy:
     def on_signal(self) -> None:
         """SIGTERM/SIGINT: the first drains and stops; a second one exits at once."""
         if not self._stopped.is_set():
-            log.info("Stopping: draining connections (a second signal exits at once)")
+            log.info(
+                "Stopping: draining connections (a second signal exits at once)",
+                extra=kv(drain_timeout_s=self.settings.drain_timeout),
+            )
             self._stopped.set()
             return
         log.warning("Second stop signal: exiting now")

@@ -158,6 +158,16 @@ class Settings:
         help="Bytes of kernel receive buffer per UDP proxy port, so bursts wait instead of "
         "being dropped (beyond net.core.rmem_max with CAP_NET_ADMIN); 0 keeps the default",
     )
+    drain_timeout: float = opt(
+        5.0,
+        flag="--drain-timeout",
+        config="uproxy.drainTimeout",
+        kind="duration",
+        help="How long established TCP connections get to finish when uproxy stops (SIGTERM, "
+        "SIGINT, a changed --config or node IP), for every listener and worker at once; those "
+        "still open then are reset and counted in one line. Keep it below the pod's "
+        "terminationGracePeriodSeconds (30 s in the manifests); a second signal stops at once",
+    )
     busy_poll: float = opt(
         0.0,
         flag="--busy-poll",
@@ -618,6 +628,8 @@ def validate(s: Settings) -> None:
         raise SettingsError("invalid --udp-max-flows: must be at least 1")
     if s.udp_timeout <= 0:
         raise SettingsError("invalid --udp-timeout: must be positive")
+    if s.drain_timeout < 0:
+        raise SettingsError("invalid --drain-timeout: must be 0 or more")
     if not 0 <= s.tcp_keepalive <= MAX_TCP_KEEPALIVE_S:
         raise SettingsError(
             f"invalid --tcp-keepalive: must be 0 (off) or up to {MAX_TCP_KEEPALIVE_S}s"

@@ -84,7 +84,10 @@ class Listener(TypingProtocol):
 
     def close(self) -> None: ...
 
-    async def shutdown(self, timeout: float) -> None: ...
+    async def shutdown(self, timeout: float) -> int:
+        """Close; let connections finish for up to ``timeout`` seconds; how many were
+        still open then and were reset."""
+        ...
 
     @property
     def active(self) -> int: ...
@@ -458,7 +461,12 @@ class Syncer:
             lst.close()
         if drain:  # all at once: one drain deadline for the whole proxy, not one per port
             timeout = self.options.dataplane.drain_timeout_s
-            await asyncio.gather(*(lst.shutdown(timeout) for lst in listeners))
+            reset = sum(await asyncio.gather(*(lst.shutdown(timeout) for lst in listeners)))
+            if reset:  # with workers, they relay and say it (``dataplane.worker``)
+                log.warning(
+                    "Connections still open at the drain deadline were reset",
+                    extra=kv(connections=reset, drain_timeout_s=timeout),
+                )
         for spn in self.ports:
             metrics.PROXIED.discard(str(spn))
         self.ports.clear()

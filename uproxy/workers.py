@@ -211,9 +211,10 @@ class RemoteListener:
     def close(self) -> None:
         self._pool.close_listener(self._key)
 
-    async def shutdown(self, timeout: float) -> None:
+    async def shutdown(self, timeout: float) -> int:
         # The workers drain their connections when they stop (``WorkerPool.stop``).
         self.close()
+        return 0
 
     @property
     def active(self) -> int:

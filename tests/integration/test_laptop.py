@@ -451,3 +451,32 @@ async def test_a_closed_stdout_ends_the_table_and_not_the_syncs(
     said = err.read_text()
     assert said.count("Cannot print the service table any more") == 1, said
     assert "Sync failed" not in said and "Traceback" not in said and "Exception" not in said
+
+
+async def test_connections_left_at_the_drain_deadline_are_reset_and_counted(
+    tmp_path: Path,
+    backends: list[NamedBackend],
+    unused_tcp_port: int,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # In-process relaying (--workers 0): the syncer's listeners drain, and say what they cut.
+    path = tmp_path / "services.yaml"
+    write_services(path, backends[:1], svc_port=unused_tcp_port)
+    settings = Settings(
+        services=str(path), rules="none", workers=0, drain_timeout=0.3,
+        healthz_bind_address="", metrics_bind_address="",
+    )  # fmt: skip
+    proxy = Proxy(settings)
+    await proxy.start()
+    await asyncio.wait_for(proxy.synced.wait(), 5)
+    reader, writer = await asyncio.open_connection("127.0.0.1", unused_tcp_port)
+    assert await asyncio.wait_for(reader.readline(), 3) == b"b1\n"  # relaying, held open
+    caplog.set_level(logging.WARNING, logger="uproxy")
+    try:
+        await asyncio.wait_for(proxy.stop(), 5)
+        with pytest.raises(ConnectionResetError):
+            await asyncio.wait_for(reader.read(16), 3)
+    finally:
+        writer.close()
+    said = [r for r in caplog.records if "at the drain deadline" in r.getMessage()]
+    assert [r.__dict__["kv"] for r in said] == [{"connections": 1, "drain_timeout_s": 0.3}]

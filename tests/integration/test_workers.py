@@ -15,6 +15,7 @@ import datetime
 import functools
 import hashlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -904,8 +905,9 @@ def test_ctrl_c_while_the_workers_import_reaches_the_control_process_only(
 def test_a_stop_drains_every_listener_at_once_and_a_second_signal_exits_now(
     tmp_path: Path,
 ) -> None:
-    # Four services, each with a connection that never finishes: one drain deadline (5 s)
-    # for all of them, not one after another (20 s). Then a fresh start, stopped twice.
+    # Four services, each with a connection that never finishes: one drain deadline
+    # (--drain-timeout, 2 s) for all of them, not one after another (8 s); what is still open
+    # then is reset and counted. Then a fresh start, stopped twice.
     sink = socket.socket()
     sink.bind(("127.0.0.40", 0))
     sink.listen(16)
@@ -926,6 +928,7 @@ def test_a_stop_drains_every_listener_at_once_and_a_second_signal_exits_now(
     argv = [
         sys.executable, "-m", "uproxy.cli", "--services", str(path), "--rules", "none",
         "--workers", "2", "--healthz-bind-address", "", "--metrics-bind-address", "", "-v", "2",
+        "--drain-timeout", "2s",
     ]  # fmt: skip
     clients: list[socket.socket] = []
     proc: subprocess.Popen[str] | None = None
@@ -947,8 +950,15 @@ def test_a_stop_drains_every_listener_at_once_and_a_second_signal_exits_now(
         for c, h in zip(clients, held, strict=True):
             c.sendall(b"still here")
             assert h.recv(16) == b"still here"
-        assert proc.wait(timeout=9) == 0  # one 5 s deadline for all four, plus start-up slack
-        assert time.monotonic() - started < 9
+        assert proc.wait(timeout=6) == 0  # one 2 s deadline for all four, plus some slack
+        assert time.monotonic() - started < 6
+        for c in clients:  # past the deadline: a reset, not an end that looks complete
+            with pytest.raises(ConnectionResetError):
+                c.recv(16)
+        assert proc.stderr is not None
+        said = [line for line in proc.stderr.read().splitlines() if "at the drain deadline" in line]
+        counted = [int(m[1]) for line in said if (m := re.search(r" connections=(\d+)", line))]
+        assert sum(counted) == 4 and all("drain_timeout_s=2.0" in line for line in said), said
         proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
         ports = _proxy_ports(proc, 4)
         c = socket.create_connection(("127.0.0.1", ports[0]), timeout=5)

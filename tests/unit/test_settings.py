@@ -136,6 +136,7 @@ def test_dataplane_settings_carry_every_data_plane_setting_from_the_flags() -> N
             "--tcp-keepalive=2500ms",
             "--dial-mark=0x2000",
             "--busy-poll=750us",
+            "--drain-timeout=2s",
         ]
     )
     dp = DataplaneSettings.from_settings(s, dial_mark=0x40)

@@ -45,8 +45,9 @@ class FakeListener:
     def close(self) -> None:
         self.closed = True
 
-    async def shutdown(self, timeout: float) -> None:
+    async def shutdown(self, timeout: float) -> int:
         self.closed = True
+        return 0
 
     @property
     def active(self) -> int:

@@ -116,7 +116,7 @@ class DataplaneSettings:
     dial_mark: int = 0
     # Seconds connections get to finish when uproxy stops (every listener and worker at once,
     # under one deadline).
-    drain_timeout_s: float = 5.0
+    drain_timeout_s: float = setting("drain_timeout", 5.0)
 
     @classmethod
     def from_settings(cls, settings: Settings, **computed: Any) -> DataplaneSettings:

@@ -432,8 +432,9 @@ class TcpListener:
             self._acceptor.unwatch(sock.fileno())
         sock.close()
 
-    async def shutdown(self, timeout: float) -> None:
-        """Close, let connections finish for up to ``timeout`` seconds, then abort the rest."""
+    async def shutdown(self, timeout: float) -> int:
+        """Close, let connections finish for up to ``timeout`` seconds, then abort the rest;
+        returns how many were aborted."""
         self.close()
         if self._conns:
             self._drained = self.loop.create_future()
@@ -443,10 +444,12 @@ class TcpListener:
             except TimeoutError:
                 pass
         tasks = []
-        for conn in list(self._conns):
+        left = list(self._conns)
+        for conn in left:
             if conn.task is not None and not conn.task.done():
                 conn.task.cancel()
                 tasks.append(conn.task)
             conn.reset()  # past the deadline: a RST says the rest is lost, a FIN would not
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+        return len(left)

@@ -457,6 +457,7 @@ class UdpListener:
         self._drop_flows(list(self.flows.values()))
         self._count_flows()
 
-    async def shutdown(self, timeout: float) -> None:
+    async def shutdown(self, timeout: float) -> int:
         """Close at once: UDP has no connections to drain (``timeout`` is for symmetry)."""
         self.close()
+        return 0

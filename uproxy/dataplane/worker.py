@@ -185,7 +185,12 @@ class Worker:
         self.closing.clear()
         for listener in listeners:
             listener.close()
-        await asyncio.gather(*(lst.shutdown(timeout) for lst in listeners))
+        reset = sum(await asyncio.gather(*(lst.shutdown(timeout) for lst in listeners)))
+        if reset:
+            log.warning(
+                "Connections still open at the drain deadline were reset",
+                extra=kv(worker=self.index, connections=reset, drain_timeout_s=timeout),
+            )
         log.log(V2, "Worker drained", extra=kv(worker=self.index, listeners=len(listeners)))
 
     def _on_message(self, message: Message, sock: socket.socket | None) -> None:
