@@ -291,6 +291,8 @@ class Syncer:
         # Laptop ports this sync closed; a listener wanting one of them retries soon.
         self._freed: set[tuple[Protocol, int]] = set()
         self._retry_soon = False
+        # Listeners opened and closed so far (a sync's "Proxy ports changed" line: its share).
+        self._opened = self._closed = 0
         # UDP portals not yet in the kernel's rules, and the task forgetting the conntrack
         # entries of those that just got there (``_forget_unnated``).
         self._udp_added: set[Portal] = set()
@@ -331,7 +333,7 @@ class Syncer:
         changes = self.tracker.take_changes()
         todo = changes.ports | self._retry | self._rezoned()
         self._retry = set()
-        opened = closed = 0
+        opened, closed = self._opened, self._closed
         ts = TimeSlice()
         with heap.bulk(len(todo)):
             keep: list[ServicePortName] = []
@@ -345,7 +347,7 @@ class Syncer:
                 if state is not None and families:
                     keep.append(spn)
                 elif spn in self.ports:
-                    closed += await self._remove(spn)
+                    await self._remove(spn)
                 await ts.tick()
             # Then what moves: a port one of them frees (a laptop listener's service port, a
             # node port) is free before another one of this sync claims it.
@@ -362,8 +364,9 @@ class Syncer:
                 state = self.tracker.state(spn)
                 families = self._families_of(spn, state.port) if state is not None else ()
                 if state is not None and families:  # else changed again: the next sync
-                    opened += await self._ensure(spn, state, families)
+                    await self._ensure(spn, state, families)
                 await ts.tick()
+        opened, closed = self._opened - opened, self._closed - closed
         if opened or closed:
             log.info("Proxy ports changed", extra=kv(opened=opened, closed=closed))
         full = await self._sync_rules() or self.syncs == 0
@@ -498,7 +501,7 @@ class Syncer:
 
     async def _ensure(
         self, spn: ServicePortName, state: ServiceState, families: tuple[IPFamily, ...]
-    ) -> int:
+    ) -> None:
         """Make one service port's families (listeners, balancers, node ports) match."""
         pp = self.ports.get(spn)
         if pp is None:
@@ -511,12 +514,11 @@ class Syncer:
         for family in [f for f in pp.families if f not in families]:
             self._drop_family(spn, pp, family)
         pp.port = state.port
-        opened = 0
         for family in families:
             fp = pp.families.get(family)
             if fp is None:
                 fp = pp.families[family] = FamilyPort(family, self._balancer(spn))
-            opened += await self._ensure_family(spn, pp, fp, state)
+            await self._ensure_family(spn, pp, fp, state)
         self._note_no_local(spn, pp, state)
         self._reserve_nodeport(spn, pp)
         self._set_portals(spn, self._portals_of(spn, pp))
@@ -533,7 +535,6 @@ class Syncer:
                 self._retry.add(spn)
             elif self.laptop and fp.cluster.port != pp.port.port:
                 self._retry.add(spn)  # off its service's port: move when that is free
-        return opened
 
     def _balancer(self, spn: ServicePortName) -> Balancer:
         return Balancer(spn, settings=self.options.dataplane)
@@ -561,22 +562,18 @@ class Syncer:
 
     async def _ensure_family(
         self, spn: ServicePortName, pp: ProxiedPort, fp: FamilyPort, state: ServiceState
-    ) -> int:
-        opened = 0
+    ) -> None:
         self._update_balancer(spn, fp, state)
         if fp.cluster is None:
             fp.cluster = await self._open_listener(spn, pp, fp, Traffic.CLUSTER)
-            opened += fp.cluster is not None
         elif self.laptop and fp.cluster.port != pp.port.port:
             await self._move_home(spn, pp, fp)
         if state.port.needs_external_listener:
             if fp.external is None:
                 fp.external = await self._open_listener(spn, pp, fp, Traffic.EXTERNAL)
-                opened += fp.external is not None
         elif fp.external is not None:
             self._close_listener(spn, fp, fp.external)
             fp.external = None
-        return opened
 
     def _update_balancer(self, spn: ServicePortName, fp: FamilyPort, state: ServiceState) -> None:
         """Give the balancer (and the workers) the family's endpoints: a big port's change
@@ -642,13 +639,11 @@ class Syncer:
             if len(flagged) != before:
                 metrics.NO_LOCAL_ENDPOINTS.labels(policy).set(len(flagged))
 
-    async def _remove(self, spn: ServicePortName) -> int:
+    async def _remove(self, spn: ServicePortName) -> None:
         pp = self.ports.pop(spn)
-        closed = 0
         for fp in pp.families.values():
             for lst in fp.listeners:
                 self._close_listener(spn, fp, lst)
-                closed += 1
             if self.options.link is not None:
                 self.options.link.forget(spn, fp.family)
         for traffic in Traffic:
@@ -663,7 +658,6 @@ class Syncer:
             await _clear_conntrack(pp.port, tuple(pp.families))
         if log.isEnabledFor(V2):
             log.log(V2, "Removed service port", extra=kv(service=str(spn)))
-        return closed
 
     def _allocator(self, protocol: Protocol, family: IPFamily) -> PortAllocator:
         alloc = self._allocators.get((protocol, family))
@@ -699,6 +693,7 @@ class Syncer:
         if log.isEnabledFor(V2):
             log.log(V2, "Closing proxy port", extra=kv(service=str(spn), port=lst.port))
         lst.close()
+        self._closed += 1
         self._allocators[(spn.protocol, fp.family)].release(lst.port)  # it gave the port
         if self.laptop:
             self._freed.add((spn.protocol, lst.port))
@@ -741,6 +736,7 @@ class Syncer:
                     continue
                 break
             alloc.taken(lst.port)
+            self._opened += 1
             self._failed.pop(key, None)
             if log.isEnabledFor(V2):
                 log.log(

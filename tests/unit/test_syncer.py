@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import logging
 import socket
 import subprocess
 import sys
@@ -473,6 +474,45 @@ async def test_a_listener_waiting_for_its_port_moves_soon_when_a_sync_frees_it(
     await syncer.sync()  # the retry: home
     dup = syncer.ports[spn("dup")].cluster
     assert dup is not None and dup.port == unused_tcp_port and syncer.retry_after() is None
+
+
+async def test_the_ports_changed_line_counts_every_listener_opened_and_closed(
+    unused_tcp_port_factory: Callable[[], int], caplog: pytest.LogCaptureFixture
+) -> None:
+    # A laptop service's port changes: its listener closes and one opens on the new port.
+    first, second = unused_tcp_port_factory(), unused_tcp_port_factory()
+    tracker = Tracker()
+    tracker.replace(
+        Kind.SERVICE, [service("a", ports=[{"name": "http", "port": first, "protocol": "TCP"}])]
+    )
+    tracker.replace(Kind.ENDPOINT_SLICE, [])
+    syncer = Syncer(
+        tracker=tracker,
+        rules=RecordingRules(),
+        listener_factory=Factory(),
+        options=SyncerOptions(
+            settings=Settings(rules="none", proxy_port_range="40000-40100"),
+            dataplane=DataplaneSettings(node_name="node-a"),
+            listen_hosts=("127.0.0.1",),
+        ),
+    )
+    caplog.set_level(logging.INFO, logger="uproxy.syncer")
+
+    def said() -> list[dict[str, Any]]:
+        lines = [r for r in caplog.records if r.getMessage() == "Proxy ports changed"]
+        caplog.clear()
+        return [r.__dict__["kv"] for r in lines]
+
+    await syncer.sync()
+    assert said() == [{"opened": 1, "closed": 0}]
+    tracker.replace(
+        Kind.SERVICE, [service("a", ports=[{"name": "http", "port": second, "protocol": "TCP"}])]
+    )
+    await syncer.sync()
+    assert said() == [{"opened": 1, "closed": 1}]
+    tracker.replace(Kind.SERVICE, [])
+    await syncer.sync()
+    assert said() == [{"opened": 0, "closed": 1}]
 
 
 def restarted(tracker: Tracker, rules: RecordingRules, port_range: str) -> Syncer:
