@@ -381,8 +381,38 @@ async def test_an_emptied_file_is_applied_only_once_it_stays_empty(
             if not tracker.snapshot():
                 break
     assert tracker.snapshot() == {}
-    said = [r.getMessage() for r in caplog.records]
-    assert "Services file empty for a while: removing every service" in said
+    said = [r for r in caplog.records if r.getMessage().startswith("Services file empty")]
+    assert [r.getMessage() for r in said] == [
+        "Services file empty for a while: removing every service"
+    ]
+    assert said[0].__dict__["kv"]["services"] == 3  # services, not their slices too
+
+
+@pytest.mark.parametrize("how", ["deleted", "broken"])
+async def test_a_file_gone_or_broken_then_restored_is_said_both_ways(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, how: str
+) -> None:
+    path = tmp_path / "services.yaml"
+    src, tracker = await loaded(path, cluster(3))
+    text = path.read_text()
+    caplog.set_level(logging.INFO, logger="uproxy")
+    if how == "deleted":
+        path.unlink()
+    else:
+        path.write_text(text + "---\nkind: Service\n  spec: [\n")
+        os.utime(path, ns=(0, 0))  # old enough to be read at once
+    for _ in range(3):
+        await src.poll()
+    said = [(r.getMessage(), r.__dict__["kv"]) for r in caplog.records]
+    assert [m for m, _ in said] == ["Ignoring services file change, keeping the last good state"]
+    assert ("no such file" in said[0][1]["error"]) == (how == "deleted")
+    caplog.clear()
+    path.write_text(text)  # restored as it was: nothing to change, but the error is over
+    os.utime(path, ns=(0, 0))
+    for _ in range(3):
+        await src.poll()
+    assert [r.getMessage() for r in caplog.records] == ["Services file is good again: as served"]
+    assert len(tracker.snapshot()) == 3 and tracker.calls == []
 
 
 async def test_a_file_written_in_place_is_read_once_the_writes_stop(tmp_path: Path) -> None:

@@ -512,7 +512,12 @@ class FileSource:
 
     async def poll(self) -> None:
         stamp = self._stat()
-        if stamp is None or stamp == self._stamp:
+        if stamp is None:
+            if self._stamp is not None:  # gone (deleted, renamed away): said once
+                self._stamp = None
+                self._failed(f"{self.path}: no such file (deleted or renamed)")
+            return
+        if stamp == self._stamp:
             return
         if self._being_written(stamp):
             return  # written to less than a poll ago: read it once the writes have stopped
@@ -527,7 +532,10 @@ class FileSource:
                 return
             log.warning(
                 "Services file empty for a while: removing every service",
-                extra=kv(path=self.path, services=len(self._kept.keys)),
+                extra=kv(
+                    path=self.path,
+                    services=sum(1 for kind, _ in self._kept.keys if kind is Kind.SERVICE),
+                ),
             )
         self._empty_since = None
         self._stamp = stamp
@@ -554,16 +562,21 @@ class FileSource:
         try:
             change = await asyncio.to_thread(_load, self.path, self._kept)
         except (ServicesFileError, OSError) as e:
-            msg = str(e)
-            if msg != self._last_error:
-                log.error(
-                    "Ignoring services file change, keeping the last good state",
-                    extra=kv(error=msg),
-                )
-                self._last_error = msg
+            self._failed(str(e))
             return None
+        if self._last_error is not None and change is None:
+            # Edited back (or restored) to what is served: nothing to load, but say so.
+            log.info("Services file is good again: as served", extra=kv(path=self.path))
         self._last_error = None
         return change
+
+    def _failed(self, msg: str) -> None:
+        """One line per distinct error; the last good state keeps serving."""
+        if msg != self._last_error:
+            log.error(
+                "Ignoring services file change, keeping the last good state", extra=kv(error=msg)
+            )
+            self._last_error = msg
 
     async def _apply(self, change: _Change) -> None:
         self.documents_parsed += change.parsed
