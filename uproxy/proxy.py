@@ -48,7 +48,7 @@ log = logging.getLogger("uproxy.proxy")
 
 LocalIps = Mapping[IPFamily, frozenset[str]]  # per family: the ready local endpoints' addresses
 
-EXIT_NOW = 143  # a second stop signal: 128 + SIGTERM, as a shell reports a killed process
+EXIT_BY_SIGNAL = 128  # a second stop signal exits with 128 + its number, as a shell reports it
 
 # The cheap "are our rules still there" check: a netlink or getsockopt read of the ruleset's
 # generation (about 10 us) that reads the rules themselves only when someone else committed.
@@ -230,8 +230,9 @@ class Proxy:
     def request_stop(self) -> None:
         self._stopped.set()
 
-    def on_signal(self) -> None:
-        """SIGTERM/SIGINT: the first drains and stops; a second one exits at once."""
+    def on_signal(self, signum: int = signal.SIGTERM) -> None:
+        """SIGTERM/SIGINT: the first drains and stops; a second one exits at once (143 for
+        SIGTERM, 130 for SIGINT, as a shell reports a process the signal ended)."""
         if not self._stopped.is_set():
             log.info(
                 "Stopping: draining connections (a second signal exits at once)",
@@ -242,7 +243,7 @@ class Proxy:
         log.warning("Second stop signal: exiting now")
         if self.workers is not None:
             self.workers.kill_now()
-        os._exit(EXIT_NOW)
+        os._exit(EXIT_BY_SIGNAL + signum)
 
     async def stop(self) -> None:
         # First of all, while everything drains: /healthz and the health-check node ports
@@ -689,11 +690,12 @@ class Proxy:
                 self._queue_sync()
 
 
-def install_signal_handlers(stop: Callable[[], None]) -> None:
+def install_signal_handlers(stop: Callable[[int], None]) -> None:
+    """``stop(signum)`` on SIGINT and SIGTERM."""
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop)
+            loop.add_signal_handler(sig, stop, sig)
 
 
 def _rules_support(settings: Settings, family: IPFamily) -> str | None:
