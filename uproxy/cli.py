@@ -27,6 +27,33 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        return super().parse_args(None if args is None else self._joined(args), namespace)
+
+    def _joined(self, args: Sequence[str]) -> list[str]:
+        """``--flag -5s`` as ``--flag=-5s``: argparse takes a value that starts with '-' and
+        is not a number for a flag of its own ("expected one argument"), so a negative
+        duration would never reach the check that names what is wrong with it."""
+        out: list[str] = []
+        takes_value = {s for a in self._actions if a.nargs is None for s in a.option_strings}
+        it = iter(args)
+        for arg in it:
+            if arg in takes_value:
+                value = next(it, None)
+                if (
+                    value is not None
+                    and value.startswith("-")
+                    and value not in self._option_string_actions
+                ):
+                    out.append(f"{arg}={value}")
+                    continue
+                out.append(arg)
+                if value is not None:
+                    out.append(value)
+                continue
+            out.append(arg)
+        return out
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(

@@ -658,7 +658,24 @@ def validate(s: Settings) -> None:
         raise SettingsError("invalid --oom-score-adj: must be -1000 to 1000")
     if s.services and not os.path.exists(s.services):
         raise SettingsError(f"--services: no such file: {s.services}")
+    if s.services and os.path.isdir(s.services):
+        raise SettingsError(f"--services: a directory, not a file: {s.services}")
+    _validate_http_addresses(s)
     _validate_detect_local(s)
+
+
+def _validate_http_addresses(s: Settings) -> None:
+    """/healthz and /metrics cannot share a port: the second would never bind."""
+    healthz = parse_hostport(s.healthz_bind_address)
+    metrics = parse_hostport(s.metrics_bind_address)
+    if healthz is None or metrics is None or healthz[1] != metrics[1] or not healthz[1]:
+        return
+    hosts = {healthz[0], metrics[0]}
+    if len(hosts) == 1 or hosts & {"0.0.0.0", "::"}:
+        raise SettingsError(
+            f"invalid --metrics-bind-address: {s.metrics_bind_address} takes the port of "
+            f"--healthz-bind-address {s.healthz_bind_address}"
+        )
 
 
 def _validate_detect_local(s: Settings) -> None:

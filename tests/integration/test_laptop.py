@@ -389,16 +389,17 @@ def test_a_services_file_that_cannot_be_read_at_start_is_one_line(
     tmp_path: Path, what: str
 ) -> None:
     path = tmp_path / "services.yaml"
-    if what == "a directory":
+    if what == "a directory":  # told apart with the flags, before anything starts
         path.mkdir()
-        said = f"cannot use --services file {path}: Is a directory"
+        said, status = f"--services: a directory, not a file: {path}", 2
     else:
         path.write_text("kind: Service\n  spec: [\n")
         said = f"cannot use --services file: {path}: line 2 column 7: not valid YAML"
+        status = 1
     argv = [sys.executable, "-m", "uproxy.cli", "--services", str(path), "--rules", "none"]
     argv += ["--healthz-bind-address", "", "--metrics-bind-address", ""]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 1
+    assert done.returncode == status
     last = done.stderr.splitlines()[-1]
     assert last.startswith(f"uproxy: error: {said}"), done.stderr
     assert "Traceback" not in done.stderr

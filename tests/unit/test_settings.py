@@ -202,11 +202,31 @@ def test_settings_as_flags_parse_back_and_start_a_worker() -> None:
         # a window in microseconds given without its unit would poll for ever
         (["--busy-poll", "2s"], "--busy-poll: must be 0 \\(off\\) up to 1s"),
         (["--busy-poll", "50"], "--busy-poll"),
+        # a value that starts with "-" is the flag's value, not an unknown flag
+        (["--drain-timeout", "-1s"], "--drain-timeout: not a duration like .*'-1s'$"),
+        (["--udp-timeout", "-5s"], "--udp-timeout: not a duration like .*'-5s'$"),
+        (["--services", "/"], "--services: a directory, not a file: /$"),
+        # /healthz and /metrics on one port: the second would retry its bind for ever
+        (
+            ["--healthz-bind-address", "0.0.0.0:10256", "--metrics-bind-address", "[::1]:10256"],
+            "--metrics-bind-address: \\[::1\\]:10256 takes the port of --healthz-bind-address",
+        ),
+        (
+            ["--healthz-bind-address", "127.0.0.1:9", "--metrics-bind-address", "127.0.0.1:9"],
+            "--metrics-bind-address",
+        ),
     ],
 )
 def test_bad_flags(argv: list[str], needle: str) -> None:
     with pytest.raises(SettingsError, match=needle):
         parse_settings(argv)
+
+
+def test_healthz_and_metrics_may_share_a_port_number_on_other_addresses() -> None:
+    s, _ = parse_settings(
+        ["--healthz-bind-address", "10.0.0.1:10256", "--metrics-bind-address", "127.0.0.1:10256"]
+    )
+    assert s.metrics_bind_address == "127.0.0.1:10256"
 
 
 CONFIG = """
