@@ -79,7 +79,12 @@ class Backends:
 
 
 def demo_main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="uproxy demo", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="uproxy demo",
+        description="uproxy end to end on one machine, with no cluster and no root: three "
+        "small backends on 127.0.0.11-13 (HTTP, and a UDP echo), a web and an echo service "
+        "proxied to them in laptop mode, and the commands to try. Ctrl-C stops it.",
+    )
     parser.add_argument("-v", type=int, default=0, dest="verbosity", help="log verbosity")
     ns = parser.parse_args(list(argv))
     setup_logging(verbosity=ns.verbosity)
@@ -127,7 +132,8 @@ async def _demo() -> int:
 
 def _print_instructions(proxy: Proxy) -> None:
     lines = ["Try it:"]
-    for spn, pp in sorted(proxy.syncer.ports.items()):
+    # TCP first (curl), then UDP (nc), as the README shows them.
+    for spn, pp in sorted(proxy.syncer.ports.items(), key=lambda i: (i[0].protocol.value, i[0])):
         if pp.cluster is None:
             continue
         addr = f"{pp.cluster.host} {pp.cluster.port}"
