@@ -122,7 +122,11 @@ def load_config(path: str, settings: Settings, given: dict[str, str] | None = No
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
-        raise SettingsError(f"--config {path}:{where}: not valid YAML") from None
+        problem = getattr(e, "problem", None)
+        if problem and "another document" in problem:
+            problem = "a second document (the file holds one KubeProxyConfiguration)"
+        said = f"not valid YAML: {problem}" if problem else "not valid YAML"
+        raise SettingsError(f"--config {path}:{where}: {said}") from None
     settings = apply_config(doc, settings, source=path, given=given)
     settings.config_file = path
     settings.config_digest = hashlib.sha256(data).digest()

@@ -330,7 +330,8 @@ def test_an_empty_block_is_no_value(tmp_path: Path, caplog: pytest.LogCaptureFix
 @pytest.mark.parametrize(
     ("content", "needle"),
     [
-        (b"mode: userspace: again\n", ": line 3: not valid YAML$"),
+        (b"mode: userspace: again\n", ": line 3: not valid YAML: mapping values are not allowed"),
+        (b"---\nmode: userspace\n", ": line 3: not valid YAML: a second document \\(the file"),
         (b"hostnameOverride: \xff\xfe\n", ": not UTF-8 text$"),
         (None, ": Is a directory$"),  # a path that cannot be read as a file
         (b"uproxy:\n  dialMark: true\n", "uproxy.dialMark"),
