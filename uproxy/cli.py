@@ -8,6 +8,7 @@ on stderr and a non-zero exit, never a traceback.
 from __future__ import annotations
 
 import argparse
+import logging
 import re
 import sys
 from collections.abc import Sequence
@@ -15,12 +16,14 @@ from typing import Any, NoReturn
 
 from uproxy import __version__, heap
 from uproxy.eventloop import run_loop
-from uproxy.log import Held, setup as setup_logging
+from uproxy.log import Held, kv, setup as setup_logging
 from uproxy.settings import Settings, SettingsError, convert, setting_fields, validate
 
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
 LAPTOP_HEALTHZ = "127.0.0.1:10256"  # --healthz-bind-address's default with --rules none
+
+log = logging.getLogger("uproxy.cli")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -149,6 +152,17 @@ def parse_settings(argv: Sequence[str]) -> tuple[Settings, argparse.Namespace]:
         validate(settings)
     except SettingsError as e:
         raise _where_from(e, config, from_file) from None
+    if settings.services:
+        ignored = [
+            f
+            for f, v in (("--kubeconfig", settings.kubeconfig), ("--master", settings.master))
+            if v
+        ]
+        if ignored:  # a laptop user's --config may well name the cluster's kubeconfig
+            log.warning(
+                "Services come from the --services file: the API server is not used",
+                extra=kv(ignored=",".join(ignored)),
+            )
     return settings, ns
 
 

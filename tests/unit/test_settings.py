@@ -222,6 +222,25 @@ def test_bad_flags(argv: list[str], needle: str) -> None:
         parse_settings(argv)
 
 
+def test_an_api_server_given_with_a_services_file_is_said_to_be_unused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    services = tmp_path / "s.yaml"
+    services.write_text("")
+    caplog.set_level(logging.WARNING, logger="uproxy")
+    parse_settings(["--services", str(services), "--kubeconfig", "/etc/kubeconfig"])
+    said = [(r.getMessage(), r.__dict__["kv"]) for r in caplog.records]
+    assert said == [
+        (
+            "Services come from the --services file: the API server is not used",
+            {"ignored": "--kubeconfig"},
+        )
+    ]
+    caplog.clear()
+    parse_settings(["--services", str(services)])
+    assert not caplog.records
+
+
 def test_healthz_and_metrics_may_share_a_port_number_on_other_addresses() -> None:
     s, _ = parse_settings(
         ["--healthz-bind-address", "10.0.0.1:10256", "--metrics-bind-address", "127.0.0.1:10256"]
