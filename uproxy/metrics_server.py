@@ -114,6 +114,7 @@ class MetricsServer(HttpServer):
             port=port,
             routes=[
                 ("GET", "/metrics", self._metrics),
+                ("HEAD", "/metrics", _metrics_head),
                 ("*", "/proxyMode", _proxy_mode),
                 ("*", "/healthz", _healthz),
             ],
@@ -196,6 +197,11 @@ def accepts_gzip(accept_encoding: Iterable[str]) -> bool:
                     return False
         return True
     return False
+
+
+async def _metrics_head(request: web.Request) -> web.Response:
+    """A HEAD (an availability check) is answered without rendering a scrape."""
+    return web.Response(headers={hdrs.CONTENT_TYPE: CONTENT_TYPE_PLAIN_0_0_4})
 
 
 async def _proxy_mode(request: web.Request) -> web.Response:

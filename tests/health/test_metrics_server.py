@@ -137,6 +137,9 @@ async def test_metrics_parse_and_include_build_info(
         if s.name == "uproxy_accept_paused_total"
     )
     assert "kubeproxy_sync_proxy_rules_duration_seconds" in families
+    async with http.head(f"http://127.0.0.1:{server.port}/metrics") as resp:
+        assert resp.status == 200 and resp.headers["Content-Type"] == TEXT_0_0_4
+        assert await resp.read() == b""
 
 
 async def test_proxy_mode_and_healthz(http: aiohttp.ClientSession, server: MetricsServer) -> None:
