@@ -325,15 +325,34 @@ def test_time_out_doubles_up_to_its_longest() -> None:
     assert outs == [1.0, 2.0, 4.0, 5.0, 5.0]
 
 
-def test_ejection_never_leaves_a_connection_without_an_endpoint() -> None:
-    b = balancer(settings=DataplaneSettings(eject_after=1))
+def test_ejection_never_leaves_a_connection_without_an_endpoint(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from uproxy.dataplane import series
+
+    ejections = series.ENDPOINT_EJECTIONS.labels(str(NAME))
+    before = ejections.value
+    caplog.set_level(1, logger="uproxy")  # the second time an endpoint goes out: at -v 2
+    clock = FakeClock()
+    b = balancer(clock=clock, settings=DataplaneSettings(eject_after=1))
     b.update(ServicePort(name=NAME, port=80), EPS[:1])
     b.dial_failed("c", EPS[0])
     assert b.pick("c", Traffic.CLUSTER) == EPS[0]  # the only one: tried anyway
+    # ... and neither counted nor said to be left out
+    assert ejections.value == before
+    clock.now += 1.1  # its time out is over
     b.update(ServicePort(name=NAME, port=80), EPS[:2])
     b.dial_failed("c", EPS[1])
+    assert ejections.value == before + 1  # left out: the other one is in
     b.dial_failed("c", EPS[0])  # both out: both still picked, in turn
     assert set(picks(b, 4)) == set(EPS[:2])
+    assert ejections.value == before + 1
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [
+        "Endpoint failing dials, still used: every other endpoint is out too",
+        "Endpoint left out after failed dials",
+        "Endpoint failing dials, still used: every other endpoint is out too",
+    ]
     # One out, the other tried already by this connection: the one out is its retry.
     b.update(ServicePort(name=NAME, port=80), EPS[:3])
     assert b.pick("c", Traffic.CLUSTER, exclude=EPS[:2]) == EPS[2]

@@ -853,12 +853,33 @@ class Balancer:
         f.ejections += 1
         out_s = min(settings.eject_base_s * 2.0 ** min(f.ejections - 1, 16), settings.eject_max_s)
         f.until = now + out_s
+        level = logging.INFO if f.ejections == 1 else V2
+        if not self._another_in(failing, endpoint, now):
+            # Out, but the choice takes it anyway while nothing else is left to take
+            # (``_with_ejected``): not counted as left out, and not said to be.
+            log.log(
+                level,
+                "Endpoint failing dials, still used: every other endpoint is out too",
+                extra=kv(service=str(self.name), endpoint=str(endpoint)),
+            )
+            return
         series.ENDPOINT_EJECTIONS.labels(str(self.name)).value += 1
         log.log(
-            logging.INFO if f.ejections == 1 else V2,
+            level,
             "Endpoint left out after failed dials",
             extra=kv(service=str(self.name), endpoint=str(endpoint), for_s=out_s),
         )
+
+    def _another_in(
+        self, failing: dict[Endpoint, _Failing], endpoint: Endpoint, now: float
+    ) -> bool:
+        """Whether a pool that holds ``endpoint`` has another endpoint that is not out."""
+        for pool in (self._cluster, self._external):
+            if endpoint in pool.members:
+                for ep in pool.order:
+                    if ep != endpoint and not ((f := failing.get(ep)) and f.until > now):
+                        return True
+        return False
 
     def addresses(self, traffic: Traffic) -> Container[tuple[str, int]]:
         """The addresses of the endpoints this traffic class may use, for ``in`` tests: a
