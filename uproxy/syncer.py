@@ -1002,7 +1002,7 @@ class Syncer:
         # The first few in address order: a row is read by a person, and a port of 20,000
         # endpoints took 130 ms to sort and print at each change of one of them.
         first = heapq.nsmallest(TABLE_ENDPOINTS, itertools.chain(*pools), key=address_of)
-        shown = ", ".join(str(e) for e in first) or "(none)"
+        shown = ", ".join(str(e) for e in first) or self._none_here(spn, pp)
         if count > len(first):
             shown += f", ... {count - len(first):,} more"
         return TableRow(
@@ -1011,6 +1011,22 @@ class Syncer:
             listen=", ".join(listens) or "(not listening)",
             endpoints=shown,
         )
+
+    def _none_here(self, spn: ServicePortName, pp: ProxiedPort) -> str:
+        """The endpoints cell of a row without any: why, when the service has endpoints only
+        of a family this port is not proxied in (IPv4 ones behind ``--bind-address ::1``,
+        say), which it never uses; else "(none)"."""
+        state = self.tracker.state(spn)
+        others: dict[str, int] = {}
+        for ep in state.endpoints if state is not None else ():
+            family = ip_family(ep.ip)
+            if family not in pp.families:
+                others[family.label] = others.get(family.label, 0) + 1
+        if not others:
+            return "(none)"
+        listed = ", ".join(f"{n} {label}" for label, n in sorted(others.items()))
+        here = "/".join(f.label for f in pp.families)
+        return f"(none of {here}; {listed} not used here)"
 
     def _emit_table(self, changed: Collection[ServicePortName]) -> None:
         """Laptop mode: print the rows that changed (every row at first)."""

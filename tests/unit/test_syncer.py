@@ -1059,3 +1059,20 @@ async def test_a_rules_write_that_did_not_end_leaves_the_rules_pending() -> None
     with pytest.raises(OSError):
         await syncer.sync()
     assert pending(syncer)
+
+
+async def test_a_laptop_row_says_why_a_port_has_no_endpoints_of_its_family() -> None:
+    # `--bind-address ::1` with a service of IPv4 endpoints: the listener never reaches them
+    # (each family its own endpoints), and the row says so instead of a bare "(none)".
+    slices = [
+        endpoint_slice("web-1", "web", endpoints=[endpoint("10.1.0.1"), endpoint("10.1.0.2")])
+    ]
+    _, syncer, _, _, rows = make_dual(
+        ("::1",), laptop=True, services=[service("web", cluster_ip="")], slices=slices
+    )
+    await syncer.sync()
+    (row,) = rows
+    assert row.endpoints == "(none of IPv6; 2 IPv4 not used here)"
+    _, syncer, _, _, rows = make_dual(("127.0.0.1",), laptop=True, services=[service("web")])
+    await syncer.sync()
+    assert [r.endpoints for r in rows] == ["(none)"]
