@@ -269,9 +269,14 @@ class Proxy:
                 log.error("A task did not end when cancelled", extra=kv(task=task.get_name()))
         self._tasks.clear()
         self._finite.clear()
-        await self.syncer.close(drain=True)
         if self.workers is not None:
+            # The workers drain their listeners (accepting while connections are open, see
+            # ``TcpListener.shutdown``); closing them from here first would refuse new
+            # connections for the whole drain.
             await self.workers.stop(drain=True)
+            await self.syncer.close(drain=False)
+        else:
+            await self.syncer.close(drain=True)
         await self.healthchecks.close()
         for server in (self.healthz, self.metrics_server):
             if server is not None:

@@ -163,10 +163,12 @@ class Settings:
         flag="--drain-timeout",
         config="uproxy.drainTimeout",
         kind="duration",
-        help="How long established TCP connections get to finish when uproxy stops (SIGTERM, "
-        "SIGINT, a changed --config or node IP), for every listener and worker at once; those "
-        "still open then are reset and counted in one line. Keep it below the pod's "
-        "terminationGracePeriodSeconds (30 s in the manifests); a second signal stops at once",
+        help="How long TCP connections get to finish when uproxy stops (SIGTERM, SIGINT, a "
+        "changed --config or node IP), for every listener and worker at once; the proxy ports "
+        "take new connections meanwhile (the rules still lead there) and close once none is "
+        "open, and those still open at the deadline are reset and counted in one line. Keep "
+        "it below the pod's terminationGracePeriodSeconds (30 s in the manifests); a second "
+        "signal stops at once",
     )
     busy_poll: float = opt(
         0.0,

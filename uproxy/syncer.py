@@ -40,7 +40,7 @@ from uproxy.dataplane.messages import (
 )
 from uproxy.dataplane.settings import DataplaneSettings
 from uproxy.dataplane.sockets import port_free
-from uproxy.dataplane.tcp import TcpListener
+from uproxy.dataplane.tcp import TcpListener, drain as drain_listeners
 from uproxy.dataplane.udp import UdpListener
 from uproxy.log import V2, kv
 from uproxy.model import (
@@ -460,11 +460,12 @@ class Syncer:
         if self._forgetting is not None:
             self._forgetting.cancel()
         listeners = [lst for pp in self.ports.values() for lst in pp.listeners]
-        for lst in listeners:
-            lst.close()
-        if drain:  # all at once: one drain deadline for the whole proxy, not one per port
+        if not drain:
+            for lst in listeners:
+                lst.close()
+        else:  # all at once: one drain deadline for the whole proxy, not one per port
             timeout = self.options.dataplane.drain_timeout_s
-            reset = sum(await asyncio.gather(*(lst.shutdown(timeout) for lst in listeners)))
+            reset = await drain_listeners(listeners, timeout)
             if reset:  # with workers, they relay and say it (``dataplane.worker``)
                 log.warning(
                     "Connections still open at the drain deadline were reset",

@@ -23,6 +23,7 @@ from tests.factories import endpoint, endpoint_slice, service
 from tests.integration.backends import NamedBackend, NamedDatagramEcho, greet, next_datagram
 from uproxy import syncer as syncer_module
 from uproxy.dataplane import sockets
+from uproxy.dataplane.tcp import TcpListener
 from uproxy.model import Protocol, ServicePortName
 from uproxy.proxy import Proxy
 from uproxy.rules import NoRules, RulesError
@@ -454,30 +455,102 @@ async def test_a_closed_stdout_ends_the_table_and_not_the_syncs(
     assert "Sync failed" not in said and "Traceback" not in said and "Exception" not in said
 
 
-async def test_connections_left_at_the_drain_deadline_are_reset_and_counted(
+async def test_a_drain_serves_new_connections_and_datagrams_then_resets_what_is_left(
     tmp_path: Path,
     backends: list[NamedBackend],
-    unused_tcp_port: int,
+    unused_tcp_port_factory: Any,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    # In-process relaying (--workers 0): the syncer's listeners drain, and say what they cut.
+    # In-process relaying (--workers 0). The rules still lead to the proxy ports while it
+    # drains, and a node's pods have no other way: a held connection must not make every
+    # new one refused (or a service's datagrams dropped) for the drain's length. What is
+    # still open at the deadline is reset and counted.
+    loop = asyncio.get_running_loop()
+    echo, _ = await loop.create_datagram_endpoint(
+        functools.partial(NamedDatagramEcho, b"u1"), local_addr=("127.0.0.1", 0)
+    )
+    web_port, dns_port = unused_tcp_port_factory(), unused_tcp_port_factory()
+    b = backends[0]
+    docs = [
+        service("web", ports=[{"name": "http", "port": web_port, "protocol": "TCP"}]),
+        endpoint_slice(
+            "web-0",
+            "web",
+            endpoints=[endpoint(b.host)],
+            ports=[{"name": "http", "port": b.port, "protocol": "TCP"}],
+        ),
+        service("dns", ports=[{"name": "dns", "port": dns_port, "protocol": "UDP"}]),
+        endpoint_slice(
+            "dns-0",
+            "dns",
+            endpoints=[endpoint("127.0.0.1")],
+            ports=[{"name": "dns", "port": echo.get_extra_info("sockname")[1], "protocol": "UDP"}],
+        ),
+    ]
+    path = tmp_path / "services.yaml"
+    path.write_text(yaml.safe_dump_all(docs))
+    settings = Settings(
+        services=str(path), rules="none", workers=0, drain_timeout=1.5,
+        healthz_bind_address="", metrics_bind_address="",
+    )  # fmt: skip
+    proxy = Proxy(settings)
+    client = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    client.setblocking(False)
+    writers: list[asyncio.StreamWriter] = []
+    try:
+        await proxy.start()
+        await asyncio.wait_for(proxy.synced.wait(), 5)
+        reader, writer = await asyncio.open_connection("127.0.0.1", web_port)
+        writers.append(writer)
+        assert await asyncio.wait_for(reader.readline(), 3) == b"b1\n"  # relaying, held open
+        caplog.set_level(logging.WARNING, logger="uproxy")
+        lst = proxy.syncer.ports[WEB].cluster
+        assert isinstance(lst, TcpListener)
+        stopping = asyncio.create_task(proxy.stop())
+        await wait_for(lambda: lst.draining, timeout=5)
+        assert not stopping.done()
+        # A new connection while it drains: accepted and relayed, both ways.
+        late_reader, late_writer = await asyncio.open_connection("127.0.0.1", web_port)
+        writers.append(late_writer)
+        assert await asyncio.wait_for(late_reader.readline(), 3) == b"b1\n"
+        late_writer.write(b"still served\n")
+        assert await asyncio.wait_for(late_reader.readline(), 3) == b"still served\n"
+        client.sendto(b"q", ("127.0.0.1", dns_port))  # and the UDP service answers
+        assert await next_datagram(client, 3) == b"u1:q"
+        await asyncio.wait_for(stopping, 5)
+        for r in (reader, late_reader):  # past the deadline: a reset, not a clean end
+            with pytest.raises(ConnectionResetError):
+                await asyncio.wait_for(r.read(16), 3)
+    finally:
+        for w in writers:
+            w.close()
+        client.close()
+        echo.close()
+        await proxy.stop()
+    said = [r for r in caplog.records if "at the drain deadline" in r.getMessage()]
+    assert [r.__dict__["kv"] for r in said] == [{"connections": 2, "drain_timeout_s": 1.5}]
+
+
+async def test_a_drain_ends_at_the_first_moment_no_connection_is_open(
+    tmp_path: Path, backends: list[NamedBackend], unused_tcp_port: int
+) -> None:
     path = tmp_path / "services.yaml"
     write_services(path, backends[:1], svc_port=unused_tcp_port)
     settings = Settings(
-        services=str(path), rules="none", workers=0, drain_timeout=0.3,
+        services=str(path), rules="none", workers=0, drain_timeout=30,
         healthz_bind_address="", metrics_bind_address="",
     )  # fmt: skip
     proxy = Proxy(settings)
     await proxy.start()
     await asyncio.wait_for(proxy.synced.wait(), 5)
     reader, writer = await asyncio.open_connection("127.0.0.1", unused_tcp_port)
-    assert await asyncio.wait_for(reader.readline(), 3) == b"b1\n"  # relaying, held open
-    caplog.set_level(logging.WARNING, logger="uproxy")
-    try:
-        await asyncio.wait_for(proxy.stop(), 5)
-        with pytest.raises(ConnectionResetError):
-            await asyncio.wait_for(reader.read(16), 3)
-    finally:
-        writer.close()
-    said = [r for r in caplog.records if "at the drain deadline" in r.getMessage()]
-    assert [r.__dict__["kv"] for r in said] == [{"connections": 1, "drain_timeout_s": 0.3}]
+    assert await asyncio.wait_for(reader.readline(), 3) == b"b1\n"
+    lst = proxy.syncer.ports[WEB].cluster
+    assert isinstance(lst, TcpListener)
+    stopping = asyncio.create_task(proxy.stop())
+    await wait_for(lambda: lst.draining, timeout=5)
+    assert not stopping.done()  # draining the held connection
+    writer.close()  # its end ends the drain, long before the 30 s deadline
+    await asyncio.wait_for(stopping, 5)
+    with pytest.raises(OSError):  # and the port is closed
+        await asyncio.wait_for(asyncio.open_connection("127.0.0.1", unused_tcp_port), 3)

@@ -906,8 +906,9 @@ def test_a_stop_drains_every_listener_at_once_and_a_second_signal_exits_now(
     tmp_path: Path,
 ) -> None:
     # Four services, each with a connection that never finishes: one drain deadline
-    # (--drain-timeout, 2 s) for all of them, not one after another (8 s); what is still open
-    # then is reset and counted. Then a fresh start, stopped twice.
+    # (--drain-timeout, 2 s) for all of them, not one after another (8 s), new connections
+    # taken meanwhile; what is still open then is reset and counted. Then a fresh start,
+    # stopped twice.
     sink = socket.socket()
     sink.bind(("127.0.0.40", 0))
     sink.listen(16)
@@ -945,12 +946,19 @@ def test_a_stop_drains_every_listener_at_once_and_a_second_signal_exits_now(
             assert h.recv(16) == b"busy"
         started = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        # Draining, not dropping: the established connections still relay after the signal.
+        # Draining, not dropping: the established connections still relay after the signal,
+        # and the ports still take new ones (the rules lead nowhere else).
         _wait_log(proc, "Stopping: draining connections")
+        late = socket.create_connection(("127.0.0.1", ports[0]), timeout=5)
+        late.sendall(b"late")
+        clients.append(late)
+        held.append(sink.accept()[0])
+        held[-1].settimeout(5)
+        assert held[-1].recv(16) == b"late"
         for c, h in zip(clients, held, strict=True):
             c.sendall(b"still here")
             assert h.recv(16) == b"still here"
-        assert proc.wait(timeout=6) == 0  # one 2 s deadline for all four, plus some slack
+        assert proc.wait(timeout=6) == 0  # one 2 s deadline for all five, plus some slack
         assert time.monotonic() - started < 6
         for c in clients:  # past the deadline: a reset, not an end that looks complete
             with pytest.raises(ConnectionResetError):
@@ -958,7 +966,7 @@ def test_a_stop_drains_every_listener_at_once_and_a_second_signal_exits_now(
         assert proc.stderr is not None
         said = [line for line in proc.stderr.read().splitlines() if "at the drain deadline" in line]
         counted = [int(m[1]) for line in said if (m := re.search(r" connections=(\d+)", line))]
-        assert sum(counted) == 4 and all("drain_timeout_s=2.0" in line for line in said), said
+        assert sum(counted) == 5 and all("drain_timeout_s=2.0" in line for line in said), said
         proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
         ports = _proxy_ports(proc, 4)
         c = socket.create_connection(("127.0.0.1", ports[0]), timeout=5)

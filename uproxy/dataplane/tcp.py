@@ -35,10 +35,12 @@ from __future__ import annotations
 
 import _socket
 import asyncio
+import contextlib
 import logging
 import socket
 import sys
-from typing import Self
+from collections.abc import Iterable
+from typing import Protocol, Self
 
 from uproxy.dataplane import series, spread
 from uproxy.dataplane.balancer import Balancer
@@ -49,6 +51,7 @@ from uproxy.dataplane.settings import DataplaneSettings
 from uproxy.dataplane.sockets import bind_tcp
 from uproxy.dataplane.stats import Stats
 from uproxy.dataplane.timers import FixedDelayTimers, shared_timers
+from uproxy.dataplane.udp import UdpListener
 from uproxy.model import ServicePortName, Traffic
 
 log = logging.getLogger("uproxy.dataplane.tcp")
@@ -224,6 +227,18 @@ class TcpListener:
         )
         self._acceptor.watch(sock.fileno(), self)
         return self
+
+    @property
+    def draining(self) -> bool:
+        """A stop waits for its connections while it still accepts (``shutdown``)."""
+        return self._sock is not None and self._drained is not None and not self._drained.done()
+
+    async def _until_drained(self, deadline: float) -> None:
+        """Wait until no connection is open (``released``) or ``deadline`` (loop time)."""
+        self._drained = drained = self.loop.create_future()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout_at(deadline):
+                await drained
 
     @property
     def address(self) -> tuple[str, int]:
@@ -433,16 +448,24 @@ class TcpListener:
         sock.close()
 
     async def shutdown(self, timeout: float) -> int:
-        """Close, let connections finish for up to ``timeout`` seconds, then abort the rest;
-        returns how many were aborted."""
+        """Drain: let connections finish for up to ``timeout`` seconds, then abort the rest;
+        returns how many were aborted.
+
+        The port goes on accepting while connections are open: the portal rules still lead
+        here, and a node's pods have no other way to the service, so closing first refused
+        every new connection for the whole drain (up to ``--drain-timeout``) on a node with
+        one long-lived connection. It closes at the first moment none is open (what its
+        queue holds then is taken and served first), or at the deadline."""
+        loop = self.loop
+        deadline = loop.time() + timeout
+        while self._conns and self._sock is not None and loop.time() < deadline:
+            await self._until_drained(deadline)
+        if self._sock is not None and self._paused is None:
+            # Closing a listening socket resets the handshakes in its queue: take them.
+            self._accept(self.settings.listen_backlog, defer=False, whole=True)
         self.close()
-        if self._conns:
-            self._drained = self.loop.create_future()
-            try:
-                async with asyncio.timeout(timeout):
-                    await self._drained
-            except TimeoutError:
-                pass
+        if self._conns and loop.time() < deadline:
+            await self._until_drained(deadline)
         tasks = []
         left = list(self._conns)
         for conn in left:
@@ -453,3 +476,25 @@ class TcpListener:
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
         return len(left)
+
+
+class Drainable(Protocol):
+    """What a stop drains: a listener of either protocol (or the control process's handle)."""
+
+    def close(self) -> None: ...
+
+    async def shutdown(self, timeout: float) -> int: ...
+
+
+async def drain(listeners: Iterable[Drainable], timeout: float) -> int:
+    """Stop one process's listeners under one deadline: every TCP listener drains at once
+    (accepting while it has connections, see ``TcpListener.shutdown``); UDP listeners have
+    no connections to wait for and serve until the TCP ones are done, so that a service's
+    datagrams (DNS) are not dropped for the drain's length. Returns the connections reset."""
+    listeners = list(listeners)
+    datagrams = [lst for lst in listeners if isinstance(lst, UdpListener)]
+    streams = [lst for lst in listeners if not isinstance(lst, UdpListener)]
+    reset = sum(await asyncio.gather(*(lst.shutdown(timeout) for lst in streams)))
+    for lst in datagrams:
+        lst.close()
+    return reset

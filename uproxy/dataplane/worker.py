@@ -183,9 +183,9 @@ class Worker:
         listeners = [*self.listeners.values(), *self.closing]
         self.listeners.clear()
         self.closing.clear()
-        for listener in listeners:
-            listener.close()
-        reset = sum(await asyncio.gather(*(lst.shutdown(timeout) for lst in listeners)))
+        from uproxy.dataplane.tcp import drain
+
+        reset = await drain(listeners, timeout)
         if reset:
             log.warning(
                 "Connections still open at the drain deadline were reset",
