@@ -94,7 +94,11 @@ class PortAllocator:
     """
 
     def __init__(
-        self, ports: range | list[int] | None, *, rng: random.Random | None = None
+        self,
+        ports: range | list[int] | None,
+        *,
+        rng: random.Random | None = None,
+        avoid: set[int] | None = None,
     ) -> None:
         chosen = ports if ports is not None else ephemeral_ports()
         # A range indexes itself; a list (reserved ports taken out) as two bytes a port.
@@ -111,6 +115,9 @@ class PortAllocator:
         self._stride = stride
         self._next = rng.randrange(n) if n else 0
         self.in_use: set[int] = set()
+        # Ports never to propose though free now (other services' node ports): the caller's
+        # set, shared by the allocators of one protocol and kept up to date by it.
+        self.avoid: set[int] = avoid if avoid is not None else set()
 
     def candidates(self, limit: int) -> Iterator[int]:
         """Up to ``limit`` free ports to try, in order."""
@@ -122,7 +129,7 @@ class PortAllocator:
                 return
             port = ports[self._next]
             self._next = (self._next + self._stride) % n
-            if port not in self.in_use:
+            if port not in self.in_use and port not in self.avoid:
                 given += 1
                 yield port
 

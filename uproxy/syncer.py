@@ -275,6 +275,14 @@ class Syncer:
         # Proxy ports per protocol and family: 0.0.0.0:P and [::]:P are different sockets.
         # Each made when its first port is wanted (``_allocator``).
         self._allocators: dict[tuple[Protocol, IPFamily], PortAllocator] = {}
+        # The node ports (and health-check node ports) services claim, per protocol: never
+        # chosen as proxy ports, and a proxy port that one comes to need moves (``_claim``).
+        # A node's own traffic to a node port and outside clients reach the proxy ports
+        # bound on every address directly, so a proxy port on another service's node port
+        # would serve that node port with the wrong service.
+        self._avoid: dict[Protocol, set[int]] = {p: set() for p in Protocol}
+        self._claims: dict[ServicePortName, tuple[tuple[Protocol, int], ...]] = {}
+        self._claimed: dict[tuple[Protocol, int], int] = {}  # how many services claim each
         # Each port's portals as a tuple (one to a few; a frozenset is 216 bytes however
         # small, 2.1 MiB at 10,000 ports); their union, the rules' input, is _all_portals.
         self._portals: dict[ServicePortName, tuple[Portal, ...]] = {}
@@ -515,6 +523,7 @@ class Syncer:
         for family in [f for f in pp.families if f not in families]:
             self._drop_family(spn, pp, family)
         pp.port = state.port
+        await self._claim(spn, state.port)
         for family in families:
             fp = pp.families.get(family)
             if fp is None:
@@ -642,6 +651,7 @@ class Syncer:
 
     async def _remove(self, spn: ServicePortName) -> None:
         pp = self.ports.pop(spn)
+        await self._claim(spn, None)
         for fp in pp.families.values():
             for lst in fp.listeners:
                 self._close_listener(spn, fp, lst)
@@ -660,10 +670,74 @@ class Syncer:
         if log.isEnabledFor(V2):
             log.log(V2, "Removed service port", extra=kv(service=str(spn)))
 
+    async def _claim(self, spn: ServicePortName, sp: ServicePort | None) -> None:
+        """Note the node ports ``sp`` claims (None: none any more). A proxy port of ours on
+        one it newly claims moves elsewhere now, its rules with it: until then the node port
+        could not be held for ``spn``, and reached the other service."""
+        claims: tuple[tuple[Protocol, int], ...] = ()
+        if sp is not None and not self.laptop:
+            if sp.node_port:
+                claims += ((spn.protocol, sp.node_port),)
+            if sp.health_check_node_port:
+                claims += ((Protocol.TCP, sp.health_check_node_port),)
+        old = self._claims.get(spn, ())
+        if claims == old:
+            return
+        for key in old:
+            n = self._claimed[key] - 1
+            if n:
+                self._claimed[key] = n
+            else:
+                del self._claimed[key]
+                self._avoid[key[0]].discard(key[1])
+        if claims:
+            self._claims[spn] = claims
+        else:
+            self._claims.pop(spn, None)
+        for key in claims:
+            self._claimed[key] = self._claimed.get(key, 0) + 1
+            self._avoid[key[0]].add(key[1])
+            if key not in old:
+                await self._evict(key, spn)
+
+    async def _evict(self, key: tuple[Protocol, int], claimant: ServicePortName) -> None:
+        """Move our proxy ports off a port ``claimant`` claims as a node port. Rare (only
+        where the proxy ports' range overlaps the node ports'), so the holder is looked for
+        by a pass over the ports."""
+        protocol, port = key
+        if not any(
+            port in alloc.in_use for (p, _), alloc in self._allocators.items() if p is protocol
+        ):
+            return
+        for holder, pp in list(self.ports.items()):
+            if holder.protocol is not protocol:
+                continue
+            for fp in pp.families.values():
+                for traffic, lst in (
+                    (Traffic.CLUSTER, fp.cluster),
+                    (Traffic.EXTERNAL, fp.external),
+                ):
+                    if lst is None or lst.port != port:
+                        continue
+                    log.warning(
+                        "Moving a proxy port off another service's node port",
+                        extra=kv(service=str(holder), port=port, node_port_of=str(claimant)),
+                    )
+                    self._close_listener(holder, fp, lst)
+                    moved = await self._open_listener(holder, pp, fp, traffic)
+                    if traffic is Traffic.CLUSTER:
+                        fp.cluster = moved
+                    else:
+                        fp.external = moved
+                    if moved is None:
+                        self._retry.add(holder)
+                    self._set_portals(holder, self._portals_of(holder, pp))
+                    self._set_refusals(holder, pp, self.tracker.state(holder))
+
     def _allocator(self, protocol: Protocol, family: IPFamily) -> PortAllocator:
         alloc = self._allocators.get((protocol, family))
         if alloc is None:
-            alloc = PortAllocator(self.options.settings.port_range)
+            alloc = PortAllocator(self.options.settings.port_range, avoid=self._avoid[protocol])
             self._allocators[(protocol, family)] = alloc
         return alloc
 
@@ -696,8 +770,7 @@ class Syncer:
         lst.close()
         self._closed += 1
         self._allocators[(spn.protocol, fp.family)].release(lst.port)  # it gave the port
-        if self.laptop:
-            self._freed.add((spn.protocol, lst.port))
+        self._freed.add((spn.protocol, lst.port))
 
     async def _open_listener(
         self, spn: ServicePortName, pp: ProxiedPort, fp: FamilyPort, traffic: Traffic
@@ -716,6 +789,8 @@ class Syncer:
             candidates: Iterable[int] = itertools.chain(own, alloc.candidates(_MAX_BIND_TRIES))
         else:
             before = self._last_runs_port(spn, pp, fp, traffic)
+            if before in alloc.avoid:
+                before = None  # a node port now: the last run's rules lead elsewhere soon
             candidates = itertools.chain(
                 () if before is None else (before,), alloc.candidates(_MAX_BIND_TRIES)
             )
@@ -822,7 +897,11 @@ class Syncer:
             try:
                 reserved.reserve(spn, spn.protocol, sp.node_port, family)
             except NodePortError as e:
-                if self._nodeport_errors.get((spn, family)) != str(e):
+                if (spn.protocol, sp.node_port) in self._freed:
+                    # Our own proxy port until this sync moved it (``_evict``); with workers
+                    # their copies of its socket close a moment later.
+                    self._retry_soon = True
+                elif self._nodeport_errors.get((spn, family)) != str(e):
                     log.error("Cannot reserve node port, will retry", extra=kv(error=str(e)))
                 self._nodeport_errors[(spn, family)] = str(e)
                 self._retry.add(spn)

@@ -8,6 +8,7 @@ asks of the backend, not sockets (tests/k8s and tests/e2e move real bytes).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import socket
@@ -515,6 +516,84 @@ async def test_the_ports_changed_line_counts_every_listener_opened_and_closed(
     assert said() == [{"opened": 0, "closed": 1}]
 
 
+def node_syncer(tracker: Tracker, rules: RecordingRules, port_range: str) -> Syncer:
+    return Syncer(
+        tracker=tracker,
+        rules=rules,
+        listener_factory=Factory(),
+        options=SyncerOptions(
+            settings=Settings(rules="iptables-restore", proxy_port_range=port_range),
+            dataplane=DataplaneSettings(node_name="node-a"),
+            listen_hosts=("0.0.0.0",),
+        ),
+    )
+
+
+def claiming_service(name: str, node_port: int, *, health: int = 0) -> dict[str, Any]:
+    extra: dict[str, Any] = {"type": "NodePort"}
+    if health:
+        extra.update(type="LoadBalancer", externalTrafficPolicy="Local", healthCheckNodePort=health)
+    return service(
+        name,
+        cluster_ip=f"10.96.1.{node_port % 250}",
+        ports=[{"name": "http", "port": 80, "protocol": "TCP", "nodePort": node_port}],
+        **extra,
+    )
+
+
+async def test_node_ports_are_never_chosen_as_proxy_ports() -> None:
+    # A proxy port range that overlaps the node ports (a custom node-port range): a proxy
+    # port there answers the node port for the wrong service, directly, rules or not.
+    tracker, rules = Tracker(), RecordingRules()
+    tracker.replace(
+        Kind.SERVICE,
+        [
+            claiming_service("np", 40000),
+            claiming_service("lb", 40001, health=40002),
+            service("s1", cluster_ip="10.96.0.1"),
+        ],
+    )
+    tracker.replace(Kind.ENDPOINT_SLICE, [])
+    syncer = node_syncer(tracker, rules, "40000-40005")
+    await syncer.sync()
+    ports = {lst.port for pp in syncer.ports.values() for lst in pp.listeners}
+    assert len(ports) == 3 and not ports & {40000, 40001, 40002}, ports
+
+
+async def test_a_proxy_port_a_new_node_port_claims_moves_with_its_rules(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    tracker, rules = Tracker(), RecordingRules()
+    tracker.replace(Kind.SERVICE, [service("s1", cluster_ip="10.96.0.1")])
+    tracker.replace(Kind.ENDPOINT_SLICE, [])
+    syncer = node_syncer(tracker, rules, "40000-40002")
+    await syncer.sync()
+    held = syncer.ports[spn("s1")].cluster
+    assert held is not None
+    taken = held.port
+    caplog.set_level(logging.WARNING, logger="uproxy")
+    tracker.upsert(Kind.SERVICE, claiming_service("np", taken))
+    await syncer.sync()
+    moved = syncer.ports[spn("s1")].cluster
+    assert moved is not None and moved.port != taken
+    assert syncer.ports[spn("np")].cluster.port not in (taken, moved.port)  # type: ignore[union-attr]
+    # s1's rules follow its new proxy port in the same sync
+    s1_portals = {p.proxy_port for p in rules.syncs[-1] if p.service == spn("s1")}
+    assert s1_portals == {moved.port}
+    said = [(r.getMessage(), r.__dict__["kv"]) for r in caplog.records]
+    assert said == [
+        (
+            "Moving a proxy port off another service's node port",
+            {"service": str(spn("s1")), "port": taken, "node_port_of": str(spn("np"))},
+        )
+    ]
+    tracker.delete(Kind.SERVICE, claiming_service("np", taken))  # claimed no more
+    tracker.upsert(Kind.SERVICE, service("s2", cluster_ip="10.96.0.2"))
+    await syncer.sync()
+    s2 = syncer.ports[spn("s2")].cluster
+    assert s2 is not None and s2.port == taken  # the only port left: free to choose again
+
+
 def restarted(tracker: Tracker, rules: RecordingRules, port_range: str) -> Syncer:
     """A node's syncer over the last run's rules (``rules.previous_ports``)."""
     return Syncer(
@@ -627,6 +706,55 @@ async def test_a_node_port_somebody_holds_is_retried_soon_and_then_served(
         assert syncer.retry_after() is None
     finally:
         holder.close()
+        held.close()
+
+
+def free_run(n: int) -> int:
+    """The first of ``n`` consecutive TCP ports free on every address right now."""
+    for base in range(45000, 60000, n):
+        with contextlib.ExitStack() as stack:
+            try:
+                for port in range(base, base + n):
+                    s = stack.enter_context(socket.socket())
+                    s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return base
+    raise AssertionError("no run of free ports")
+
+
+async def test_a_node_port_on_our_own_proxy_port_is_held_in_the_same_sync() -> None:
+    # Real listeners and node-port sockets: the proxy port a new service claims as its node
+    # port moves, and the node port is held (and its portal made) by that very sync.
+    base = free_run(3)
+    tracker = Tracker()
+    tracker.replace(Kind.SERVICE, [service("s1", cluster_ip="10.96.0.3")])
+    tracker.replace(Kind.ENDPOINT_SLICE, [])
+    held = NodePortReservations(bind_ips=("127.0.0.1",))
+    syncer = Syncer(
+        tracker=tracker,
+        rules=RecordingRules(),
+        options=SyncerOptions(
+            settings=Settings(rules="iptables-restore", proxy_port_range=f"{base}-{base + 2}"),
+            dataplane=DataplaneSettings(node_name="node-a"),
+            listen_hosts=("0.0.0.0",),
+            nodeports=held,
+        ),
+    )
+    try:
+        await syncer.sync()
+        first = syncer.ports[spn("s1")].cluster
+        assert first is not None
+        taken = first.port
+        tracker.upsert(Kind.SERVICE, node_port_service("a", taken))
+        await syncer.sync()
+        moved = syncer.ports[spn("s1")].cluster
+        assert moved is not None and moved.port != taken
+        assert held.owner(Protocol.TCP, taken) == spn("a")
+        assert {p.port for p in syncer.portals() if p.kind is PortalKind.NODE_PORT} == {taken}
+        assert syncer.retry_after() is None
+    finally:
+        await syncer.close(drain=False)
         held.close()
 
 
