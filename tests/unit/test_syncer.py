@@ -572,6 +572,7 @@ async def test_a_proxy_port_a_new_node_port_claims_moves_with_its_rules(
     assert held is not None
     taken = held.port
     caplog.set_level(logging.WARNING, logger="uproxy")
+    caplog.clear()
     tracker.upsert(Kind.SERVICE, claiming_service("np", taken))
     await syncer.sync()
     moved = syncer.ports[spn("s1")].cluster
