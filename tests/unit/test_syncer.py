@@ -407,6 +407,20 @@ async def test_what_failed_asks_for_a_retry_backing_off_to_the_sync_period() -> 
     assert syncer.retry_after() is None and syncer.ports[spn("s1")].cluster is not None
 
 
+def laptop_syncer(tracker: Tracker, factory: Factory | None = None) -> Syncer:
+    """A laptop syncer (--rules none, listeners on 127.0.0.1) over ``tracker``."""
+    return Syncer(
+        tracker=tracker,
+        rules=RecordingRules(),
+        listener_factory=factory or Factory(),
+        options=SyncerOptions(
+            settings=Settings(rules="none", proxy_port_range="40000-40100"),
+            dataplane=DataplaneSettings(node_name="node-a"),
+            listen_hosts=("127.0.0.1",),
+        ),
+    )
+
+
 async def test_a_laptop_port_freed_and_claimed_in_one_sync_is_retried_soon(
     unused_tcp_port: int,
 ) -> None:
@@ -417,16 +431,7 @@ async def test_a_laptop_port_freed_and_claimed_in_one_sync_is_retried_soon(
     tracker.replace(Kind.SERVICE, [service("old", ports=port)])
     tracker.replace(Kind.ENDPOINT_SLICE, [])
     factory = Factory()
-    syncer = Syncer(
-        tracker=tracker,
-        rules=RecordingRules(),
-        listener_factory=factory,
-        options=SyncerOptions(
-            settings=Settings(rules="none", proxy_port_range="40000-40100"),
-            dataplane=DataplaneSettings(node_name="node-a"),
-            listen_hosts=("127.0.0.1",),
-        ),
-    )
+    syncer = laptop_syncer(tracker, factory)
     await syncer.sync()
     tracker.replace(Kind.SERVICE, [service("new", ports=port)])
     factory.taken.add(unused_tcp_port)  # the workers have not closed theirs yet
@@ -450,16 +455,7 @@ async def test_a_listener_waiting_for_its_port_moves_soon_when_a_sync_frees_it(
     port = [{"name": "http", "port": unused_tcp_port, "protocol": "TCP"}]
     tracker.replace(Kind.SERVICE, [service("a", ports=port), service("dup", ports=port)])
     tracker.replace(Kind.ENDPOINT_SLICE, [])
-    syncer = Syncer(
-        tracker=tracker,
-        rules=RecordingRules(),
-        listener_factory=Factory(),
-        options=SyncerOptions(
-            settings=Settings(rules="none", proxy_port_range="40000-40100"),
-            dataplane=DataplaneSettings(node_name="node-a"),
-            listen_hosts=("127.0.0.1",),
-        ),
-    )
+    syncer = laptop_syncer(tracker)
     for _ in range(4):
         await syncer.sync()
     dup = syncer.ports[spn("dup")].cluster
@@ -487,16 +483,7 @@ async def test_the_ports_changed_line_counts_every_listener_opened_and_closed(
         Kind.SERVICE, [service("a", ports=[{"name": "http", "port": first, "protocol": "TCP"}])]
     )
     tracker.replace(Kind.ENDPOINT_SLICE, [])
-    syncer = Syncer(
-        tracker=tracker,
-        rules=RecordingRules(),
-        listener_factory=Factory(),
-        options=SyncerOptions(
-            settings=Settings(rules="none", proxy_port_range="40000-40100"),
-            dataplane=DataplaneSettings(node_name="node-a"),
-            listen_hosts=("127.0.0.1",),
-        ),
-    )
+    syncer = laptop_syncer(tracker)
     caplog.set_level(logging.INFO, logger="uproxy.syncer")
 
     def said() -> list[dict[str, Any]]:
@@ -517,6 +504,8 @@ async def test_the_ports_changed_line_counts_every_listener_opened_and_closed(
 
 
 def node_syncer(tracker: Tracker, rules: RecordingRules, port_range: str) -> Syncer:
+    """A node's syncer (iptables-restore, listening on 0.0.0.0); ``rules.previous_ports``
+    stands for the last run's rules."""
     return Syncer(
         tracker=tracker,
         rules=rules,
@@ -595,20 +584,6 @@ async def test_a_proxy_port_a_new_node_port_claims_moves_with_its_rules(
     assert s2 is not None and s2.port == taken  # the only port left: free to choose again
 
 
-def restarted(tracker: Tracker, rules: RecordingRules, port_range: str) -> Syncer:
-    """A node's syncer over the last run's rules (``rules.previous_ports``)."""
-    return Syncer(
-        tracker=tracker,
-        rules=rules,
-        listener_factory=Factory(),
-        options=SyncerOptions(
-            settings=Settings(rules="iptables-restore", proxy_port_range=port_range),
-            dataplane=DataplaneSettings(node_name="node-a"),
-            listen_hosts=("0.0.0.0",),
-        ),
-    )
-
-
 async def test_a_start_takes_the_last_runs_ports_back_and_leaves_the_others_alone() -> None:
     # The last run's rules still lead 10.96.0.0:80 to 40050, and 10.96.9.9:80 (a service gone
     # since) to 40051: s0 gets 40050 back; nobody gets 40051 until the new rules are in.
@@ -617,7 +592,7 @@ async def test_a_start_takes_the_last_runs_ports_back_and_leaves_the_others_alon
     tracker.replace(Kind.ENDPOINT_SLICE, [])
     rules = RecordingRules()
     rules.previous_ports = {("10.96.0.0", "tcp", 80): 40050, ("10.96.9.9", "tcp", 80): 40051}
-    syncer = restarted(tracker, rules, "40050-40053")
+    syncer = node_syncer(tracker, rules, "40050-40053")
     await syncer.sync()
     got = {name: syncer.ports[spn(name)].cluster for name in ("s0", "s1", "s2")}
     assert all(lst is not None for lst in got.values())
@@ -655,7 +630,7 @@ async def test_a_start_gives_an_external_listener_its_last_port_back(via: str) -
     }[via]
     rules = RecordingRules()
     rules.previous_ports = {("10.96.0.5", "tcp", 80): 40060, external_key: 40061}
-    syncer = restarted(tracker, rules, "40060-40069")
+    syncer = node_syncer(tracker, rules, "40060-40069")
     await syncer.sync()
     pp = syncer.ports[spn("lb")]
     assert pp.cluster is not None and pp.external is not None
