@@ -93,6 +93,19 @@ class _Retiring:
         listener.close()
 
 
+class _Draining:
+    """Watches a draining listener's socket in its place: accepts without deferring to
+    another worker, which may have closed its copy already (``TcpListener.shutdown``)."""
+
+    __slots__ = ("listener",)
+
+    def __init__(self, listener: TcpListener) -> None:
+        self.listener = listener
+
+    def readable(self) -> None:
+        self.listener._accept(self.listener.settings.accept_batch, defer=False)
+
+
 def _dial_timers(loop: asyncio.AbstractEventLoop, timeouts: tuple[float, ...]) -> DialTimers:
     schedules = per_loop(_DIAL_TIMERS, loop, lambda _: {})
     timers = schedules.get(timeouts)
@@ -165,7 +178,7 @@ class TcpListener:
         self._sock: socket.socket | None = sock
         self._family = sock.family  # read once: socket.family converts to an enum per read
         self._acceptor = read_poller_for(loop)
-        self._watcher: TcpListener | _Retiring = self  # what the acceptor calls
+        self._watcher: TcpListener | _Retiring | _Draining = self  # what the acceptor calls
         # The relays' epoll set (an fd: made now, not at an fd-starved accept), and its read
         # buffer made big enough for this port's reads.
         self.poller = poller_for(loop)
@@ -458,6 +471,12 @@ class TcpListener:
         queue holds then is taken and served first), or at the deadline."""
         loop = self.loop
         deadline = loop.time() + timeout
+        sock = self._sock
+        if self._conns and sock is not None and self._watcher is self:
+            self._watcher = _Draining(self)
+            if self._paused is None:
+                self._acceptor.unwatch(sock.fileno())
+                self._acceptor.watch(sock.fileno(), self._watcher)
         while self._conns and self._sock is not None and loop.time() < deadline:
             await self._until_drained(deadline)
         if self._sock is not None and self._paused is None:
