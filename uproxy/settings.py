@@ -165,8 +165,9 @@ class Settings:
         kind="duration",
         help="How long TCP connections get to finish when uproxy stops (SIGTERM, SIGINT, a "
         "changed --config or node IP), for every listener and worker at once; the proxy ports "
-        "take new connections meanwhile (the rules still lead there) and close once none is "
-        "open, and those still open at the deadline are reset and counted in one line. Keep "
+        "take new connections meanwhile (the rules still lead there) until none is open or a "
+        "fifth of it (at most 1 s) is left, and those still open at the deadline are reset and "
+        "counted in one line. Keep "
         "it below the pod's terminationGracePeriodSeconds (30 s in the manifests); a second "
         "signal stops at once",
     )

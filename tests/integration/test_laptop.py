@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -554,3 +555,49 @@ async def test_a_drain_ends_at_the_first_moment_no_connection_is_open(
     await asyncio.wait_for(stopping, 5)
     with pytest.raises(OSError):  # and the port is closed
         await asyncio.wait_for(asyncio.open_connection("127.0.0.1", unused_tcp_port), 3)
+
+
+async def test_short_connections_during_a_drain_are_served_or_refused_never_cut(
+    tmp_path: Path, backends: list[NamedBackend], unused_tcp_port: int
+) -> None:
+    # A held connection keeps the drain to its deadline while short ones come back to back:
+    # the port takes them until shortly before the deadline and then closes, so each one
+    # is served whole or refused, and only the held one is reset.
+    path = tmp_path / "services.yaml"
+    write_services(path, backends[:1], svc_port=unused_tcp_port)
+    settings = Settings(
+        services=str(path), rules="none", workers=0, drain_timeout=1.0,
+        healthz_bind_address="", metrics_bind_address="",
+    )  # fmt: skip
+    proxy = Proxy(settings)
+    await proxy.start()
+    await asyncio.wait_for(proxy.synced.wait(), 5)
+    held_reader, held_writer = await asyncio.open_connection("127.0.0.1", unused_tcp_port)
+    assert await asyncio.wait_for(held_reader.readline(), 3) == b"b1\n"
+    stopping = asyncio.create_task(proxy.stop())
+    outcomes: Counter[str] = Counter()
+    try:
+        for _ in range(20_000):  # bounded; ends with the stop (about 1 s)
+            if stopping.done():
+                break
+            try:
+                reader, writer = await asyncio.open_connection("127.0.0.1", unused_tcp_port)
+            except ConnectionRefusedError:
+                outcomes["refused"] += 1
+                await asyncio.sleep(0.001)
+                continue
+            try:
+                writer.write(b"ping\n")
+                got = await asyncio.wait_for(reader.read(64), 3)
+                got += await asyncio.wait_for(reader.read(64), 0.5) if len(got) < 8 else b""
+                outcomes["served" if got == b"b1\nping\n" else f"cut: {got!r}"] += 1
+            except (TimeoutError, ConnectionResetError) as e:
+                outcomes[f"cut: {type(e).__name__}"] += 1
+            finally:
+                writer.close()
+        await asyncio.wait_for(stopping, 5)
+    finally:
+        held_writer.close()
+    cut = {k: v for k, v in outcomes.items() if k.startswith("cut")}
+    assert not cut, outcomes
+    assert outcomes["served"] > 10, outcomes  # served well into the drain

@@ -56,6 +56,9 @@ from uproxy.model import ServicePortName, Traffic
 
 log = logging.getLogger("uproxy.dataplane.tcp")
 
+# The share of a drain (at most 1 s) left to the connections a listener took last.
+DRAIN_LAST_CALL = 0.2
+
 DialTimers = dict[float, FixedDelayTimers[Connection]]
 
 # The dial timers of each loop and schedule (``settings.dial_timeouts_s``), one dict shared
@@ -468,17 +471,20 @@ class TcpListener:
         here, and a node's pods have no other way to the service, so closing first refused
         every new connection for the whole drain (up to ``--drain-timeout``) on a node with
         one long-lived connection. It closes at the first moment none is open (what its
-        queue holds then is taken and served first), or at the deadline."""
+        queue holds then is taken and served first), or ``DRAIN_LAST_CALL`` of the timeout
+        before the deadline (at most 1 s): what it accepted last gets that long to finish,
+        so that steady short requests are not cut at the deadline, only long ones."""
         loop = self.loop
         deadline = loop.time() + timeout
+        last_call = deadline - min(timeout * DRAIN_LAST_CALL, 1.0)
         sock = self._sock
         if self._conns and sock is not None and self._watcher is self:
             self._watcher = _Draining(self)
             if self._paused is None:
                 self._acceptor.unwatch(sock.fileno())
                 self._acceptor.watch(sock.fileno(), self._watcher)
-        while self._conns and self._sock is not None and loop.time() < deadline:
-            await self._until_drained(deadline)
+        while self._conns and self._sock is not None and loop.time() < last_call:
+            await self._until_drained(last_call)
         if self._sock is not None and self._paused is None:
             # Closing a listening socket resets the handshakes in its queue: take them.
             self._accept(self.settings.listen_backlog, defer=False, whole=True)
