@@ -532,20 +532,29 @@ async def test_a_drain_serves_new_connections_and_datagrams_then_resets_what_is_
     assert [r.__dict__["kv"] for r in said] == [{"connections": 2, "drain_timeout_s": 1.5}]
 
 
-async def test_a_drain_ends_at_the_first_moment_no_connection_is_open(
-    tmp_path: Path, backends: list[NamedBackend], unused_tcp_port: int
-) -> None:
+async def draining_setup(
+    tmp_path: Path, backend: NamedBackend, port: int, drain_timeout: float
+) -> tuple[Proxy, asyncio.StreamReader, asyncio.StreamWriter]:
+    """An in-process proxy (--workers 0) of one web service on ``port``, and a connection
+    through it that is relaying and held open (to keep a stop's drain going)."""
     path = tmp_path / "services.yaml"
-    write_services(path, backends[:1], svc_port=unused_tcp_port)
+    write_services(path, [backend], svc_port=port)
     settings = Settings(
-        services=str(path), rules="none", workers=0, drain_timeout=30,
+        services=str(path), rules="none", workers=0, drain_timeout=drain_timeout,
         healthz_bind_address="", metrics_bind_address="",
     )  # fmt: skip
     proxy = Proxy(settings)
     await proxy.start()
     await asyncio.wait_for(proxy.synced.wait(), 5)
-    reader, writer = await asyncio.open_connection("127.0.0.1", unused_tcp_port)
-    assert await asyncio.wait_for(reader.readline(), 3) == b"b1\n"
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    assert await asyncio.wait_for(reader.readline(), 3) == backend.name.encode() + b"\n"
+    return proxy, reader, writer
+
+
+async def test_a_drain_ends_at_the_first_moment_no_connection_is_open(
+    tmp_path: Path, backends: list[NamedBackend], unused_tcp_port: int
+) -> None:
+    proxy, _, writer = await draining_setup(tmp_path, backends[0], unused_tcp_port, 30)
     lst = proxy.syncer.ports[WEB].cluster
     assert isinstance(lst, TcpListener)
     stopping = asyncio.create_task(proxy.stop())
@@ -563,17 +572,7 @@ async def test_short_connections_during_a_drain_are_served_or_refused_never_cut(
     # A held connection keeps the drain to its deadline while short ones come back to back:
     # the port takes them until shortly before the deadline and then closes, so each one
     # is served whole or refused, and only the held one is reset.
-    path = tmp_path / "services.yaml"
-    write_services(path, backends[:1], svc_port=unused_tcp_port)
-    settings = Settings(
-        services=str(path), rules="none", workers=0, drain_timeout=1.0,
-        healthz_bind_address="", metrics_bind_address="",
-    )  # fmt: skip
-    proxy = Proxy(settings)
-    await proxy.start()
-    await asyncio.wait_for(proxy.synced.wait(), 5)
-    held_reader, held_writer = await asyncio.open_connection("127.0.0.1", unused_tcp_port)
-    assert await asyncio.wait_for(held_reader.readline(), 3) == b"b1\n"
+    proxy, _, held_writer = await draining_setup(tmp_path, backends[0], unused_tcp_port, 1.0)
     stopping = asyncio.create_task(proxy.stop())
     outcomes: Counter[str] = Counter()
     try:
