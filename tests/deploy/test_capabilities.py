@@ -82,7 +82,7 @@ def _tools_missing() -> list[str]:
 def test_daemonset_capabilities_manage_both_iptables_variants() -> None:
     assert not _tools_missing(), f"missing tools: {_tools_missing()}"
     caps = _daemonset_capabilities()
-    assert caps == ["net_admin", "net_raw", "sys_nice", "sys_resource"]
+    assert caps == ["net_admin", "net_raw", "sys_nice", "sys_resource", "net_bind_service"]
     done, result = _run_in_netns(caps)
     assert "before nft=6 legacy=6" in done.stdout, done.stdout
     assert result == "rc=0 nft=0 legacy=0", done.stdout + done.stderr
@@ -95,3 +95,23 @@ def test_without_net_raw_legacy_iptables_is_refused() -> None:
     assert "legacy=0" not in result  # the legacy rules could not be removed
     errors = [line for line in done.stderr.splitlines() if line.startswith("uproxy: error:")]
     assert len(errors) == 1 and "iptables-legacy" in errors[0] and "permission denied" in errors[0]
+
+
+def _bind_low_port(capabilities: list[str]) -> subprocess.CompletedProcess[str]:
+    """Hold TCP port 80 as uproxy holds a node port, with only ``capabilities``."""
+    bounding = ",".join(["-all", *(f"+{c}" for c in capabilities)])
+    hold = "import socket; s = socket.socket(); s.bind(('0.0.0.0', 80)); s.listen(); print('held')"
+    script = f"setpriv --no-new-privs --bounding-set {bounding} -- {sys.executable} -c {shlex.quote(hold)}"
+    return subprocess.run(
+        ["unshare", "--net", "--", "sh", "-c", script], capture_output=True, text=True, timeout=60
+    )
+
+
+def test_daemonset_capabilities_hold_node_ports_below_1024() -> None:
+    """Some clusters give node ports (and so health-check node ports) below 1024: without
+    NET_BIND_SERVICE every such port failed with "Permission denied" on every node."""
+    assert not _tools_missing(), f"missing tools: {_tools_missing()}"
+    held = _bind_low_port(_daemonset_capabilities())
+    assert held.stdout.strip() == "held", held.stderr
+    refused = _bind_low_port([c for c in _daemonset_capabilities() if c != "net_bind_service"])
+    assert "Permission denied" in refused.stderr, refused.stdout + refused.stderr

@@ -131,7 +131,7 @@ def test_daemonset_runs_as_a_node_proxy(file: str, name: str) -> None:
     assert sc["allowPrivilegeEscalation"] is False
     assert sc["capabilities"] == {
         "drop": ["ALL"],
-        "add": ["NET_ADMIN", "NET_RAW", "SYS_NICE", "SYS_RESOURCE"],
+        "add": ["NET_ADMIN", "NET_RAW", "SYS_NICE", "SYS_RESOURCE", "NET_BIND_SERVICE"],
     }
     # The node's conntrack settings: raised by a privileged init container where uproxy is
     # the node's proxy (uproxy itself cannot write /proc/sys), left to kube-proxy beside it.
