@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
         "the defaults. Subcommand: 'uproxy demo' runs a self-contained demo (no cluster, no "
         "root).",
         argument_default=argparse.SUPPRESS,
+        # No prefixes: kube-proxy's flag parser takes none, so '--v=2' (klog's spelling) and
+        # the old '--conntrack-max' must not be read as --version and --conntrack-max-per-core.
+        allow_abbrev=False,
     )
     parser.add_argument("--version", action="version", version=f"uproxy {__version__}")
     parser.add_argument(
@@ -113,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
             kwargs["metavar"] = (
                 f.metadata["choices"] and "{" + ",".join(f.metadata["choices"]) + "}"
             ) or _metavar(f.metadata["kind"])
-        parser.add_argument(flag, **kwargs)
+        # klog spells the verbosity flag both ways: -v 2 and --v=2.
+        parser.add_argument(flag, *(["--v"] if flag == "-v" else []), **kwargs)
     return parser
 
 

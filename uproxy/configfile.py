@@ -46,6 +46,7 @@ NOT_APPLICABLE = {
     "nftables",
     "winkernel",
     "windows",
+    "windowsRunAsService",
     "iptables.masqueradeAll",
     "iptables.masqueradeBit",
     "iptables.localhostNodePorts",
@@ -57,6 +58,38 @@ NOT_APPLICABLE = {
     "logging.options",
     "logging.vmodule",
 }
+
+
+# Fields whose zero value ("" or 0s) kube-proxy's defaulting reads as "not set". kubeadm
+# writes every field of its configuration, most of them zero: such a file means the defaults
+# (/healthz on 0.0.0.0:10256, a 30 s sync period), not /healthz turned off or a period of 0.
+ZERO_IS_DEFAULT = {
+    "bindAddress",
+    "healthzBindAddress",
+    "metricsBindAddress",
+    "configSyncPeriod",
+    "udpIdleTimeout",
+    "iptables.syncPeriod",
+    "iptables.minSyncPeriod",
+    "detectLocalMode",
+    "hostnameOverride",
+    "clientConnection.kubeconfig",
+}
+
+
+def _zero(value: Any) -> bool:
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, (int, float)):
+        return value == 0
+    if not isinstance(value, str):
+        return False
+    if not value.strip():
+        return True
+    try:
+        return parse_duration(value) == 0
+    except ValueError:
+        return False
 
 
 # Newer kube-proxy configurations group the Linux-only fields under ``linux:``; the same
@@ -84,14 +117,16 @@ def render_config(settings: Settings) -> str:
         *parents, leaf = path.split(".")
         for key in parents:
             node = node.setdefault(key, {})
-        node[leaf] = _config_value(f.metadata["kind"], value)
+        node[leaf] = _config_value(f.metadata["kind"], value, path)
     return yaml.safe_dump(doc, sort_keys=False, default_flow_style=False)
 
 
-def _config_value(kind: str, value: Any) -> Any:
+def _config_value(kind: str, value: Any, path: str) -> Any:
     if kind == "duration":
         text = format_duration(value)
         return text if parse_duration(text) == value else f"{value!r}s"
+    if kind == "cidrs" and path != "nodePortAddresses":
+        return ",".join(value)  # a string in KubeProxyConfiguration (clusterCIDR)
     if kind == "cidrs":
         return list(value)
     if kind == "mark":
@@ -200,7 +235,7 @@ def apply_config(
         canonical = _canonical(path)
         f = by_path.get(canonical)
         if f is not None:
-            if value is None:
+            if value is None or (canonical in ZERO_IS_DEFAULT and _zero(value)):
                 continue
             try:
                 setattr(settings, f.name, convert(f, value))

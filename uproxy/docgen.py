@@ -119,7 +119,7 @@ def _wrong_type_example() -> str:
 
 
 def configuration_md() -> str:
-    from uproxy.configfile import API_VERSION, KIND, NOT_APPLICABLE
+    from uproxy.configfile import API_VERSION, KIND, NOT_APPLICABLE, ZERO_IS_DEFAULT
     from uproxy.settings import setting_fields
 
     lines = [
@@ -143,6 +143,8 @@ def configuration_md() -> str:
     ]
     for f in setting_fields():
         flag = f"`{f.metadata['flag']}`" if f.metadata["flag"] else "—"
+        if f.metadata["flag"] == "-v":
+            flag += ", `--v`"  # klog's two spellings
         config = f"`{f.metadata['config']}`" if f.metadata["config"] else "—"
         lines.append(
             f"| {flag} | {config} | {_cell(_type_text(f))} | {_cell(_default_text(f))} "
@@ -173,6 +175,13 @@ def configuration_md() -> str:
         "unchanged:",
         "",
         ", ".join(f"`{p}`" for p in sorted(NOT_APPLICABLE)) + ".",
+        "",
+        'As kube-proxy\'s defaulting reads them, these fields at their zero value (`""` or '
+        "`0s`, as kubeadm writes every field it does not set) take their default, not the "
+        'zero (so `healthzBindAddress: ""` is `0.0.0.0:10256`, not /healthz turned off): '
+        + ", ".join(f"`{p}`" for p in sorted(ZERO_IS_DEFAULT))
+        + ". An address without a port gets the default's port (`0.0.0.0` is "
+        "`0.0.0.0:10256` for /healthz), in the file and on the command line.",
         "",
         "Any other field is reported with a warning (`Unknown configuration field`), and "
         "uproxy goes on. A value of the wrong type (a block such as `conntrack:` that is not "
@@ -267,7 +276,9 @@ def metrics_md() -> str:
         "name service ports (`namespace/name:port`), protocols and outcomes, never client or "
         "endpoint addresses. A histogram's series are `<name>_bucket`, `<name>_sum` and "
         "`<name>_count`. As with kube-proxy, there are no `<name>_created` series. The "
-        "Prometheus client's standard `process_*` and `python_*` metrics are served too.",
+        "Prometheus client's standard `process_*` and `python_*` metrics are served too; "
+        "they describe the control process alone (the data-plane workers' CPU and memory "
+        "are the container's, as the kubelet's cAdvisor metrics report it, less these).",
         "",
         "Series that count failures appear at their first event and stay from then on: "
         + "; ".join(_sparse_series())

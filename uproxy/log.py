@@ -59,9 +59,7 @@ class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
             "ts": round(record.created, 6),
-            "v": max(0, (logging.INFO - record.levelno) // 2)
-            if record.levelno < logging.INFO
-            else 0,
+            "v": _VERBOSITY.get(record.levelno, 0),
             "level": record.levelname.lower(),
             "logger": record.name,
             "msg": record.getMessage(),

@@ -437,7 +437,8 @@ class Settings:
 
     @property
     def node_name(self) -> str:
-        return self.hostname_override or socket.gethostname().lower()
+        """This node's name, as kube-proxy takes it: trimmed and in lower case."""
+        return (self.hostname_override.strip() or socket.gethostname().strip()).lower()
 
     @property
     def tcp_keepalive_whole_s(self) -> int:
@@ -517,6 +518,18 @@ def parse_hostport(text: str) -> tuple[str, int] | None:
     if not 0 <= p <= 65535:
         raise ValueError(f"port out of range in {text!r}")
     return host, p
+
+
+def _with_port(text: str, default: str) -> str:
+    """A bare host gets the default's port, as kube-proxy appends it: '0.0.0.0' and '::'
+    are '0.0.0.0:10256' and '[::]:10256' for /healthz."""
+    host = text.strip()
+    try:
+        ip = ipaddress.ip_address(host.strip("[]") if host.startswith("[") else host)
+    except ValueError:
+        return text
+    port = default.rpartition(":")[2]
+    return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
 
 
 def _parse_mark(value: Any) -> int:
@@ -600,7 +613,8 @@ def convert(f: Any, value: Any) -> Any:
             if kind == "ip" and value:
                 ipaddress.ip_address(value)
             if kind == "hostport":
-                parse_hostport(value)
+                out = _with_port(value, f.default)
+                parse_hostport(out)
         choices = f.metadata["choices"]
         if choices and out not in choices and not (f.name == "rules" and out == ""):
             raise ValueError(f"must be one of {', '.join(choices)}, got {out!r}")
@@ -657,6 +671,8 @@ def validate(s: Settings) -> None:
     ):
         if value < 0:
             raise SettingsError(f"invalid {flag}: must be 0 or more")
+    if s.hostname_override and not s.hostname_override.strip():
+        raise SettingsError("invalid --hostname-override: only white space")
     if not -1000 <= s.oom_score_adj <= 1000:
         raise SettingsError("invalid --oom-score-adj: must be -1000 to 1000")
     if s.services and not os.path.exists(s.services):

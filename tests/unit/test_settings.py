@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import subprocess
@@ -300,7 +301,7 @@ def test_config_file_and_flag_precedence(tmp_path: Path, caplog: pytest.LogCaptu
         ("uproxy:\n  udpMaxFlows: many", "uproxy.udpMaxFlows"),
         ("mode: ipvs", "mode"),
         # A value checked after loading names its field in the file, not the flag.
-        ("configSyncPeriod: 0s", r"c\.yaml: configSyncPeriod: must be positive$"),
+        ("configSyncPeriod: -5", r"c\.yaml: configSyncPeriod: must be positive$"),
         ("iptables:\n  minSyncPeriod: -1", r"c\.yaml: iptables\.minSyncPeriod: must be 0 or more$"),
         ("uproxy:\n  workers: -3", r"c\.yaml: uproxy\.workers: must be 0 to \d+, got -3$"),
         ("portRange: 100-50", r"c\.yaml: portRange: .*'100-50'$"),
@@ -321,6 +322,192 @@ def test_config_wrong_type_fails_with_one_line(tmp_path: Path, patch: str, needl
     with pytest.raises(SettingsError, match=needle) as err:
         parse_settings(["--config", str(cfg)])
     assert "\n" not in str(err.value)
+
+
+# kube-proxy's ConfigMap as kubeadm writes it: every field present, most at their zero value.
+KUBEADM_CONFIG = """
+apiVersion: kubeproxy.config.k8s.io/v1alpha1
+bindAddress: 0.0.0.0
+bindAddressHardFail: false
+clientConnection:
+  acceptContentTypes: ""
+  burst: 0
+  contentType: ""
+  kubeconfig: /var/lib/kube-proxy/kubeconfig.conf
+  qps: 0
+clusterCIDR: 10.244.0.0/16,fd00:10:244::/56
+configSyncPeriod: 0s
+conntrack:
+  maxPerCore: null
+  min: null
+  tcpBeLiberal: false
+  tcpCloseWaitTimeout: null
+  tcpEstablishedTimeout: null
+  udpStreamTimeout: 0s
+  udpTimeout: 0s
+detectLocal:
+  bridgeInterface: ""
+  interfaceNamePrefix: ""
+detectLocalMode: ""
+enableProfiling: false
+healthzBindAddress: ""
+hostnameOverride: ""
+iptables:
+  localhostNodePorts: null
+  masqueradeAll: false
+  masqueradeBit: null
+  minSyncPeriod: 0s
+  syncPeriod: 0s
+ipvs:
+  excludeCIDRs: null
+  minSyncPeriod: 0s
+  scheduler: ""
+  strictARP: false
+  syncPeriod: 0s
+  tcpFinTimeout: 0s
+  tcpTimeout: 0s
+  udpTimeout: 0s
+kind: KubeProxyConfiguration
+logging:
+  flushFrequency: 0
+  options:
+    json:
+      infoBufferSize: "0"
+    text:
+      infoBufferSize: "0"
+  verbosity: 0
+metricsBindAddress: ""
+mode: ""
+nftables:
+  masqueradeAll: false
+  masqueradeBit: null
+  minSyncPeriod: 0s
+  syncPeriod: 0s
+nodePortAddresses: null
+oomScoreAdj: null
+portRange: ""
+showHiddenMetricsForVersion: ""
+udpIdleTimeout: 0s
+winkernel:
+  enableDSR: false
+  forwardHealthCheckVip: false
+  networkName: ""
+  rootHnsEndpointName: ""
+  sourceVip: ""
+windowsRunAsService: false
+"""
+
+
+def test_kubeadm_config_loads_with_the_defaults_for_its_zero_values(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A zero value is "not set", as kube-proxy's defaulting reads it: this file used to be
+    refused ("detectLocalMode: must be one of ..."), and once edited to load, it turned
+    /healthz and /metrics off and synced rules with no minimum period."""
+    caplog.set_level(logging.WARNING, logger="uproxy")
+    caplog.clear()
+    cfg = tmp_path / "config.conf"
+    cfg.write_text(KUBEADM_CONFIG)
+    s, _ = parse_settings(["--config", str(cfg), "--rules", "iptables-restore"])
+    assert s.healthz_bind_address == "0.0.0.0:10256"
+    assert s.metrics_bind_address == "127.0.0.1:10249"
+    assert s.iptables_sync_period == 30 and s.iptables_min_sync_period == 1
+    assert s.config_sync_period == 900 and s.udp_timeout == 0.25
+    assert s.detect_local_mode == "ClusterCIDR"
+    assert s.cluster_cidr == ("10.244.0.0/16", "fd00:10:244::/56")
+    assert s.kubeconfig == "/var/lib/kube-proxy/kubeconfig.conf"
+    assert s.conntrack_max_per_core == 32768 and s.oom_score_adj == -999
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+
+
+def test_a_zero_where_zero_means_something_is_kept(tmp_path: Path) -> None:
+    # conntrack.maxPerCore: 0 is kube-proxy's "leave the limit alone", not the default.
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n"
+        "conntrack:\n  maxPerCore: 0\noomScoreAdj: 0\n"
+    )
+    s, _ = parse_settings(["--config", str(cfg)])
+    assert s.conntrack_max_per_core == 0 and s.oom_score_adj == 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "healthz", "metrics"),
+    [
+        (["--healthz-bind-address", "0.0.0.0"], "0.0.0.0:10256", "127.0.0.1:10249"),
+        (
+            ["--healthz-bind-address", "::", "--metrics-bind-address", "::1"],
+            "[::]:10256",
+            "[::1]:10249",
+        ),
+        (["--metrics-bind-address", "[::1]"], "0.0.0.0:10256", "[::1]:10249"),
+        (["--healthz-bind-address", "127.0.0.1:9000"], "127.0.0.1:9000", "127.0.0.1:10249"),
+    ],
+)
+def test_an_address_without_a_port_gets_the_default_port(
+    argv: list[str], healthz: str, metrics: str
+) -> None:
+    s, _ = parse_settings(["--rules", "iptables-restore", *argv])
+    assert (s.healthz_bind_address, s.metrics_bind_address) == (healthz, metrics)
+
+
+def test_write_config_gives_cluster_cidr_as_kube_proxy_spells_it(tmp_path: Path) -> None:
+    out = tmp_path / "out.yaml"
+    cli = [sys.executable, "-m", "uproxy.cli", "--rules", "none"]
+    cidrs = "10.244.0.0/16,fd00::/56"
+    done = subprocess.run(
+        [*cli, "--cluster-cidr", cidrs, "--write-config-to", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"clusterCIDR: {cidrs}" in out.read_text()  # a string field, not a list
+    s, _ = parse_settings(["--config", str(out)])
+    assert s.cluster_cidr == ("10.244.0.0/16", "fd00::/56")
+
+
+@pytest.mark.parametrize(
+    ("arg", "said"),
+    [
+        # Read as --version (exit 0 with a version line) or as --conntrack-max-per-core.
+        ("--conntrack-max=100", "unrecognized arguments: --conntrack-max=100"),
+        ("--hostname=node-a", "unrecognized arguments: --hostname=node-a"),
+        ("--clust=10.0.0.0/8", "unrecognized arguments: --clust=10.0.0.0/8"),
+    ],
+)
+def test_no_flag_is_taken_by_a_prefix(arg: str, said: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "uproxy.cli", "--rules", "none", arg],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and said in done.stderr, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("argv", [["--v=3"], ["--v", "3"], ["-v", "3"], ["-v=3"]])
+def test_verbosity_in_klog_spellings(argv: list[str]) -> None:
+    s, _ = parse_settings(argv)
+    assert s.verbosity == 3
+
+
+def test_node_name_is_trimmed_and_lower_case() -> None:
+    # As kube-proxy's GetHostname: Node objects' names are lower case.
+    s, _ = parse_settings(["--hostname-override", " Node-A.Example "])
+    assert s.node_name == "node-a.example"
+    with pytest.raises(SettingsError, match="--hostname-override: only white space"):
+        parse_settings(["--hostname-override", "  "])
+
+
+def test_json_log_lines_carry_klog_verbosity() -> None:
+    from uproxy.log import V2, V3, V4, JsonFormatter
+
+    def v(level: int) -> int:
+        record = logging.LogRecord("uproxy.x", level, __file__, 1, "m", None, None)
+        return int(json.loads(JsonFormatter().format(record))["v"])
+
+    assert [v(lvl) for lvl in (logging.WARNING, logging.INFO, V2, V3, V4)] == [0, 0, 2, 3, 4]
 
 
 def test_a_flag_over_a_config_value_is_named_as_the_flag(tmp_path: Path) -> None:
