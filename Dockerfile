@@ -1,5 +1,5 @@
 # uproxy's node image: the package in a virtual environment on Debian's own Python, plus the
-# Debian tools it runs (iptables-{nft,legacy}-{save,restore}, nft, conntrack, ip).
+# Debian tools it runs (iptables-{nft,legacy}-{save,restore}, nft, conntrack).
 #
 # The interpreter is Debian 12's python3 (3.11, with Debian's security fixes): the one `make`
 # takes on a Debian 12 host, so the tests and bench/ run the interpreter the node runs. It is

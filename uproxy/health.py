@@ -38,7 +38,9 @@ _ZERO_TIME = "0001-01-01T00:00:00Z"
 
 
 def rfc3339(ts: float) -> str:
-    """``2024-05-01T12:00:00.123456Z``: RFC 3339 in UTC, as Go marshals a time.Time."""
+    """``2024-05-01T12:00:00.123456Z``: RFC 3339 in UTC, as Go marshals a time.Time to
+    JSON (kube-proxy prints Go's own time.Time text here; tools read the keys, and RFC 3339
+    is what any of them parses)."""
     moment = datetime.datetime.fromtimestamp(ts, tz=datetime.UTC)
     text = moment.strftime("%Y-%m-%dT%H:%M:%S.%f").rstrip("0").rstrip(".")
     return text + "Z"
