@@ -89,6 +89,11 @@ def setup(*, verbosity: int = 0, fmt: str = "text") -> None:
     root.handlers[:] = [handler]
     root.setLevel(level)
     root.propagate = False
+    # The Kubernetes client logs a failure (an exec plugin's, say) as a bare line and then
+    # raises it; uproxy reports what it raises in its own line, in its own format.
+    client = logging.getLogger("kubernetes_asyncio")
+    client.handlers[:] = [logging.NullHandler()]
+    client.propagate = False
 
 
 class Held(logging.Handler):

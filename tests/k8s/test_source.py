@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import gc
 import logging
 import subprocess
@@ -539,6 +540,143 @@ async def test_kubeconfig_env_of_several_files_is_merged_and_its_token_file_foll
     client = await make_api_client(kubeconfig=None, master=None)
     assert client.configuration.host == apiserver.url
     await follows_a_rotated_token(apiserver, client, token)
+
+
+EXEC_PLUGIN = """
+import datetime, json, sys
+token_file, calls_file, lifetime = sys.argv[1], sys.argv[2], float(sys.argv[3])
+with open(calls_file, "a") as calls:
+    calls.write("called\\n")
+status = {"token": open(token_file).read().strip()}
+if lifetime:
+    expiry = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=lifetime)
+    status["expirationTimestamp"] = expiry.strftime("%Y-%m-%dT%H:%M:%SZ")
+print(json.dumps({
+    "apiVersion": "client.authentication.k8s.io/v1beta1",
+    "kind": "ExecCredential",
+    "status": status,
+}))
+"""
+
+
+def exec_kubeconfig(apiserver: ApiServerDouble, tmp_path: Path, lifetime_s: float) -> Path:
+    """A kubeconfig whose user is an ``exec`` plugin that gives the token in ``token`` (valid
+    for ``lifetime_s``, or with no expiry when 0) and counts its runs in ``calls``."""
+    (tmp_path / "token").write_text(apiserver.token)
+    (tmp_path / "plugin.py").write_text(EXEC_PLUGIN)
+    config = yaml.safe_load(apiserver.write_kubeconfig(tmp_path / "kubeconfig").read_text())
+    config["users"][0]["user"] = {
+        "exec": {
+            "apiVersion": "client.authentication.k8s.io/v1beta1",
+            "command": sys.executable,
+            "args": [
+                str(tmp_path / "plugin.py"),
+                str(tmp_path / "token"),
+                str(tmp_path / "calls"),
+                str(lifetime_s),
+            ],
+        }
+    }
+    (tmp_path / "kubeconfig").write_text(yaml.safe_dump(config))
+    return tmp_path / "kubeconfig"
+
+
+def plugin_runs(tmp_path: Path) -> int:
+    calls = tmp_path / "calls"
+    return len(calls.read_text().splitlines()) if calls.exists() else 0
+
+
+@pytest.mark.parametrize("lifetime_s", [0, 3600], ids=["no-expiry", "expiry-far-ahead"])
+async def test_an_exec_credential_refused_by_the_api_server_is_asked_for_again(
+    apiserver: ApiServerDouble, tmp_path: Path, lifetime_s: float
+) -> None:
+    """EKS, GKE and AKS kubeconfigs get their token from a plugin, and the token is rotated:
+    the plugin used to run once, and uproxy then got 401s for ever while serving what it
+    last knew. A 401 runs it again (before its token's expiry too), as client-go does."""
+    kubeconfig = exec_kubeconfig(apiserver, tmp_path, lifetime_s)
+    apiserver.create(SVC, service("a"))
+    client = await make_api_client(kubeconfig=str(kubeconfig), master=None)
+    assert plugin_runs(tmp_path) == 1
+    await follows_a_rotated_token(apiserver, client, tmp_path / "token")
+    assert apiserver.unauthorized >= 1  # the old token was tried, and refused
+    assert plugin_runs(tmp_path) == 2  # once for the 401, not once per request
+
+
+async def test_an_exec_credential_is_asked_for_again_before_it_expires(
+    apiserver: ApiServerDouble, tmp_path: Path
+) -> None:
+    # A token that expires within the margin is replaced before the next request: no 401.
+    kubeconfig = exec_kubeconfig(apiserver, tmp_path, kube.EXEC_CREDENTIAL_MARGIN_S + 3600)
+    apiserver.create(SVC, service("a"))
+    client = await make_api_client(kubeconfig=str(kubeconfig), master=None)
+    tracker, source = source_of(client, backoff_max_s=0.5)
+    task = asyncio.create_task(source.run())
+    try:
+        await wait_for(lambda: tracker.synced and names(tracker) == {"a"}, timeout=5)
+        runs = plugin_runs(tmp_path)
+        assert runs == 1  # a token an hour from its expiry is not asked for again
+        hook = cast(kube._ExecCredential, client.configuration.refresh_api_key_hook)
+        hook.loader.exec_plugin_expiry -= datetime.timedelta(seconds=3600)  # an hour later
+        apiserver.token = "rotated-" + apiserver.token
+        (tmp_path / "token").write_text(apiserver.token)
+        apiserver.drop_watches()
+        apiserver.create(SVC, service("b"))
+        await wait_for(lambda: names(tracker) == {"a", "b"}, timeout=5)
+        assert apiserver.unauthorized == 0
+        assert plugin_runs(tmp_path) == 2
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await client.close()
+
+
+async def test_an_exec_plugin_that_fails_is_one_warning_and_retried(
+    apiserver: ApiServerDouble, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    kubeconfig = exec_kubeconfig(apiserver, tmp_path, 0)
+    apiserver.create(SVC, service("a"))
+    client = await make_api_client(kubeconfig=str(kubeconfig), master=None)
+    caplog.set_level(logging.WARNING, logger="uproxy")
+    caplog.clear()
+    (tmp_path / "token").unlink()  # the plugin now fails
+    apiserver.token = "rotated-" + apiserver.token
+    tracker, source = source_of(client, backoff_max_s=0.5)
+    task = asyncio.create_task(source.run())
+    try:
+
+        def refused() -> list[logging.LogRecord]:
+            said = "Cannot refresh the kubeconfig's exec credential"
+            return [r for r in caplog.records if r.getMessage() == said]
+
+        await wait_for(lambda: len(refused()) >= 1, timeout=10)
+        assert "exec: process returned 1" in refused()[0].kv["error"]  # type: ignore[attr-defined]
+        (tmp_path / "token").write_text(apiserver.token)  # the plugin works again
+        await wait_for(lambda: tracker.synced and names(tracker) == {"a"}, timeout=10)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await client.close()
+
+
+@pytest.mark.parametrize(
+    ("command", "said"),
+    [
+        ("/nonexistent/plugin", "its exec plugin /nonexistent/plugin: No such file or directory$"),
+        ("/bin/false", "its exec plugin /bin/false: exec: process returned 1$"),
+    ],
+)
+async def test_an_exec_plugin_that_cannot_run_at_start_is_named(
+    apiserver: ApiServerDouble, tmp_path: Path, command: str, said: str
+) -> None:
+    # It used to say "cannot read Kubernetes configuration FILE: [Errno 2] ...", blaming
+    # the kubeconfig, which is there.
+    config = yaml.safe_load(exec_kubeconfig(apiserver, tmp_path, 0).read_text())
+    config["users"][0]["user"]["exec"].update(command=command, args=[])
+    (tmp_path / "kubeconfig").write_text(yaml.safe_dump(config))
+    with pytest.raises(KubeConfigError, match=said):
+        await make_api_client(kubeconfig=str(tmp_path / "kubeconfig"), master=None)
 
 
 @pytest.mark.parametrize(

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime
 import json
 import logging
 import os
@@ -80,6 +81,7 @@ LIST_PAGE_SIZE = 500  # kube-apiserver's and client-go's default page size
 LIST_TIMEOUT_S = 60.0  # per page
 CONNECT_TIMEOUT_S = 10.0
 TOKEN_FILE_PERIOD_S = 60.0  # a kubeconfig's tokenFile is read again at least this often
+EXEC_CREDENTIAL_MARGIN_S = 60.0  # an exec plugin's token is replaced this long before expiry
 WATCH_HEADERS_TIMEOUT_S = 30.0  # a watch's answer, before its stream (see ``_watch``)
 WATCH_STEADY_S = 10.0  # a watch open this long counts as a success for the backoff
 # The server ends each watch after a random 5-10 minutes (client-go's reflector does the
@@ -114,8 +116,20 @@ async def make_api_client(*, kubeconfig: str | None, master: str | None) -> ApiC
             _load_incluster_config(client_configuration=cfg)
         elif source is not None:
             docs = _read_kubeconfigs(source)
-            await load_kube_config(config_file=source, client_configuration=cfg)
-            _follow_token_file(cfg, _token_file(docs))
+            user, where = _current_user(docs)
+            try:
+                loader = await load_kube_config(config_file=source, client_configuration=cfg)
+            except (OSError, ConfigException) as exc:
+                if "exec" not in user or not _from_exec_plugin(exc):
+                    raise
+                raise KubeConfigError(
+                    f"Kubernetes configuration {source}: its exec plugin "
+                    f"{_exec_command(user)}: {getattr(exc, 'strerror', None) or exc}"
+                ) from None
+            if "exec" in user:
+                cfg.refresh_api_key_hook = _ExecCredential(loader, _exec_command(user))
+            else:
+                _follow_token_file(cfg, _token_file(user, where))
     except KubeConfigError:
         raise  # already one line naming the file (``_read_kubeconfigs``)
     except ConfigException as exc:
@@ -183,10 +197,10 @@ def _named(entries: Any, key: str) -> Iterable[tuple[Any, Mapping[str, Any]]]:
             yield entry.get("name"), body if isinstance(body, Mapping) else {}
 
 
-def _token_file(docs: list[tuple[str, Mapping[str, Any]]]) -> str | None:
-    """The ``tokenFile`` of the current context's user, if it has one, merged as the client
-    library merges the files: the first context and user of a name win, the last
-    ``current-context`` wins; a relative path is relative to the file that named it."""
+def _current_user(docs: list[tuple[str, Mapping[str, Any]]]) -> tuple[Mapping[str, Any], str]:
+    """The current context's user, and the file that holds it, merged as the client library
+    merges the files: the first context and user of a name win, the last
+    ``current-context`` wins."""
     current: Any = None
     contexts: dict[Any, Mapping[str, Any]] = {}
     users: dict[Any, tuple[str, Mapping[str, Any]]] = {}
@@ -199,42 +213,138 @@ def _token_file(docs: list[tuple[str, Mapping[str, Any]]]) -> str | None:
             users.setdefault(name, (path, user))
     user_name = contexts.get(current, {}).get("user")
     where, user = users.get(user_name, ("", {}))
+    return user, where
+
+
+def _token_file(user: Mapping[str, Any], where: str) -> str | None:
+    """The user's ``tokenFile``, if it has one; a relative path is relative to the file
+    that named it (``where``)."""
     token_file = user.get("tokenFile")
     if not isinstance(token_file, str) or not token_file:
         return None
     return os.path.join(os.path.dirname(os.path.abspath(where)), token_file)
 
 
-def _follow_token_file(cfg: Configuration, path: str | None) -> None:
-    """Read a kubeconfig's ``tokenFile`` (``path``) again when it changes, and at least
-    every minute.
+class _Credential:
+    """A bearer token that the client asks for before each request (the configuration's
+    ``refresh_api_key_hook``), read again when it is due, and at the next request after the
+    API server refused it (``rejected``, on a 401), as client-go does."""
+
+    def __init__(self) -> None:
+        self.refused = False
+        self.read_at = float("-inf")  # time.monotonic() of the last read
+
+    def rejected(self, asked_at: float) -> None:
+        """A request made at ``asked_at`` was refused; one made with a credential read since
+        (requests in flight while it was read again) says nothing about the new one."""
+        if asked_at >= self.read_at:
+            self.refused = True
+
+
+def credential_rejected(client: ApiClient, asked_at: float) -> None:
+    """The API server answered 401 to a request made at ``asked_at`` (time.monotonic()):
+    read the credential again before the next request."""
+    hook: object = client.configuration.refresh_api_key_hook
+    if isinstance(hook, _Credential):
+        hook.rejected(asked_at)
+
+
+class _TokenFile(_Credential):
+    """A kubeconfig's ``tokenFile``, read again when it changes, and at least every minute.
 
     kubernetes_asyncio reads it once; a projected service-account token (kubeadm's
     kube-proxy kubeconfig names one) is rotated, and with the first token uproxy would get
     401s for ever while serving what it last knew. client-go caches the file for a minute.
     """
-    if path is None:
-        return
-    seen: dict[str, float] = {"mtime": -1.0, "read_at": float("-inf")}
 
-    def refresh(configuration: Configuration, *args: object) -> None:
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+        self.mtime = -1.0
+
+    def __call__(self, configuration: Configuration, *args: object) -> None:
         try:
-            mtime = os.stat(path).st_mtime
+            mtime = os.stat(self.path).st_mtime
         except OSError:
             return  # keep the token known until the file is back
         now = time.monotonic()
-        if mtime == seen["mtime"] and now - seen["read_at"] < TOKEN_FILE_PERIOD_S:
+        fresh = mtime == self.mtime and now - self.read_at < TOKEN_FILE_PERIOD_S
+        if fresh and not self.refused:
             return
         try:
-            with open(path, encoding="utf-8") as fh:
+            with open(self.path, encoding="utf-8") as fh:
                 token = fh.read().strip()
         except OSError:
             return
-        seen["mtime"], seen["read_at"] = mtime, now
+        self.mtime, self.read_at, self.refused = mtime, now, False
         if token:
             configuration.api_key["BearerToken"] = f"Bearer {token}"
 
-    cfg.refresh_api_key_hook = refresh
+
+def _follow_token_file(cfg: Configuration, path: str | None) -> None:
+    if path is not None:
+        cfg.refresh_api_key_hook = _TokenFile(path)
+
+
+class _ExecCredential(_Credential):
+    """A kubeconfig ``exec`` user (``aws eks get-token``, ``gke-gcloud-auth-plugin``,
+    ``kubelogin``): the plugin is run again shortly before the token it gave expires, or
+    after the API server refused it.
+
+    kubernetes_asyncio runs the plugin once, when the kubeconfig is loaded; the tokens such
+    plugins give last 15 minutes to an hour, after which uproxy got 401s for ever while
+    serving what it last knew (with /healthz still 200). Token credentials only: a plugin
+    that gives a client certificate is read once, as the client's TLS context is.
+    """
+
+    def __init__(self, loader: Any, command: str) -> None:
+        super().__init__()
+        self.loader = loader
+        self.command = command
+        self.lock = asyncio.Lock()
+
+    def _due(self) -> bool:
+        if self.refused:
+            return True
+        expiry = getattr(self.loader, "exec_plugin_expiry", None)
+        if not isinstance(expiry, datetime.datetime):
+            return False  # no expiry given: the token is good until it is refused
+        left = expiry - datetime.datetime.now(datetime.UTC)
+        return left.total_seconds() <= EXEC_CREDENTIAL_MARGIN_S
+
+    async def __call__(self, configuration: Configuration, *args: object) -> None:
+        if not self._due() and not self.lock.locked():
+            return
+        # One run of the plugin; the requests asked for meanwhile wait for its token.
+        async with self.lock:
+            if not self._due():
+                return
+            self.refused, self.read_at = False, time.monotonic()
+            if hasattr(self.loader, "exec_plugin_expiry"):
+                del self.loader.exec_plugin_expiry  # the library's own "still valid" check
+            try:
+                await self.loader.load_from_exec_plugin()
+            except Exception as exc:  # the plugin's failure: the request goes on, and fails
+                log.warning(
+                    "Cannot refresh the kubeconfig's exec credential",
+                    extra=kv(command=self.command, error=_describe(exc)),
+                )
+                return
+            token = getattr(self.loader, "token", None)
+            if isinstance(token, str) and token:
+                configuration.api_key["BearerToken"] = token
+            log.log(V2, "Refreshed the kubeconfig's exec credential")
+
+
+def _from_exec_plugin(exc: BaseException) -> bool:
+    """Whether the client's loading failed running the exec plugin: the plugin could not be
+    started (OSError from the spawn; the kubeconfig itself was read before) or it failed."""
+    return isinstance(exc, OSError) or str(exc).startswith("exec:")
+
+
+def _exec_command(user: Mapping[str, Any]) -> str:
+    spec = user.get("exec")
+    return str(spec.get("command")) if isinstance(spec, Mapping) else "?"
 
 
 def _config_source(*, kubeconfig: str | None, master: str | None) -> str | None:
@@ -383,6 +493,7 @@ class KubeSource:
         backoff_max_s: float = 30.0,
     ) -> None:
         self.tracker = tracker
+        self.api_client = api_client
         self.node_name = node_name
         self.config_sync_period_s = config_sync_period_s
         self.inactivity_timeout_s = inactivity_timeout_s
@@ -444,11 +555,13 @@ class KubeSource:
         backoff = _Backoff(self.backoff_max_s)
         gone_in_a_row = 0  # 410s with no progress between them: back off, do not spin
         while True:
+            asked_at = time.monotonic()
             if feed.rv is None:
                 try:
                     feed.rv = await self._list(feed)
                 except _RETRYABLE as exc:
                     feed.rv = None
+                    self._refused(exc, asked_at)
                     delay = backoff.next_delay()
                     log.warning(
                         "Listing failed; retrying",
@@ -457,7 +570,7 @@ class KubeSource:
                     await asyncio.sleep(delay)
                     continue
                 backoff.reset()
-            opened = loop.time()
+            opened, asked_at = loop.time(), time.monotonic()
             try:
                 progressed = await self._watch(feed)
             except _Gone as gone:
@@ -476,6 +589,7 @@ class KubeSource:
                 )
                 continue
             except _RETRYABLE as exc:
+                self._refused(exc, asked_at)
                 delay = backoff.next_delay()
                 log.warning(
                     "Watch failed; retrying",
@@ -489,6 +603,10 @@ class KubeSource:
             # next failure starts the backoff over (client-go resets it likewise).
             if progressed or loop.time() - opened >= WATCH_STEADY_S:
                 backoff.reset()
+
+    def _refused(self, exc: BaseException, asked_at: float) -> None:
+        if isinstance(exc, _ApiError) and exc.status == 401:
+            credential_rejected(self.api_client, asked_at)
 
     async def _list(self, feed: _Feed) -> str:
         """A complete, consistent listing, handed to the tracker page by page (see
