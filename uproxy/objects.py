@@ -368,8 +368,10 @@ def _policy(c: _Checker, spec: Obj, key: str) -> str:
 
 def _cidr(c: _Checker, value: Any, field: str) -> str:
     text = c.string(value, field)
+    address, slash, prefix = text.strip().partition("/")
+    address = _legacy_ipv4(address) or address  # 010.0.0.0/8, as ParseCIDRSloppy reads it
     try:
-        return str(ipaddress.ip_network(text.strip(), strict=False))
+        return str(ipaddress.ip_network(address + slash + prefix, strict=False))
     except ValueError:
         raise c.fail(field, f"not a CIDR: {text!r}") from None
 
@@ -392,16 +394,33 @@ def _affinity(c: _Checker, spec: Obj) -> int | None:
 
 
 def _algorithm(c: _Checker, annotations: Obj) -> LbAlgorithm | None:
+    """The annotation's algorithm; None (--lb-algorithm) when it is absent, or not one
+    uproxy knows: an annotation is not checked by the API server, and a typo in it must not
+    take the service down (it is warned about once)."""
     value = annotations.get(LB_ALGORITHM_ANNOTATION)
     if value is None:
         return None
-    field = f"metadata.annotations[{LB_ALGORITHM_ANNOTATION}]"
-    text = c.string(value, field)
     try:
-        return LbAlgorithm(text)
+        return LbAlgorithm(value)
     except ValueError:
-        choices = ", ".join(a.value for a in LbAlgorithm)
-        raise c.fail(field, f"must be one of {choices}, got {text!r}") from None
+        key = object_key(c.obj)
+        if (key, str(value)) not in _ALGORITHM_REPORTED:
+            if len(_ALGORITHM_REPORTED) >= 10_000:
+                _ALGORITHM_REPORTED.clear()
+            _ALGORITHM_REPORTED.add((key, str(value)))
+            choices = ", ".join(a.value for a in LbAlgorithm)
+            log.warning(
+                "Ignoring an unknown load-balancing algorithm; using --lb-algorithm",
+                extra=kv(
+                    object=key,
+                    field=f"metadata.annotations[{LB_ALGORITHM_ANNOTATION}]",
+                    reason=f"must be one of {choices}, got {value!r}",
+                ),
+            )
+        return None
+
+
+_ALGORITHM_REPORTED: set[tuple[str, str]] = set()
 
 
 def endpoint_slice(obj: Obj) -> EndpointSliceInfo | None:

@@ -460,9 +460,11 @@ class Tracker:
                     ports = cast(dict[ServicePortName, ServicePort], obj.value)
                 else:
                     ports = service_ports(raw)
-                self._invalid.pop((Kind.SERVICE, _fmt(key)), None)
             except InvalidObject as e:
-                self._report_invalid(Kind.SERVICE, e)
+                self._report_invalid(Kind.SERVICE, e, kept=key in self._services)
+                return False
+        if self._invalid:  # good, deleted or not ours: what was said of it is over
+            self._invalid.pop((Kind.SERVICE, _fmt(key)), None)
         old = self._services.get(key, {})
         if ports == old:
             return False
@@ -484,9 +486,11 @@ class Tracker:
                     info = cast(EndpointSliceInfo | None, obj.value)
                 else:
                     info = endpoint_slice(obj)
-                self._invalid.pop((Kind.ENDPOINT_SLICE, _fmt(key)), None)
             except InvalidObject as e:
-                self._report_invalid(Kind.ENDPOINT_SLICE, e)
+                self._report_invalid(Kind.ENDPOINT_SLICE, e, kept=key in self._slices)
+                return False
+        if self._invalid:
+            self._invalid.pop((Kind.ENDPOINT_SLICE, _fmt(key)), None)
         old = self._slices.get(key)
         if _same_slice(old, info):
             return False
@@ -532,14 +536,19 @@ class Tracker:
             return value is None
         return bool(value == self.service_proxy_name)
 
-    def _report_invalid(self, kind: Kind, err: InvalidObject) -> None:
-        # One line per object and reason, not one per resync of the same broken object.
+    def _report_invalid(self, kind: Kind, err: InvalidObject, *, kept: bool) -> None:
+        """An object uproxy cannot use. One that was good before keeps its last good state
+        (as a services file does, and as kube-proxy ignores a slice update it cannot read):
+        a change the API server let through but uproxy cannot read must not take a serving
+        service down. One line per object and reason, not one per relist of it."""
         marker = (kind, err.key)
         if self._invalid.get(marker) == str(err):
             return
         self._invalid[marker] = str(err)
         log.warning(
-            "Skipping invalid object",
+            "Skipping invalid object; keeping its last good state"
+            if kept
+            else "Skipping invalid object",
             extra=kv(kind=kind.value, object=err.key, field=err.field, reason=err.reason),
         )
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import functools
 import json
 import logging
@@ -467,9 +468,6 @@ def malformed_objects(backend_port: int) -> list[tuple[str, dict[str, Any]]]:
     labels_not_object = service("bad-labels")
     labels_not_object["metadata"]["labels"] = ["a"]
     out.append((SVC, labels_not_object))
-    lb_algo = service("bad-lb-algorithm")
-    lb_algo["metadata"]["annotations"] = {"uproxy.io/lb-algorithm": "fastest"}
-    out.append((SVC, lb_algo))
     lb_ip = service("bad-lb-ingress", spec={"type": "LoadBalancer"})
     lb_ip["status"] = {"loadBalancer": {"ingress": [{"ip": "x"}]}}
     out.append((SVC, lb_ip))
@@ -497,6 +495,50 @@ def malformed_objects(backend_port: int) -> list[tuple[str, dict[str, Any]]]:
     no_label["metadata"]["labels"] = {}
     out.append((EPS, no_label))
     return out
+
+
+async def test_an_update_uproxy_cannot_read_keeps_the_service_serving(
+    apiserver: ApiServerDouble,
+    start_proxy: ProxyFactory,
+    backends: Backends,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A served Service or slice updated to something uproxy cannot read used to be removed
+    (its proxy port closed, its rules gone on every node) while the log said "Skipping"."""
+    good = service("web", port=free_port())
+    apiserver.create(SVC, good)
+    apiserver.create(
+        EPS, endpoint_slice("web-1", service_name="web", ips=IPS[:2], port=backends.port)
+    )
+    caplog.set_level(logging.WARNING)
+    proxy = await start_proxy()
+    await wait_for(lambda: len(endpoints(proxy, "web")) == 2, timeout=5)
+    port = listener(proxy, "web").port
+    typo = copy.deepcopy(good)
+    typo["metadata"]["annotations"] = {"uproxy.io/lb-algorithm": "roundrobin"}
+    apiserver.update(SVC, typo)  # served, with --lb-algorithm
+    broken = copy.deepcopy(good)
+    broken["spec"]["loadBalancerSourceRanges"] = ["10.0.0.0/33"]
+    apiserver.update(SVC, broken)
+    unlabelled = endpoint_slice("web-1", service_name="web", ips=IPS[2:3], port=backends.port)
+    unlabelled["metadata"]["labels"] = {}
+    apiserver.update(EPS, unlabelled)
+
+    def said(message: str) -> list[str]:
+        return [r.__dict__["kv"]["object"] for r in caplog.records if r.getMessage() == message]
+
+    await wait_for(
+        lambda: len(said("Skipping invalid object; keeping its last good state")) == 2, timeout=5
+    )
+    assert said("Ignoring an unknown load-balancing algorithm; using --lb-algorithm") == [
+        "default/web"
+    ]
+    assert listener(proxy, "web").port == port
+    assert endpoints(proxy, "web") == [(ip, backends.port) for ip in IPS[:2]]
+    assert await served_by(port, 4) == set(IPS[:2])
+    apiserver.update(SVC, good)  # fixed: taken as usual
+    apiserver.delete(SVC, good)  # and a deletion still removes it
+    await wait_for(lambda: not any(k.name == "web" for k in ports(proxy)), timeout=5)
 
 
 async def test_malformed_objects_are_skipped_one_line_each(

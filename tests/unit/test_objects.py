@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -142,7 +143,6 @@ BAD_SERVICES: list[tuple[str, dict[str, Any], str]] = [
     ),
     ("bad-policy", service(externalTrafficPolicy="Nearby"), "spec.externalTrafficPolicy"),
     ("bad-type", service(type="Magic"), "spec.type"),
-    ("bad-algorithm", service(annotations={"uproxy.io/lb-algorithm": "fastest"}), "lb-algorithm"),
     (
         "bad-source-range",
         service(loadBalancerSourceRanges=["10.0.0.0/33"]),
@@ -168,6 +168,29 @@ def test_malformed_services_name_the_field(case: str, obj: dict[str, Any], field
         service_ports(obj)
     assert field in err.value.field, (case, str(err.value))
     assert str(err.value).startswith("Service ")
+
+
+def test_an_unknown_algorithm_annotation_falls_back_and_is_said_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An annotation is not checked by the API server: a typo in it made the whole Service
+    invalid, and a serving one was taken down by the edit."""
+    caplog.set_level(logging.WARNING, logger="uproxy")
+    caplog.clear()
+    obj = service(annotations={"uproxy.io/lb-algorithm": "roundrobin"})
+    for _ in range(3):
+        (port,) = service_ports(obj).values()
+        assert port.lb_algorithm is None  # --lb-algorithm
+    said = "Ignoring an unknown load-balancing algorithm; using --lb-algorithm"
+    assert [r.getMessage() for r in caplog.records] == [said]
+    assert "got 'roundrobin'" in caplog.records[0].kv["reason"]  # type: ignore[attr-defined]
+
+
+def test_source_ranges_with_leading_zeros_read_as_kube_proxy_reads_them() -> None:
+    # Older API servers let 010.0.0.0/8 through; kube-proxy reads it as decimal.
+    obj = service(loadBalancerSourceRanges=["010.000.0.0/8", " 192.168.001.0/24 "])
+    (port,) = service_ports(obj).values()
+    assert port.lb_source_ranges == ("10.0.0.0/8", "192.168.1.0/24")
 
 
 def test_slice_conditions_node_and_zone_are_kept() -> None:

@@ -206,19 +206,43 @@ def test_service_proxy_name_filter(
     assert (WEB in t.snapshot()) is wanted
 
 
-def test_invalid_update_removes_service_and_logs_once(caplog: pytest.LogCaptureFixture) -> None:
+def test_invalid_update_keeps_the_last_good_state_and_logs_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An update uproxy cannot read used to remove the service: one bad edit (or a field an
+    older API server let through) took it down on every node, though the log said "Skipping"."""
     t = Tracker()
     t.replace(Kind.SERVICE, [service(), service("good")])
-    t.replace(Kind.ENDPOINT_SLICE, [])
+    t.replace(Kind.ENDPOINT_SLICE, [endpoint_slice("web-1", endpoints=[endpoint("10.0.0.1")])])
+    before = t.snapshot()[WEB]
     bad = service(ports=[{"name": "http", "port": 0}])
-    with caplog.at_level(logging.WARNING, logger="uproxy"):
-        t.upsert(Kind.SERVICE, bad)
-        t.upsert(Kind.SERVICE, bad)
-    assert WEB not in t.snapshot()
+    caplog.set_level(logging.WARNING, logger="uproxy")
+    caplog.clear()
+    t.upsert(Kind.SERVICE, bad)
+    t.upsert(Kind.SERVICE, bad)
+    unlabelled = endpoint_slice("web-1", endpoints=[endpoint("10.0.0.2")])
+    del unlabelled["metadata"]["labels"]
+    t.upsert(Kind.ENDPOINT_SLICE, unlabelled)  # kube-proxy ignores such a slice update too
+    assert t.snapshot()[WEB] == before
     assert ServicePortName("default", "good", "http", Protocol.TCP) in t.snapshot()
-    lines = [r for r in caplog.records if r.getMessage() == "Skipping invalid object"]
-    assert len(lines) == 1
-    assert lines[0].kv["field"] == "spec.ports[0].port"  # type: ignore[attr-defined]
+    said = "Skipping invalid object; keeping its last good state"
+    lines = [r for r in caplog.records if r.getMessage() == said]
+    assert [r.kv["field"] for r in lines] == [  # type: ignore[attr-defined]
+        "spec.ports[0].port",
+        "metadata.labels[kubernetes.io/service-name]",
+    ]
+    t.delete(Kind.SERVICE, bad)  # a deletion still removes it
+    assert WEB not in t.snapshot()
+
+
+def test_an_invalid_new_object_is_skipped(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="uproxy")
+    caplog.clear()
+    t = Tracker()
+    t.replace(Kind.SERVICE, [service(ports=[{"name": "http", "port": 0}])])
+    t.replace(Kind.ENDPOINT_SLICE, [])
+    assert WEB not in t.snapshot()
+    assert [r.getMessage() for r in caplog.records] == ["Skipping invalid object"]
 
 
 def test_categorize_follows_kube_proxy() -> None:
