@@ -834,6 +834,36 @@ async def test_make_api_client_master_overrides(tmp_path: Path, apiserver: ApiSe
         await client.close()
 
 
+async def test_master_without_a_scheme_reaches_the_api_server(
+    tmp_path: Path, apiserver: ApiServerDouble
+) -> None:
+    # host:port, as kube-proxy's --master takes it: https with a kubeconfig's TLS settings.
+    # It used to be retried for ever as a request to "127.0.0.1:PORT/api/v1/...".
+    apiserver.create(SVC, service("a"))
+    kc = apiserver.write_kubeconfig(tmp_path / "kc")
+    bare = apiserver.url.removeprefix("https://")
+    client = await make_api_client(kubeconfig=str(kc), master=bare + "/")
+    assert client.configuration.host == apiserver.url
+    tracker, source = source_of(client, backoff_max_s=0.5)
+    task = asyncio.create_task(source.run())
+    try:
+        await wait_for(lambda: tracker.synced and names(tracker) == {"a"}, timeout=5)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await client.close()
+
+
+@pytest.mark.parametrize("master", ["not a url", "ftp://10.0.0.1", "https://", "10.0.0.1:port"])
+async def test_a_master_that_is_no_url_is_one_line(
+    tmp_path: Path, apiserver: ApiServerDouble, master: str
+) -> None:
+    kc = apiserver.write_kubeconfig(tmp_path / "kc")
+    with pytest.raises(KubeConfigError, match=r"not an API server URL like https://HOST:PORT$"):
+        await make_api_client(kubeconfig=str(kc), master=master)
+
+
 async def test_make_api_client_explains_missing_config(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -45,6 +45,7 @@ import logging
 import os
 import random
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol as TypingProtocol
@@ -142,8 +143,26 @@ async def make_api_client(*, kubeconfig: str | None, master: str | None) -> ApiC
             f"cannot load Kubernetes configuration {source}: {_describe(exc)}"
         ) from None
     if master:
-        cfg.host = master.rstrip("/")
+        cfg.host = _server_url(master, tls=bool(cfg.ssl_ca_cert or cfg.cert_file or source))
     return ApiClient(configuration=cfg)
+
+
+def _server_url(master: str, *, tls: bool) -> str:
+    """``--master`` as a URL: ``host:port`` alone is https when TLS is configured (any
+    kubeconfig or in-cluster config), else http, as client-go reads it; anything else that
+    is not an http(s) URL is a KubeConfigError of one line (it used to be retried for ever
+    as a request to a path named like the flag's value)."""
+    text = master.strip()
+    if "://" not in text:
+        text = ("https://" if tls else "http://") + text
+    url = urllib.parse.urlsplit(text)
+    try:
+        url.port  # noqa: B018 - raises on a port that is not a number
+    except ValueError:
+        url = url._replace(netloc="")
+    if url.scheme not in ("http", "https") or not url.hostname or " " in text:
+        raise KubeConfigError(f"--master {master!r}: not an API server URL like https://HOST:PORT")
+    return text.rstrip("/")
 
 
 _load_incluster_config: Callable[..., None] = load_incluster_config
