@@ -611,12 +611,17 @@ class Proxy:
 
     def _hand_counts(self) -> None:
         """kube-proxy's count: a service's ready local endpoints by address, over all its
-        ports (a pod serving :80 and :443 is one endpoint), in each family apart (its IPv4
-        and IPv6 proxiers each count their own; a check over IPv6 sees the IPv6 count)."""
+        ports (a pod serving :80 and :443 is one endpoint). A dual-stack service's families
+        count apart (its IPv4 and IPv6 proxiers each count their own; a check over IPv6 sees
+        the IPv6 count); a single-stack service's count answers checks over either family,
+        as kube-proxy's one listener for both does (an IPv4 service checked over IPv6 got
+        503 and lost its load balancer's traffic)."""
         counts: dict[IPFamily, dict[tuple[str, str], int]] = {f: {} for f in IPFamily}
         for key, entries in self._hc_ports.items():
+            families = {f for _, by_family in entries.values() for f in by_family}
             for family in IPFamily:
-                ips = [by_family.get(family, frozenset()) for _, by_family in entries.values()]
+                counted = family if len(families) != 1 else next(iter(families))
+                ips = [by_family.get(counted, frozenset()) for _, by_family in entries.values()]
                 counts[family][key] = len(frozenset().union(*ips))
         self.healthchecks.set_local_endpoints(counts[IPFamily.V4], ipv6=counts[IPFamily.V6])
 

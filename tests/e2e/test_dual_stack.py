@@ -64,6 +64,7 @@ RULES = [
 WEB = {"web-1", "web-2"}
 WEB6 = {"web6-1", "web6-2"}
 HC_PORT = 32000
+HC4_PORT = 32001
 
 
 def local_policy(net: Cluster) -> list[dict[str, object]]:
@@ -78,6 +79,15 @@ def local_policy(net: Cluster) -> list[dict[str, object]]:
     v6 = web_slice("hc-v6", "hc", [slice_endpoint(net.backend_ips6[0])])
     v6["addressType"] = "IPv6"
     return [svc, v4, v6]
+
+
+def local_policy_v4_only(net: Cluster) -> list[dict[str, object]]:
+    """An IPv4-only ``externalTrafficPolicy: Local`` service with a health-check node port
+    and two local endpoints: a load balancer may check it over either family."""
+    svc = web_service("hc4", cluster_ip="10.96.0.13", type="LoadBalancer")
+    svc["spec"].update(externalTrafficPolicy="Local", healthCheckNodePort=HC4_PORT)
+    svc["spec"]["ports"][0]["nodePort"] = 30083
+    return [svc, web_slice("hc4-v4", "hc4", [slice_endpoint(ip) for ip in net.backend_ips[:2]])]
 
 
 def start_backends(net: Cluster, start_proc: StartProc) -> None:
@@ -125,6 +135,7 @@ def test_dual_stack_service_in_both_families_and_an_ipv6_only_one(
     topo = net.topo
     start_backends(net, start_proc)
     services.put(*dual_web(net), *dual_dns(net), *web6_only(net), *local_policy(net))
+    services.put(*local_policy_v4_only(net))
     services.write()
     proxy = start_uproxy(rules[0], extra=rules[1:])
     proxy.wait_synced()
@@ -133,8 +144,9 @@ def test_dual_stack_service_in_both_families_and_an_ipv6_only_one(
     assert served and f'families="{order}"' in served[0], served
     # Listeners per family: the dual-stack services in both, the IPv6-only one in IPv6.
     v4, v6 = proxy.proxy_ports(), proxy.proxy_ports(ipv6=True)
-    assert {s for s, _ in v4} == {"default/web:http", "default/dns:dns", "default/hc:http"}
-    assert set(v6) == {*v4, ("default/web6:http", "cluster")}
+    dual_stack = {"default/web:http", "default/dns:dns", "default/hc:http"}
+    assert {s for s, _ in v4} == {*dual_stack, "default/hc4:http"}
+    assert set(v6) == {p for p in v4 if p[0] in dual_stack} | {("default/web6:http", "cluster")}
 
     # From a pod: each ClusterIP reaches its own family's endpoints, round robin over both.
     assert names(net, topo.pod, url(WEB_IP), tmp_path) == WEB
@@ -169,6 +181,11 @@ def test_dual_stack_service_in_both_families_and_an_ipv6_only_one(
     for ip, count in ((topo.node_ip, 2), (topo.node_ip6, 1)):
         status, _, body = curl_raw(topo, topo.outside, url(ip, HC_PORT))
         assert status == 200 and f'"localEndpoints": {count},' in body, (ip, body)
+    # A single-stack service's count answers checks over either family, as kube-proxy's one
+    # listener for both families does: over IPv6 it used to be 503, "localEndpoints": 0.
+    for ip in (topo.node_ip, topo.node_ip6):
+        status, _, body = curl_raw(topo, topo.outside, url(ip, HC4_PORT))
+        assert status == 200 and '"localEndpoints": 2,' in body, (ip, body)
 
 
 @pytest.mark.parametrize(("rules", "mode"), RULES)
