@@ -952,6 +952,19 @@ class Syncer:
         else:
             self._refusals.pop(spn, None)
         self._rules_dirty = True
+        if spn.protocol is Protocol.UDP and self.options.clear_conntrack:
+            # A UDP client that keeps its socket (a resolver's forwarder) has a conntrack
+            # entry, and the REJECT rule sees new flows only: its datagrams went on reaching
+            # the proxy port, to be dropped there, where kube-proxy's deletion of the dead
+            # endpoints' entries lets its REJECT answer. Its entries go once the rule is in.
+            def rejected(refusals: tuple[Portal, ...]) -> set[IPFamily]:
+                return {p.family for p in refusals if p.kind is PortalKind.NO_ENDPOINTS}
+
+            families = rejected(new) - rejected(old)
+            if families:
+                self._udp_added.update(
+                    p for p in self._portals.get(spn, ()) if p.family in families
+                )
 
     def _refusals_of(
         self, spn: ServicePortName, pp: ProxiedPort, state: ServiceState

@@ -65,3 +65,41 @@ def test_a_udp_client_sending_before_the_service_existed_gets_through(
     assert out is not None
     line = out.readline().strip()  # bounded: the client gives up after 20 s
     assert line.startswith("answered"), f"{line!r}; uproxy said: {proxy.proc.stderr_lines[-5:]}"
+
+
+@pytest.mark.parametrize("rules", ["auto", "nftables"], ids=["restore", "nftables"])
+def test_a_udp_client_keeping_its_socket_is_refused_once_the_endpoints_are_gone(
+    net: Cluster,
+    services: ServicesFile,
+    start_proc: StartProc,
+    start_uproxy: StartUproxy,
+    rules: str,
+) -> None:
+    """A resolver's forwarder keeps one connected socket: its conntrack entry outlived the
+    endpoints, and since the REJECT rule sees new flows only, its queries went on to the
+    proxy port and were dropped there until it gave up on its own. kube-proxy deletes the
+    entries of endpoints that went, so that its REJECT answers; uproxy deletes the service
+    address's entries once its REJECT rule is in."""
+    topo = net.topo
+    start_proc(topo.backend, dnsmasq_argv(topo.backend_ip))
+    wait_until_ok(
+        lambda: dig(topo, topo.backend, topo.backend_ip, DNS_NAME) == DNS_ANSWER,
+        message="dnsmasq answering",
+    )
+    svc, endpoints = dns(net)
+    services.put(svc, endpoints)
+    services.write()
+    proxy = start_uproxy(rules)
+    proxy.wait_synced()
+    argv = [sys.executable, "-m", "tests.e2e.udp_client", DNS_IP, DNS_NAME, "--for", "20"]
+    client = start_proc(topo.pod, [*argv, "--until-refused"], ready_line=True)
+    out = client.popen.stdout
+    assert out is not None
+    line = out.readline().strip()  # bounded: the client gives up after 20 s
+    assert line.startswith("answered"), line
+    removed = time.time()
+    services.remove("EndpointSlice", endpoints["metadata"]["name"])
+    services.write()
+    proxy.wait_synced(after=removed)
+    line = out.readline().strip()
+    assert line.startswith("refused"), f"{line!r}; uproxy said: {proxy.proc.stderr_lines[-5:]}"

@@ -1,6 +1,10 @@
 """A UDP client that keeps one source port and keeps sending, as a resolver or a game client
 does: a DNS query every 50 ms until the first answer (printed on stdout as ``answered
-SECONDS``, seconds since it started) or ``--for`` seconds (``gave up``)."""
+SECONDS``, seconds since it started) or ``--for`` seconds (``gave up``).
+
+With ``--until-refused`` its socket is connected (as a resolver's forwarder's is, so that
+it reads ICMP errors) and it goes on after the first answer until one is refused (``refused
+SECONDS``)."""
 
 from __future__ import annotations
 
@@ -22,23 +26,34 @@ def main() -> None:
     parser.add_argument("name")
     parser.add_argument("--port", type=int, default=53)
     parser.add_argument("--for", dest="seconds", type=float, default=20.0)
+    parser.add_argument("--until-refused", action="store_true")
     args = parser.parse_args()
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     sock.bind(("0.0.0.0", 0))  # one source port for the whole run
+    if args.until_refused:
+        sock.connect((args.server, args.port))
     sock.settimeout(0.05)
     start = time.monotonic()
     ident = 0
+    answered = False
     print("ready", flush=True)
     while time.monotonic() - start < args.seconds:
         ident = (ident + 1) & 0xFFFF
-        sock.sendto(query(args.name, ident), (args.server, args.port))
         try:
+            sock.sendto(query(args.name, ident), (args.server, args.port))
             reply = sock.recv(2048)
         except TimeoutError:
             continue
-        if len(reply) >= 12 and struct.unpack(">H", reply[:2])[0] == ident:
+        except ConnectionRefusedError:
+            if answered:
+                print(f"refused {time.monotonic() - start:.2f}", flush=True)
+                return
+            continue
+        if len(reply) >= 12 and struct.unpack(">H", reply[:2])[0] == ident and not answered:
+            answered = True
             print(f"answered {time.monotonic() - start:.2f}", flush=True)
-            return
+            if not args.until_refused:
+                return
     print("gave up", flush=True)
 
 
