@@ -864,6 +864,16 @@ async def test_a_master_that_is_no_url_is_one_line(
         await make_api_client(kubeconfig=str(kc), master=master)
 
 
+async def test_a_socks_proxy_in_the_kubeconfig_is_one_line(
+    tmp_path: Path, apiserver: ApiServerDouble
+) -> None:
+    config = yaml.safe_load(apiserver.write_kubeconfig(tmp_path / "kc").read_text())
+    config["clusters"][0]["cluster"]["proxy-url"] = "socks5://127.0.0.1:1080"
+    (tmp_path / "kc").write_text(yaml.safe_dump(config))
+    with pytest.raises(KubeConfigError, match=r"socks5://127.0.0.1:1080: only http:// and"):
+        await make_api_client(kubeconfig=str(tmp_path / "kc"), master=None)
+
+
 async def test_make_api_client_explains_missing_config(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

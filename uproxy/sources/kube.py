@@ -144,6 +144,14 @@ async def make_api_client(*, kubeconfig: str | None, master: str | None) -> ApiC
         ) from None
     if master:
         cfg.host = _server_url(master, tls=bool(cfg.ssl_ca_cert or cfg.cert_file or source))
+    proxy = getattr(cfg, "proxy", None)
+    if isinstance(proxy, str) and proxy and not proxy.lower().startswith(("http://", "https://")):
+        # The client's HTTP library speaks to HTTP proxies only; a SOCKS one failed every
+        # request with "ClientProxyConnectionError", retried for ever.
+        raise KubeConfigError(
+            f"Kubernetes configuration {source}: proxy-url {proxy}: only http:// and "
+            "https:// proxies are supported"
+        )
     return ApiClient(configuration=cfg)
 
 
