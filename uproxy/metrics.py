@@ -190,6 +190,15 @@ HEALTHZ_TOTAL = Counter(
     "kubeproxy_proxy_healthz_total", "Cumulative proxy healthz HTTP status", ["code"]
 )
 LIVEZ_TOTAL = Counter("kubeproxy_proxy_livez_total", "Cumulative proxy livez HTTP status", ["code"])
+# client-go's own counter, which kube-proxy serves: a credential the API server refuses (401),
+# or RBAC that does not allow the lists and watches (403), shows here, where /healthz stays
+# 200 while the last known state is served.
+API_REQUESTS = Counter(
+    "rest_client_requests",
+    "Number of HTTP requests to the Kubernetes API server, partitioned by status code, "
+    "method, and host ('<error>': no answer)",
+    ["code", "method", "host"],
+)
 
 
 # --- the process (prometheus_client's process_* metrics, with a cheap fd count) ---

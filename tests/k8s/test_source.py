@@ -864,6 +864,39 @@ async def test_a_master_that_is_no_url_is_one_line(
         await make_api_client(kubeconfig=str(kc), master=master)
 
 
+async def test_api_requests_are_counted_by_code_as_client_go_counts_them(
+    tmp_path: Path, apiserver: ApiServerDouble
+) -> None:
+    """A refused credential leaves /healthz at 200 (the last known state is served): the
+    only sign outside the logs is client-go's request counter, by code."""
+    from prometheus_client import REGISTRY
+
+    apiserver.create(SVC, service("a"))
+    client = await make_api_client(
+        kubeconfig=str(apiserver.write_kubeconfig(tmp_path / "kc")), master=None
+    )
+    host = apiserver.url.removeprefix("https://")
+
+    def requests(code: str) -> float:
+        labels = {"code": code, "method": "GET", "host": host}
+        return REGISTRY.get_sample_value("rest_client_requests_total", labels) or 0.0
+
+    ok, refused = requests("200"), requests("401")
+    tracker, source = source_of(client, backoff_max_s=0.5)
+    task = asyncio.create_task(source.run())
+    try:
+        await wait_for(lambda: tracker.synced, timeout=5)
+        assert requests("200") >= ok + 3  # a list of each resource, at least
+        apiserver.token = "rotated-" + apiserver.token  # uproxy's token is no longer taken
+        apiserver.drop_watches()
+        await wait_for(lambda: requests("401") >= refused + 3, timeout=10)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await client.close()
+
+
 async def test_a_socks_proxy_in_the_kubeconfig_is_one_line(
     tmp_path: Path, apiserver: ApiServerDouble
 ) -> None:

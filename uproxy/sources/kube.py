@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime
+import functools
 import json
 import logging
 import os
@@ -53,7 +54,7 @@ from typing import Any, Protocol as TypingProtocol
 import aiohttp
 import yaml
 
-from uproxy import heap
+from uproxy import heap, metrics
 from uproxy.log import V2, kv
 from uproxy.objects import (
     HEADLESS_LABEL,
@@ -521,6 +522,8 @@ class KubeSource:
     ) -> None:
         self.tracker = tracker
         self.api_client = api_client
+        host = urllib.parse.urlsplit(api_client.configuration.host).netloc
+        self._answered = functools.partial(metrics.API_REQUESTS.labels, method="GET", host=host)
         self.node_name = node_name
         self.config_sync_period_s = config_sync_period_s
         self.inactivity_timeout_s = inactivity_timeout_s
@@ -704,7 +707,12 @@ class KubeSource:
 
     async def _get_json(self, feed: _Feed, kwargs: dict[str, Any]) -> Mapping[str, Any]:
         timeout = aiohttp.ClientTimeout(total=LIST_TIMEOUT_S, sock_connect=CONNECT_TIMEOUT_S)
-        resp = await feed.list_fn(**kwargs, _preload_content=False, _request_timeout=timeout)
+        try:
+            resp = await feed.list_fn(**kwargs, _preload_content=False, _request_timeout=timeout)
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            self._answered(code="<error>").inc()
+            raise
+        self._answered(code=str(resp.status)).inc()
         try:
             raw = await resp.read()
         finally:
@@ -724,16 +732,21 @@ class KubeSource:
         )
         # Until the response's headers: a server (or a pooled connection to a dead peer, a
         # stuck load balancer) that never answers would hold this feed, its relists too.
-        async with asyncio.timeout(WATCH_HEADERS_TIMEOUT_S):
-            resp = await feed.list_fn(
-                **feed.selector,
-                watch=True,
-                resource_version=feed.rv,
-                allow_watch_bookmarks=True,
-                timeout_seconds=max(1, int(server_timeout)),
-                _preload_content=False,
-                _request_timeout=timeout,
-            )
+        try:
+            async with asyncio.timeout(WATCH_HEADERS_TIMEOUT_S):
+                resp = await feed.list_fn(
+                    **feed.selector,
+                    watch=True,
+                    resource_version=feed.rv,
+                    allow_watch_bookmarks=True,
+                    timeout_seconds=max(1, int(server_timeout)),
+                    _preload_content=False,
+                    _request_timeout=timeout,
+                )
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            self._answered(code="<error>").inc()
+            raise
+        self._answered(code=str(resp.status)).inc()
         progressed = False
         lines, burst = _Lines(), _Burst()
         try:
