@@ -177,13 +177,14 @@ def test_an_unknown_algorithm_annotation_falls_back_and_is_said_once(
     invalid, and a serving one was taken down by the edit."""
     caplog.set_level(logging.WARNING, logger="uproxy")
     caplog.clear()
-    obj = service(annotations={"uproxy.io/lb-algorithm": "roundrobin"})
+    # What was said is remembered process-wide: a value no other test uses.
+    obj = service(annotations={"uproxy.io/lb-algorithm": "round_robin"})
     for _ in range(3):
         (port,) = service_ports(obj).values()
         assert port.lb_algorithm is None  # --lb-algorithm
     said = "Ignoring an unknown load-balancing algorithm; using --lb-algorithm"
     assert [r.getMessage() for r in caplog.records] == [said]
-    assert "got 'roundrobin'" in caplog.records[0].kv["reason"]  # type: ignore[attr-defined]
+    assert "got 'round_robin'" in caplog.records[0].kv["reason"]  # type: ignore[attr-defined]
 
 
 def test_source_ranges_with_leading_zeros_read_as_kube_proxy_reads_them() -> None:
