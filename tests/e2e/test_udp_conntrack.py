@@ -34,6 +34,15 @@ def udp_flows(net: Cluster) -> int:
     return sum(1 for line in done.stdout.splitlines() if line.startswith("udp"))
 
 
+def start_dnsmasq(net: Cluster, start_proc: StartProc) -> None:
+    topo = net.topo
+    start_proc(topo.backend, dnsmasq_argv(topo.backend_ip))
+    wait_until_ok(
+        lambda: dig(topo, topo.backend, topo.backend_ip, DNS_NAME) == DNS_ANSWER,
+        message="dnsmasq answering",
+    )
+
+
 @pytest.mark.parametrize("rules", ["auto", "nftables"], ids=["restore", "nftables"])
 def test_a_udp_client_sending_before_the_service_existed_gets_through(
     net: Cluster,
@@ -43,11 +52,7 @@ def test_a_udp_client_sending_before_the_service_existed_gets_through(
     rules: str,
 ) -> None:
     topo = net.topo
-    start_proc(topo.backend, dnsmasq_argv(topo.backend_ip))
-    wait_until_ok(
-        lambda: dig(topo, topo.backend, topo.backend_ip, DNS_NAME) == DNS_ANSWER,
-        message="dnsmasq answering",
-    )
+    start_dnsmasq(net, start_proc)
     services.put(*lb_web(net))
     services.write()
     proxy = start_uproxy(rules)
@@ -81,11 +86,7 @@ def test_a_udp_client_keeping_its_socket_is_refused_once_the_endpoints_are_gone(
     entries of endpoints that went, so that its REJECT answers; uproxy deletes the service
     address's entries once its REJECT rule is in."""
     topo = net.topo
-    start_proc(topo.backend, dnsmasq_argv(topo.backend_ip))
-    wait_until_ok(
-        lambda: dig(topo, topo.backend, topo.backend_ip, DNS_NAME) == DNS_ANSWER,
-        message="dnsmasq answering",
-    )
+    start_dnsmasq(net, start_proc)
     svc, endpoints = dns(net)
     services.put(svc, endpoints)
     services.write()

@@ -14,7 +14,7 @@ import gc
 import logging
 import subprocess
 import sys
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 from typing import cast
 
@@ -479,26 +479,34 @@ def source_of(client: ApiClient, *, backoff_max_s: float) -> tuple[Tracker, Kube
     return tracker, source
 
 
+@contextlib.asynccontextmanager
+async def following(client: ApiClient) -> AsyncIterator[Tracker]:
+    """A source on ``client`` running (its backoff capped at 0.5 s) for the block's time;
+    the client is closed after."""
+    tracker, source = source_of(client, backoff_max_s=0.5)
+    task = asyncio.create_task(source.run())
+    try:
+        yield tracker
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await client.close()
+
+
 async def follows_a_rotated_token(
     apiserver: ApiServerDouble, client: ApiClient, token: Path
 ) -> None:
     """A source on ``client`` (whose kubeconfig names the ``token`` file) syncs service "a",
     then, with the token rotated in the API double and in the file and the watches dropped,
     sees service "b": the new token was read. The client is closed after."""
-    tracker, source = source_of(client, backoff_max_s=0.5)
-    task = asyncio.create_task(source.run())
-    try:
+    async with following(client) as tracker:
         await wait_for(lambda: tracker.synced and names(tracker) == {"a"}, timeout=5)
         apiserver.token = "rotated-" + apiserver.token
         token.write_text(apiserver.token)
         apiserver.drop_watches()
         apiserver.create(SVC, service("b"))
         await wait_for(lambda: names(tracker) == {"a", "b"}, timeout=5)
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await client.close()
 
 
 async def test_a_rotated_token_file_is_read_again(
@@ -609,9 +617,7 @@ async def test_an_exec_credential_is_asked_for_again_before_it_expires(
     kubeconfig = exec_kubeconfig(apiserver, tmp_path, kube.EXEC_CREDENTIAL_MARGIN_S + 3600)
     apiserver.create(SVC, service("a"))
     client = await make_api_client(kubeconfig=str(kubeconfig), master=None)
-    tracker, source = source_of(client, backoff_max_s=0.5)
-    task = asyncio.create_task(source.run())
-    try:
+    async with following(client) as tracker:
         await wait_for(lambda: tracker.synced and names(tracker) == {"a"}, timeout=5)
         runs = plugin_runs(tmp_path)
         assert runs == 1  # a token an hour from its expiry is not asked for again
@@ -624,11 +630,6 @@ async def test_an_exec_credential_is_asked_for_again_before_it_expires(
         await wait_for(lambda: names(tracker) == {"a", "b"}, timeout=5)
         assert apiserver.unauthorized == 0
         assert plugin_runs(tmp_path) == 2
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await client.close()
 
 
 async def test_an_exec_plugin_that_fails_is_one_warning_and_retried(
@@ -641,9 +642,7 @@ async def test_an_exec_plugin_that_fails_is_one_warning_and_retried(
     caplog.clear()
     (tmp_path / "token").unlink()  # the plugin now fails
     apiserver.token = "rotated-" + apiserver.token
-    tracker, source = source_of(client, backoff_max_s=0.5)
-    task = asyncio.create_task(source.run())
-    try:
+    async with following(client) as tracker:
 
         def refused() -> list[logging.LogRecord]:
             said = "Cannot refresh the kubeconfig's exec credential"
@@ -653,11 +652,6 @@ async def test_an_exec_plugin_that_fails_is_one_warning_and_retried(
         assert "exec: process returned 1" in refused()[0].kv["error"]  # type: ignore[attr-defined]
         (tmp_path / "token").write_text(apiserver.token)  # the plugin works again
         await wait_for(lambda: tracker.synced and names(tracker) == {"a"}, timeout=10)
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await client.close()
 
 
 @pytest.mark.parametrize(
@@ -844,15 +838,8 @@ async def test_master_without_a_scheme_reaches_the_api_server(
     bare = apiserver.url.removeprefix("https://")
     client = await make_api_client(kubeconfig=str(kc), master=bare + "/")
     assert client.configuration.host == apiserver.url
-    tracker, source = source_of(client, backoff_max_s=0.5)
-    task = asyncio.create_task(source.run())
-    try:
+    async with following(client) as tracker:
         await wait_for(lambda: tracker.synced and names(tracker) == {"a"}, timeout=5)
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await client.close()
 
 
 @pytest.mark.parametrize("master", ["not a url", "ftp://10.0.0.1", "https://", "10.0.0.1:port"])
@@ -882,19 +869,12 @@ async def test_api_requests_are_counted_by_code_as_client_go_counts_them(
         return REGISTRY.get_sample_value("rest_client_requests_total", labels) or 0.0
 
     ok, refused = requests("200"), requests("401")
-    tracker, source = source_of(client, backoff_max_s=0.5)
-    task = asyncio.create_task(source.run())
-    try:
+    async with following(client) as tracker:
         await wait_for(lambda: tracker.synced, timeout=5)
         assert requests("200") >= ok + 3  # a list of each resource, at least
         apiserver.token = "rotated-" + apiserver.token  # uproxy's token is no longer taken
         apiserver.drop_watches()
         await wait_for(lambda: requests("401") >= refused + 3, timeout=10)
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await client.close()
 
 
 async def test_a_socks_proxy_in_the_kubeconfig_is_one_line(
