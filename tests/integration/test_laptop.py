@@ -566,6 +566,52 @@ async def test_a_drain_ends_at_the_first_moment_no_connection_is_open(
         await asyncio.wait_for(asyncio.open_connection("127.0.0.1", unused_tcp_port), 3)
 
 
+@pytest.mark.parametrize("workers", [0, 2], ids=["in-process", "2-workers"])
+async def test_a_connection_held_on_one_service_keeps_every_service_accepting(
+    tmp_path: Path,
+    backends: list[NamedBackend],
+    unused_tcp_port_factory: Any,
+    workers: int,
+) -> None:
+    """A node's one long-lived connection (a database, a watch) kept only its own port
+    accepting through a stop: every other service's port closed at once, and its new
+    connections were refused for the whole drain."""
+    web_port, api_port = unused_tcp_port_factory(), unused_tcp_port_factory()
+    docs: list[dict[str, Any]] = []
+    for name, port, b in (("web", web_port, backends[0]), ("api", api_port, backends[1])):
+        docs.append(service(name, ports=[{"name": "http", "port": port, "protocol": "TCP"}]))
+        docs.append(
+            endpoint_slice(
+                f"{name}-0",
+                name,
+                endpoints=[endpoint(b.host)],
+                ports=[{"name": "http", "port": b.port, "protocol": "TCP"}],
+            )
+        )
+    path = tmp_path / "services.yaml"
+    path.write_text(yaml.safe_dump_all(docs))
+    settings = Settings(
+        services=str(path), rules="none", workers=workers, drain_timeout=3.0,
+        healthz_bind_address="", metrics_bind_address="",
+    )  # fmt: skip
+    proxy = Proxy(settings)
+    try:
+        await proxy.start()
+        await asyncio.wait_for(proxy.synced.wait(), 5)
+        assert await greet("127.0.0.1", api_port, timeout=3) == "b2"
+        reader, writer = await asyncio.open_connection("127.0.0.1", web_port)
+        assert await asyncio.wait_for(reader.readline(), 3) == b"b1\n"  # held open
+        stopping = asyncio.create_task(proxy.stop())
+        for _ in range(20):  # paced over the 3 s drain's first 2.4 s (before its last call)
+            await asyncio.sleep(0.1)
+            assert await greet("127.0.0.1", api_port, timeout=1) == "b2"
+        assert not stopping.done()
+        writer.close()  # the held connection ends: the drain with it
+        await asyncio.wait_for(stopping, 5)
+    finally:
+        await proxy.stop()
+
+
 async def test_short_connections_during_a_drain_are_served_or_refused_never_cut(
     tmp_path: Path, backends: list[NamedBackend], unused_tcp_port: int
 ) -> None:

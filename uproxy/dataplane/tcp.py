@@ -246,11 +246,18 @@ class TcpListener:
 
     @property
     def draining(self) -> bool:
-        """A stop waits for its connections while it still accepts (``shutdown``)."""
-        return self._sock is not None and self._drained is not None and not self._drained.done()
+        """A stop is under way and this port still accepts (``drain``)."""
+        return self._sock is not None and isinstance(self._watcher, _Draining)
 
-    async def _until_drained(self, deadline: float) -> None:
+    @property
+    def busy(self) -> bool:
+        """Whether a connection it took is still open."""
+        return bool(self._conns)
+
+    async def until_idle(self, deadline: float) -> None:
         """Wait until no connection is open (``released``) or ``deadline`` (loop time)."""
+        if not self._conns:
+            return
         self._drained = drained = self.loop.create_future()
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout_at(deadline):
@@ -464,40 +471,37 @@ class TcpListener:
         sock.close()
 
     async def shutdown(self, timeout: float) -> int:
-        """Drain: let connections finish for up to ``timeout`` seconds, then abort the rest;
-        returns how many were aborted.
+        """Drain this port alone (see ``drain``); returns how many connections were reset."""
+        return await drain([self], timeout)
 
-        The port goes on accepting while connections are open: the portal rules still lead
-        here, and a node's pods have no other way to the service, so closing first refused
-        every new connection for the whole drain (up to ``--drain-timeout``) on a node with
-        one long-lived connection. It closes at the first moment none is open (what its
-        queue holds then is taken and served first), or ``DRAIN_LAST_CALL`` of the timeout
-        before the deadline (at most 1 s): what it accepted last gets that long to finish,
-        so that steady short requests are not cut at the deadline, only long ones."""
-        loop = self.loop
-        deadline = loop.time() + timeout
-        last_call = deadline - min(timeout * DRAIN_LAST_CALL, 1.0)
+    def keep_accepting(self) -> None:
+        """A stop began: accept (without deferring to another worker, which may have closed
+        its copy already) until ``stop_accepting``."""
         sock = self._sock
-        if self._conns and sock is not None and self._watcher is self:
+        if sock is not None and self._watcher is self:
             self._watcher = _Draining(self)
             if self._paused is None:
                 self._acceptor.unwatch(sock.fileno())
                 self._acceptor.watch(sock.fileno(), self._watcher)
-        while self._conns and self._sock is not None and loop.time() < last_call:
-            await self._until_drained(last_call)
+
+    def stop_accepting(self) -> None:
+        """Close, having taken what the queue holds: closing a listening socket resets the
+        handshakes in its queue."""
         if self._sock is not None and self._paused is None:
-            # Closing a listening socket resets the handshakes in its queue: take them.
             self._accept(self.settings.listen_backlog, defer=False, whole=True)
         self.close()
-        if self._conns and loop.time() < deadline:
-            await self._until_drained(deadline)
+
+    async def finish(self, deadline: float) -> int:
+        """Let its connections finish until ``deadline`` (loop time), then reset the rest
+        (a RST says the rest is lost, a FIN would not); returns how many were reset."""
+        await self.until_idle(deadline)
         tasks = []
         left = list(self._conns)
         for conn in left:
             if conn.task is not None and not conn.task.done():
                 conn.task.cancel()
                 tasks.append(conn.task)
-            conn.reset()  # past the deadline: a RST says the rest is lost, a FIN would not
+            conn.reset()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
         return len(left)
@@ -512,14 +516,37 @@ class Drainable(Protocol):
 
 
 async def drain(listeners: Iterable[Drainable], timeout: float) -> int:
-    """Stop one process's listeners under one deadline: every TCP listener drains at once
-    (accepting while it has connections, see ``TcpListener.shutdown``); UDP listeners have
-    no connections to wait for and serve until the TCP ones are done, so that a service's
-    datagrams (DNS) are not dropped for the drain's length. Returns the connections reset."""
+    """Stop one process's listeners under one deadline; returns the connections reset.
+
+    Every TCP port goes on accepting while any connection of this process is open: the
+    portal rules still lead here, and a node's pods have no other way to a service, so a
+    port that closed first (or as soon as it alone had nothing open) refused new
+    connections for the whole drain (up to ``--drain-timeout``) on a node with one
+    long-lived connection to any service. They close together at the first moment none is
+    open (what their queues hold then is taken and served first), or ``DRAIN_LAST_CALL`` of
+    the timeout before the deadline (at most 1 s): what they accepted last gets that long to
+    finish, so that steady short requests are not cut at the deadline, only long ones. UDP
+    ports have no connections to wait for and serve until the TCP ones are done, so that a
+    service's datagrams (DNS) are not dropped for the drain's length.
+    """
     listeners = list(listeners)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    last_call = deadline - min(timeout * DRAIN_LAST_CALL, 1.0)
+    streams = [lst for lst in listeners if isinstance(lst, TcpListener)]
     datagrams = [lst for lst in listeners if isinstance(lst, UdpListener)]
-    streams = [lst for lst in listeners if not isinstance(lst, UdpListener)]
-    reset = sum(await asyncio.gather(*(lst.shutdown(timeout) for lst in streams)))
-    for lst in datagrams:
-        lst.close()
-    return reset
+    others = [lst for lst in listeners if not isinstance(lst, (TcpListener, UdpListener))]
+    elsewhere = [asyncio.ensure_future(lst.shutdown(timeout)) for lst in others]
+    for lst in streams:
+        lst.keep_accepting()
+    while loop.time() < last_call:
+        busy = [lst for lst in streams if lst.busy]
+        if not busy:
+            break
+        await asyncio.gather(*(lst.until_idle(last_call) for lst in busy))
+    for lst in streams:
+        lst.stop_accepting()
+    reset = sum(await asyncio.gather(*(lst.finish(deadline) for lst in streams)))
+    for datagram in datagrams:
+        datagram.close()
+    return reset + sum(await asyncio.gather(*elsewhere))
