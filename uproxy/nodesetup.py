@@ -21,8 +21,11 @@ other they cannot be written (the file is read-only there, and the hash size ref
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import socket
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -131,3 +134,54 @@ def set_oom_score_adj(value: int, *, path: str = "/proc/self/oom_score_adj") -> 
         return f"{_reason(e)}{hint}"
     log.debug("Set the OOM score adjustment", extra=kv(value=value, was=current))
     return None
+
+
+# An abstract Unix socket's name lives in its network namespace: one uproxy per node
+# namespace holds it, and it goes with the process however that ends (no stale lock file).
+NAMESPACE_LOCK = "\0uproxy-node-proxy"
+
+
+def claim_network_namespace(name: str = NAMESPACE_LOCK) -> socket.socket:
+    """Hold this network namespace for this process's rules and ports, or raise
+    ``NamespaceTaken`` naming the uproxy that holds it.
+
+    Two uproxies with rules in one namespace (a second DaemonSet, a manual start beside the
+    pod) rewrote each other's rules for ever: with nftables both reloaded the table every
+    second, with the iptables chains the portals flipped between the two's proxy ports
+    every sync period, and the one stopped last left rules leading to ports nobody held.
+    """
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(name)
+        sock.listen(1)
+        return sock
+    except OSError as e:
+        sock.close()
+        if e.errno != errno.EADDRINUSE:
+            raise
+    raise NamespaceTaken(_holder(name))
+
+
+class NamespaceTaken(Exception):
+    def __init__(self, pid: int | None) -> None:
+        self.pid = pid
+        who = f"another uproxy (pid {pid} in its PID namespace)" if pid else "another uproxy"
+        super().__init__(
+            f"{who} already proxies for this network namespace; run one uproxy per node "
+            "(--rules none, laptop mode, can run several)"
+        )
+
+
+def _holder(name: str) -> int | None:
+    """The pid of the process listening on ``name`` (its peer credentials), if it answers."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(1.0)
+        sock.connect(name)
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        pid, _, _ = struct.unpack("3i", creds)
+        return pid or None
+    except OSError:
+        return None
+    finally:
+        sock.close()

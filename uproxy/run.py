@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 import sys
 
 from uproxy import heap
@@ -36,6 +37,45 @@ def set_up_node(settings: Settings) -> None:
             "writable (a privileged init container), or change the conntrack settings",
             extra=kv(problems="; ".join(problems)),
         )
+
+
+# How long past its drain a uproxy that still holds the namespace is waited for.
+CLAIM_GRACE_S = 5.0
+
+
+async def claim_node(settings: Settings) -> socket.socket:
+    """This network namespace, for this process's rules and ports (``nodesetup``). One
+    uproxy that still holds it may be draining (a restart that overlaps its predecessor's
+    stop): it is waited for, up to a drain and a few seconds, then that is an error."""
+    from uproxy.nodesetup import NamespaceTaken, claim_network_namespace
+
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + settings.drain_timeout + CLAIM_GRACE_S
+    said = False
+    while True:
+        try:
+            held = claim_network_namespace()
+        except NamespaceTaken as e:
+            if loop.time() >= give_up:
+                raise
+            if not said:
+                log.warning(
+                    "Another uproxy proxies for this network namespace; waiting for it to exit",
+                    extra=kv(pid=e.pid or "?", wait_s=round(give_up - loop.time(), 1)),
+                )
+                said = True
+            await asyncio.sleep(0.1)
+            continue
+        # Another start asks who holds it (its peer credentials): answer by taking the
+        # connection and closing it, so that asking never fills the queue.
+        held.setblocking(False)
+        loop.add_reader(held.fileno(), _answer, held)
+        return held
+
+
+def _answer(held: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        held.accept()[0].close()
 
 
 def format_table(rows: list[TableRow]) -> str:
@@ -77,6 +117,11 @@ def print_table(rows: list[TableRow]) -> None:
 
 async def run_proxy(settings: Settings) -> int:
     if not settings.laptop:
+        try:
+            held = await claim_node(settings)  # noqa: F841 - held for the process's life
+        except Exception as e:
+            print(f"uproxy: error: {e}", file=sys.stderr)
+            return 1
         set_up_node(settings)
     try:
         proxy = Proxy(settings, on_table=print_table if settings.laptop else None)

@@ -19,7 +19,7 @@ import pytest
 
 from tests.e2e.cluster import Cluster
 from tests.e2e.conftest import DUAL_STACK, StartProc, StartUproxy
-from tests.e2e.harness import ServicesFile, curl, slice_endpoint, url
+from tests.e2e.harness import ServicesFile, Uproxy, curl, slice_endpoint, url, wait_until_ok
 from tests.e2e.manifests import (
     WEB6_ONLY_IP,
     WEB_IP,
@@ -156,3 +156,42 @@ def test_taken_node_port_is_one_error_line_and_others_keep_working(
     answers = curl(topo, topo.pod, "http://10.96.0.11/", body=b"taken", tmp=tmp_path)
     assert [a.name for a in answers] == ["web-3"]
     assert proxy.proc.popen.poll() is None
+
+
+def test_a_second_uproxy_in_one_namespace_waits_for_the_first_or_is_one_error(
+    net: Cluster,
+    services: ServicesFile,
+    start_uproxy: StartUproxy,
+) -> None:
+    """Two uproxies with rules in one node namespace rewrote each other's rules for ever
+    (with nftables both reloaded the table every second) and said so only as "changed by
+    somebody else". A second one now waits for the first to exit (a restart overlapping the
+    stop of its predecessor), then starts; one that outlives the wait is one error line."""
+    services.put(*lb_web(net))
+    services.write()
+    first = start_uproxy("nftables")
+    first.wait_synced()
+    topo = net.topo
+    second = Uproxy(
+        topo, topo.node, services=services.path, rules="nftables", extra=["--drain-timeout", "0s"]
+    )
+    try:
+        second.proc.popen.wait(timeout=20)  # bounded: it waits 5 s past its 0 s drain
+    finally:
+        code = second.stop()
+    said = second.proc.stderr_lines
+    errors = [line for line in said if line.startswith("uproxy: error:")]
+    assert code == 1 and len(errors) == 1, said
+    assert f"another uproxy (pid {first.proc.popen.pid} " in errors[0], errors
+    assert "already proxies for this network namespace" in errors[0]
+    assert sum("waiting for it to exit" in line for line in said) == 1, said
+    assert "Syncing" not in "\n".join(said) and first.proc.popen.poll() is None
+
+    third = start_uproxy("nftables")  # waits up to its 5 s drain and 5 s more
+    wait_until_ok(
+        lambda: "waiting for it to exit" in "\n".join(third.proc.stderr_lines),
+        message="the third uproxy waiting for the first",
+    )
+    started = time.time()
+    assert first.stop() == 0
+    third.wait_synced(after=started)

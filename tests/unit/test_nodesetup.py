@@ -4,11 +4,22 @@ files, in a network namespace, are in tests/e2e/test_node_setup.py."""
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import pytest
 
-from uproxy.nodesetup import HASHSIZE, NETFILTER, Wanted, set_oom_score_adj, table_size, tune
+from uproxy.nodesetup import (
+    HASHSIZE,
+    NETFILTER,
+    NamespaceTaken,
+    Wanted,
+    claim_network_namespace,
+    set_oom_score_adj,
+    table_size,
+    tune,
+)
 from uproxy.settings import Settings
 
 NODE = {
@@ -117,3 +128,16 @@ def test_the_oom_score_is_set_and_a_refusal_is_returned(tmp_path: Path) -> None:
     assert set_oom_score_adj(-999, path=str(score)) is None
     assert score.read_text() == "-999\n"
     assert set_oom_score_adj(-999, path=str(tmp_path / "missing")) == "No such file or directory"
+
+
+def test_one_holder_of_a_network_namespace_and_who_it_is() -> None:
+    name = f"\0uproxy-test-{os.getpid()}-{time.monotonic_ns()}"
+    held = claim_network_namespace(name)
+    try:
+        with pytest.raises(NamespaceTaken) as taken:
+            claim_network_namespace(name)
+        assert taken.value.pid == os.getpid()
+        assert f"another uproxy (pid {os.getpid()} in its PID namespace)" in str(taken.value)
+    finally:
+        held.close()
+    claim_network_namespace(name).close()  # released with its holder
