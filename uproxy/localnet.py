@@ -90,25 +90,26 @@ def stacks_at_start(
     if bind:  # an unspecified one: its family first (kube-proxy's primary family), both served
         wanted.sort(key=lambda f: f is not ip_family(bind))
     out: list[Stack] = []
-    unsupported: list[str] = []
+    unsupported: dict[IPFamily, str] = {}
     for family in wanted:
         host = primary_address(family)
         if host is None:
             continue
         why = rules_support(family)
         if why is not None:
-            unsupported.append(why)
-            log.warning(
-                "Not serving an IP family: the rules backend cannot program it here",
-                extra=kv(family=family.label, rules=settings.rules_backend, reason=why),
-            )
+            unsupported[family] = why
             continue
         out.append(Stack(family, host, ANY[family]))
-    if not out and unsupported:
-        reasons = "; ".join(dict.fromkeys(unsupported))
+    if not out and unsupported:  # one line: the error says it all
+        reasons = "; ".join(dict.fromkeys(unsupported.values()))
         raise ValueError(
             f"--rules {settings.rules_backend} cannot program rules here: {reasons}; "
             "install it, or choose another --rules"
+        )
+    for family, why in unsupported.items():
+        log.warning(
+            "Not serving an IP family: the rules backend cannot program it here",
+            extra=kv(family=family.label, rules=settings.rules_backend, reason=why),
         )
     if not out:
         raise ValueError(

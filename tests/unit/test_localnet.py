@@ -8,6 +8,7 @@ LoadBalancer IPs carry their IPv4 source ranges.
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -288,6 +289,7 @@ def test_nodeport_addresses_count_per_family() -> None:
 def test_families_served(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     addresses: dict[IPFamily, str] = dict(PRIMARY_IPS)
     monkeypatch.setattr(localnet, "primary_address", lambda f: addresses.get(f))
+    caplog.set_level(logging.WARNING, logger="uproxy")
     node = Settings(rules="iptables-restore")
     assert stacks_at_start(node) == (
         Stack(V4, "10.200.3.1", "0.0.0.0"),
@@ -297,7 +299,11 @@ def test_families_served(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCapt
     no_ip6 = "neither ip6tables-nft-restore nor ip6tables-legacy-restore is installed"
     only4 = stacks_at_start(node, rules_support=lambda f: None if f is V4 else no_ip6)
     assert [s.family for s in only4] == [V4]
-    # Nothing it can program: the missing program is the error (once), not the address.
+    said = "Not serving an IP family: the rules backend cannot program it here"
+    assert [r.getMessage() for r in caplog.records if r.getMessage() == said] == [said]
+    # Nothing it can program: the missing program is the error (once), not the address,
+    # and the one line said (no warning per family before it).
+    caplog.clear()
     missing = "nft is not installed (the nftables package)"
     with pytest.raises(ValueError) as err:
         stacks_at_start(Settings(rules="nftables"), rules_support=lambda f: missing)
@@ -305,6 +311,7 @@ def test_families_served(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCapt
         f"--rules nftables cannot program rules here: {missing}; "
         "install it, or choose another --rules"
     )
+    assert not [r for r in caplog.records if r.getMessage() == said]
     with pytest.raises(ValueError, match="nft is not installed"):
         stacks_at_start(
             Settings(rules="nftables", bind_address="10.200.3.1"),
