@@ -335,7 +335,6 @@ async def test_endpoint_closes_first_and_the_client_can_still_send(
         await asyncio.wait_for(done.wait(), 5)
         assert digest(bytes(received)) == digest(request)
         await wait_until(lambda: listener.active == 0, what="pair closed")
-        assert len(listener.linger_timers) == 0
         writer.close()
         await writer.wait_closed()
     finally:

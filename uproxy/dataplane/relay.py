@@ -5,7 +5,11 @@ The relay works on raw non-blocking sockets registered once, edge-triggered, in 
 Bytes are read with ``recv_into`` into one buffer per loop and written on at once with
 ``send``; what the other socket does not take is copied aside and that side is no longer
 read until it is written (bounded memory: one read per direction, ``high_water``). EOF is
-passed on with ``shutdown(SHUT_WR)``, a reset with a RST, under a bounded half-close linger.
+passed on with ``shutdown(SHUT_WR)``, a reset with a RST. A half-closed pair stays open for
+as long as its other direction goes on (a server may think for minutes after a request's
+FIN), as in kube-proxy's userspace mode: a peer gone without a word is found by the
+keep-alive probes, which run in either half-closed state. (A 60 s bound on an idle
+half-closed pair ended a slow server's reply with a clean FIN, taken for a complete one.)
 There is no task or future per connection: the dial (retries, deadlines, the dial mark) is a
 chain of callbacks, and a task exists only while a dial waits for a free fd.
 
@@ -42,8 +46,8 @@ machine was shared, so figures move by about +-10 % between runs):
   pieces under Nagle by a delayed ACK, 40 ms.)
 * Client bytes that arrive while the dial is in flight stay in the kernel's socket buffer,
   read once the pair is linked: nothing to hold, and every retry still has them all.
-* Kept from the transport relay's setup pass (py-spy profiles): dial deadlines and the
-  linger are ``FixedDelayTimers`` (start+cancel 1.3 us against 3.4 us for call_later; since
+* Kept from the transport relay's setup pass (py-spy profiles): dial deadlines are
+  ``FixedDelayTimers`` (start+cancel 1.3 us against 3.4 us for call_later; since
   then 0.2 us, see there), a closed pair leaves no reference cycle (``_Side``), and
   nothing is logged or formatted per connection (metric tallies are bound once per
   listener, ``Stats``).
@@ -191,7 +195,6 @@ class Origin(Protocol):
     traffic: Traffic
     # By dial timeout (``settings.dial_timeouts_s``); they call ``Connection.dial_expired``.
     dial_timers: dict[float, FixedDelayTimers[Connection]]
-    linger_timers: FixedDelayTimers[Connection]  # calls ``Connection.linger_expired``
 
     def pause(self, reason: str) -> None:
         """Stop accepting for a while (no fd left for a dial)."""
@@ -549,7 +552,6 @@ class _Side:
         except OSError as exc:
             self.failed(peer, exc.errno)
             return
-        conn.half_closed()
 
     def flush_or_reset(self, before: int = -1) -> None:
         """After ``Connection.deliver_then_reset`` (on the side that was reset): write what
@@ -638,7 +640,6 @@ class Connection(_Side):
         "fd_deadline",
         "flushing",
         "held",
-        "linger",
         "linked",
         "listener",
         "started",
@@ -661,7 +662,6 @@ class Connection(_Side):
         self.linked = False
         self.dialing: _EndpointSide | None = None
         self.deadline: Timer | None = None
-        self.linger: Timer | None = None
         self.task: asyncio.Task[None] | None = None  # only while a dial waits for an fd
         self.attempt = 0
         self.tried: list[Endpoint] | None = None
@@ -871,35 +871,6 @@ class Connection(_Side):
         with contextlib.suppress(OSError):  # the socket died meanwhile: its event says so
             keep_alive(peer.sock, seconds)
 
-    def half_closed(self) -> None:
-        """One direction is over: the other gets ``half_close_linger_s`` without progress
-        to finish (``linger_expired``)."""
-        if self.linger is None and not self.closed:
-            self.linger = self.listener.linger_timers.start(self)
-
-    def linger_expired(self) -> None:
-        """The half-close bound has passed. A pair still moving bytes (a slow reader of a
-        long download after its request's FIN) gets another one: what is queued in its
-        sockets or held here says so. Only one that is idle is closed; cut, an active
-        transfer would end with a clean FIN, taken for a complete one."""
-        self.linger = None
-        if self.closed:
-            return
-        if self._moving():
-            self.linger = self.listener.linger_timers.start(self)
-            return
-        self.finish()
-
-    def _moving(self) -> bool:
-        for side in (self, self.peer):
-            if side is None:
-                continue
-            if side.out is not None or (side.pipe is not None and side.pipe.held):
-                return True
-            if side.sock is not None and (_unsent(side.sock) or _unread(side.sock)):
-                return True
-        return False
-
     def deliver_then_reset(self, dead: _Side) -> bool:
         """``dead`` was reset by its peer: pass on what it still holds, then the reset.
 
@@ -954,9 +925,6 @@ class Connection(_Side):
         if self.undialed:
             self.undialed = False
             FD_RESERVE.undialed -= 1
-        if self.linger is not None:
-            self.linger.clear()  # cancelled (see ``timers.Timer``)
-            self.linger = None
         if self.deadline is not None:
             self.deadline.clear()
             self.deadline = None

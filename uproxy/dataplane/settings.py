@@ -63,10 +63,6 @@ class DataplaneSettings:
     # pair has outlived the dial's deadline (``relay``), so short connections never pay for
     # it.
     tcp_keepalive_s: int = setting("tcp_keepalive_whole_s", 15)
-    # Seconds a half-closed TCP pair may stay open without moving a byte before both sides
-    # are closed, so that a peer that never sends its FIN cannot pile up FIN_WAIT2/
-    # CLOSE_WAIT sockets (HAProxy's "timeout client-fin"); one still moving bytes goes on.
-    half_close_linger_s: float = 60.0
     # Bytes read from one side of a TCP pair at a time (one recv), and so the most a pair
     # holds in user space per direction: what the other socket does not take at once is
     # kept, and that side is not read again until it is written. The kernel's socket

@@ -143,7 +143,6 @@ class TcpListener:
         "_watcher",
         "balancer",
         "dial_timers",
-        "linger_timers",
         "loop",
         "name",
         "poller",
@@ -175,9 +174,6 @@ class TcpListener:
         # dict is 64 bytes, an empty set 216 (its first table is inline).
         self._conns: dict[Connection, None] = {}
         self.dial_timers = _dial_timers(loop, settings.dial_timeouts_s)
-        self.linger_timers = shared_timers(
-            loop, settings.half_close_linger_s, Connection.linger_expired
-        )
         self._sock: socket.socket | None = sock
         self._family = sock.family  # read once: socket.family converts to an enum per read
         self._acceptor = read_poller_for(loop)

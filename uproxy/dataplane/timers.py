@@ -1,11 +1,10 @@
 """Per-connection timers that all share one delay, served by a single loop timer.
 
-Every TCP connection arms a dial deadline (per attempt) and, once one side has sent its
-FIN, a half-close linger. Each ``loop.call_later`` builds a TimerHandle, inserts it into the
-loop's timer heap and removes it again on cancel: the two timers were 3.9 % of the proxy's
-CPU in the connection-rate profile. Timers with one fixed delay expire in the order they
-were started, so a FIFO queue with one loop timer armed for its head gives the same
-expiry times for the price of an append.
+Every TCP connection arms a dial deadline (per attempt). Each ``loop.call_later`` builds a
+TimerHandle, inserts it into the loop's timer heap and removes it again on cancel: such
+timers were 3.9 % of the proxy's CPU in the connection-rate profile. Timers with one fixed
+delay expire in the order they were started, so a FIFO queue with one loop timer armed for
+its head gives the same expiry times for the price of an append.
 
 Cancelled entries drop the reference to their owner at once (nothing they point at is kept
 alive) and are skipped when they reach the head. Should a long timer at the head hold back
