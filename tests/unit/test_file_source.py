@@ -356,6 +356,37 @@ async def test_reload_applies_changes_and_keeps_last_good_state(
     assert "spec.ports[0].port" in errors[0].kv["error"]  # type: ignore[attr-defined]
 
 
+async def test_an_edit_whose_read_failed_is_read_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A read that fails (out of fds, under a flood of connections) is not bad content:
+    the edit used to be remembered as read, and lost until the next one."""
+    path = tmp_path / "services.yaml"
+    path.write_text(dump(service(), endpoint_slice("a", endpoints=[endpoint("10.0.0.1")])))
+    tracker = Tracker()
+    src = FileSource(path=str(path), tracker=tracker)
+    await src.load_initial()
+    real_load = file_source._load
+    failures = [OSError(24, "Too many open files")]
+
+    def load(*args: Any) -> Any:
+        if failures:
+            raise failures.pop()
+        return real_load(*args)
+
+    monkeypatch.setattr(file_source, "_load", load)
+    caplog.set_level(logging.ERROR, logger="uproxy")
+    caplog.clear()
+    rewrite(path, dump(service(), endpoint_slice("a", endpoints=[endpoint("10.0.0.2")])))
+    await src.poll()
+    assert [e.ip for e in tracker.snapshot()[WEB].endpoints] == ["10.0.0.1"]  # not read yet
+    assert [r.kv["error"] for r in caplog.records] == [  # type: ignore[attr-defined]
+        f"{path}: Too many open files"
+    ]
+    await src.poll()  # the same file, read this time
+    assert [e.ip for e in tracker.snapshot()[WEB].endpoints] == ["10.0.0.2"]
+
+
 async def test_an_emptied_file_is_applied_only_once_it_stays_empty(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -561,8 +561,15 @@ class FileSource:
         (logged once per distinct error: the last good state keeps serving)."""
         try:
             change = await asyncio.to_thread(_load, self.path, self._kept)
-        except (ServicesFileError, OSError) as e:
+        except ServicesFileError as e:
             self._failed(str(e))
+            return None
+        except OSError as e:
+            # Not the content: this read failed (out of fds, a permission flipped), and the
+            # same file is read again at the next poll. Remembered as read, the edit was
+            # lost until the next one.
+            self._failed(f"{self.path}: {e.strerror or e}")
+            self._stamp = None
             return None
         if self._last_error is not None and change is None:
             # Edited back (or restored) to what is served: nothing to load, but say so.
