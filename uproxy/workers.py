@@ -58,6 +58,7 @@ from uproxy.dataplane.messages import (
     Forget,
     Message,
     OpenListener,
+    Ping,
     Ready,
     SetEndpoints,
     endpoint_changes,
@@ -81,6 +82,11 @@ from uproxy.settings import Settings
 log = logging.getLogger("uproxy.workers")
 
 READY_TIMEOUT_S = 30.0  # a worker that does not answer by then is killed and replaced
+# A worker that applies nothing of what it was sent for this long (a Ping a second keeps
+# something pending) is stuck, in a loop or stopped: killed and replaced. Its apply slices
+# are milliseconds long; a worker at work moves its count many times a second.
+STUCK_S = 10.0
+WATCHDOG_INTERVAL_S = 1.0
 RESTART_BACKOFF_S = (0.0, 0.1, 0.5, 1.0, 5.0)  # after 0, 1, 2... deaths in a row
 CRASH_LOOP_WINDOW_S = 60.0  # a worker that lived longer than this starts the count afresh
 
@@ -192,6 +198,10 @@ class _Worker:
     started_at: float = field(default_factory=time.monotonic)
     buried: bool = False
     applied: int = 0  # of the messages sent on its channel (``Applied``)
+    # The watchdog's view: the Applied count it last saw move, when, and whether it gave up.
+    seen_applied: int = 0
+    moved_at: float = field(default_factory=time.monotonic)
+    hung: bool = False
 
     @property
     def pending(self) -> int:
@@ -259,6 +269,7 @@ class WorkerPool:
         self._listeners: dict[ListenerKey, _Listener] = {}
         self._totals = metrics.WorkerTotals()
         self._supervisor: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.Task[None] | None = None
         self._stopping = False
         self.restarts = 0
         self._applied_waiters: list[tuple[list[tuple[_Worker, int]], Callable[[], None]]] = []
@@ -319,6 +330,7 @@ class WorkerPool:
         does not answer in time); then a worker that dies is replaced."""
         await self._wait_ready(list(self._workers.values()))
         self._supervisor = asyncio.create_task(self._supervise(), name="worker-supervisor")
+        self._watchdog = asyncio.create_task(self._watch(), name="worker-watchdog")
 
     def _lower_control(self) -> None:
         if not self._control_nice:
@@ -347,10 +359,11 @@ class WorkerPool:
         """Drain every worker at once (SIGTERM) under one deadline; SIGKILL what is left."""
         self._stopping = True
         self._close_held()
-        if self._supervisor is not None:
-            self._supervisor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._supervisor
+        for task in (self._watchdog, self._supervisor):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         workers = list(self._workers.values())
         for w in workers:
             _signal(w.process, signal.SIGTERM if drain else signal.SIGKILL)
@@ -370,6 +383,8 @@ class WorkerPool:
     def kill_now(self) -> None:
         """A second stop signal: no draining, no waiting."""
         self._stopping = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         self._close_held()
         for w in self._workers.values():
             _signal(w.process, signal.SIGKILL)
@@ -755,8 +770,34 @@ class WorkerPool:
                 dead = waits[task]
                 await self._replace(dead, deaths_in_a_row)
 
+    async def _watch(self) -> None:
+        """Kill a worker that stopped applying what it is sent (``STUCK_S``): stuck in a
+        loop, or stopped (SIGSTOP), it holds its share of the connections (a UDP flow's
+        datagrams, a ClientIP client's connections, every connection with one worker) with
+        nobody to serve them, and every listener sent to it keeps an fd open here. The
+        supervisor then replaces it, as if it had died."""
+        while True:
+            await asyncio.sleep(WATCHDOG_INTERVAL_S)
+            now = time.monotonic()
+            for w in list(self._workers.values()):
+                if w.buried or w.hung or not w.ready.is_set():
+                    continue
+                if w.applied != w.seen_applied or not w.pending:
+                    w.seen_applied, w.moved_at = w.applied, now
+                elif now - w.moved_at >= STUCK_S:
+                    w.hung = True
+                    log.error(
+                        "Data-plane worker stopped answering; killing it",
+                        extra=kv(
+                            worker=w.index, pid=w.process.pid, stuck_s=round(now - w.moved_at, 1)
+                        ),
+                    )
+                    _signal(w.process, signal.SIGKILL)
+                    continue
+                w.channel.send(Ping())
+
     async def _replace(self, dead: _Worker, deaths: dict[int, int]) -> None:
-        how = _how(dead.process.returncode)
+        how = "stopped answering, killed" if dead.hung else _how(dead.process.returncode)
         log.error("Data-plane worker died, replacing it", extra=kv(worker=dead.index, how=how))
         metrics.WORKER_RESTARTS.inc()
         self.restarts += 1

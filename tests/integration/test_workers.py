@@ -14,6 +14,7 @@ import dataclasses
 import datetime
 import functools
 import hashlib
+import logging
 import os
 import re
 import signal
@@ -33,6 +34,7 @@ from tests.conftest import wait_for, wait_for_sync
 from tests.factories import endpoint, endpoint_slice, service
 from tests.integration.backends import NamedBackend, NamedDatagramEcho, greet, next_datagram
 from tests.integration.procs import children
+from uproxy import workers as workers_module
 from uproxy.localnet import has_loopback6
 from uproxy.model import Endpoint, IPFamily, Protocol, ServicePortName
 from uproxy.proxy import Proxy
@@ -687,6 +689,45 @@ async def test_a_dead_workers_clients_wait_for_its_replacement_and_no_other_clie
         assert await greet_from(client) == stuck[client], client
     for client in clients[::2]:  # the replacement's clients stick to an endpoint again
         assert len({await greet_from(client) for _ in range(3)}) == 1, client
+
+
+async def test_a_stuck_worker_is_killed_and_replaced_and_its_clients_served(
+    tmp_path: Path,
+    backends: list[NamedBackend],
+    proxies: list[Proxy],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A worker stopped (or stuck in a loop) never died, so nothing replaced it: its share
+    of the clients (with ClientIP affinity, those its socket is chosen for) hung for as long
+    as it stayed stuck, with /healthz at 200 and nothing logged. The watchdog sees its
+    Applied count stand still with messages pending, and kills it."""
+    monkeypatch.setattr(workers_module, "STUCK_S", 2.0)
+    monkeypatch.setattr(workers_module, "WATCHDOG_INTERVAL_S", 0.2)
+    caplog.set_level(logging.ERROR, logger="uproxy")
+    proxy = await serving_web(
+        tmp_path / "services.yaml", backends, proxies, sessionAffinity="ClientIP"
+    )
+    pool = proxy.workers
+    assert pool is not None
+    port = proxy_port(proxy)
+    victim = pool._workers[0].process.pid
+    os.kill(victim, signal.SIGSTOP)
+    # 127.0.0.2 (an even last byte) is worker 0's: it queues until the replacement is up.
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.2", 0))
+    try:
+        await wait_for(lambda: pool.restarts == 1 and _all_ready(proxy), timeout=10)
+        assert (await asyncio.wait_for(reader.readline(), 5)).strip() in {b"b1", b"b2", b"b3"}
+    finally:
+        writer.close()
+    said = [r for r in caplog.records if r.name == "uproxy.workers"]
+    assert [r.getMessage() for r in said] == [
+        "Data-plane worker stopped answering; killing it",
+        "Data-plane worker died, replacing it",
+    ]
+    assert said[0].kv["pid"] == victim  # type: ignore[attr-defined]
+    assert said[1].kv["how"] == "stopped answering, killed"  # type: ignore[attr-defined]
+    assert pool._workers[1].process.returncode is None  # the other worker untouched
 
 
 async def test_a_replacement_that_dies_before_it_is_ready_is_replaced_at_once(

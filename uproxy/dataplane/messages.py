@@ -371,6 +371,12 @@ class Applied:
     count: int  # messages received and applied since the worker started
 
 
+@dataclass(frozen=True, slots=True)
+class Ping:
+    """Nothing to do: the control process's watchdog sends one a second, and a worker whose
+    Applied count stops moving with messages pending is stuck (``workers``)."""
+
+
 Message = (
     Configure
     | SetEndpoints
@@ -381,6 +387,7 @@ Message = (
     | Forget
     | Ready
     | Applied
+    | Ping
 )
 _Sent = Message | EndpointsAhead  # what a packet holds
 
