@@ -268,18 +268,19 @@ async def receive(sock: socket.socket, n: int, deadline_s: float) -> bytes:
 
 
 async def starve(child: Child, holder: socket.socket | None) -> socket.socket:
-    """Fill the proxy's fd table, connect a client, free exactly one fd for its accept.
+    """Fill the proxy's fd table but one fd, then connect a client.
 
-    The proxy accepts the client into that last fd and has none left to dial with: the
-    case the accept-side reserve cannot foresee (the fds went to something else).
+    The proxy (accepting: nothing paused it) accepts the client into that last fd and has
+    none left to dial with: the case the accept-side reserve cannot foresee (the fds went
+    to something else since the last accept).
     """
     assert (await child.ask("hog"))["hogged"] > 0
+    await child.ask("unhog 1")
     client = socket.create_connection(("127.0.0.1", child.port), timeout=5)
     client.setblocking(False)
     want_active = 2 if holder is not None else 1
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 5
-    await child.ask("unhog 1")
     while (await child.stats())["active"] != want_active:
         assert loop.time() < deadline, "the client was never accepted"
         await asyncio.sleep(0.02)
@@ -343,3 +344,43 @@ async def test_a_dial_that_never_gets_an_fd_is_reset_within_the_dial_budget(
     finally:
         client.close()
         await child.ask("unhog 1000")
+
+
+@pytest.mark.parametrize("extra_fds", [0, 1])
+async def test_out_of_fds_a_queued_client_waits_in_the_backlog_and_is_not_reset(
+    backends: BackendFactory, proxy_child: ChildFactory, extra_fds: int
+) -> None:
+    """Pairs that stay open hold every fd. A client that comes then used to be accepted
+    into the last fd at every retry of the paused accept, had no fd to dial with, waited out
+    the dial budget and was reset: one client lost every few seconds for as long as the
+    limit lasted. It now waits in the backlog until a pair closes, and is served."""
+    b = await backends("echo")
+    child = await proxy_child(b.port, nofile=48, extra_fds=extra_fds)
+    holders: list[socket.socket] = []
+    try:
+        while (await child.stats())["paused"] == 0:  # fill the fd table with open pairs
+            assert len(holders) < 40, "accepting never paused"
+            s = socket.create_connection(("127.0.0.1", child.port), timeout=5)
+            s.setblocking(False)
+            holders.append(s)
+            s.send(b"x")
+            assert await receive(s, 1, 5) == b"x"
+        late = socket.create_connection(("127.0.0.1", child.port), timeout=5)
+        late.setblocking(False)
+        payload = os.urandom(1000)
+        late.send(payload)
+        # Longer than the dial budget (3.75 s): neither reset nor answered, it waits.
+        loop = asyncio.get_running_loop()
+        until = loop.time() + 5
+        while loop.time() < until:
+            with pytest.raises(BlockingIOError):
+                late.recv(1)  # a reset would raise ConnectionResetError here
+            await asyncio.sleep(0.1)
+        holders.pop().close()  # a pair closes: two fds
+        got = await receive(late, len(payload), 5)
+        assert digest(got) == digest(payload)
+        assert (await child.stats())["dials_failed"] == 0
+        late.close()
+    finally:
+        for s in holders:
+            s.close()

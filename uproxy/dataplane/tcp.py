@@ -37,6 +37,7 @@ import _socket
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 import sys
 from collections.abc import Iterable
@@ -333,9 +334,6 @@ class TcpListener:
             sock = _socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP, fd)
             if not stats.bound:  # at the first connection (a shared socket wakes every worker)
                 stats.bind()
-            if self._starved:
-                self._starved = False
-                log.info("Accepting resumed", extra={"kv": {"service": str(self.name)}})
             ep = balancer.pick(addr[0], traffic)
             if ep is None:
                 reset_socket(sock)
@@ -351,6 +349,9 @@ class TcpListener:
             if fds.undialed >= fds.limit - 2 - fd:  # ``fds.full_after(fd)``, inline
                 self.pause("fd_reserve")
                 return
+            if self._starved:  # the first one since a pause with room for its dial
+                self._starved = False
+                log.info("Accepting resumed", extra={"kv": {"service": str(self.name)}})
             if loads is not None and held[me] >= limit:
                 return  # ahead now: the next wake defers, if anything is left
             if not whole and PASS_CLOCK() >= acceptor.deadline:
@@ -383,9 +384,18 @@ class TcpListener:
 
     def _resume(self) -> None:
         self._paused = None
-        if self._sock is not None:
-            self._acceptor.watch(self._sock.fileno(), self._watcher)
-            self._accept(self.settings.accept_batch, defer=self._watcher is self)
+        sock = self._sock
+        if sock is None:
+            return
+        if not _room_for_a_pair(sock):
+            # Still no fd for a connection and its dial: one accepted now would wait out its
+            # dial budget and be reset (once every backoff, a client lost each time). Those
+            # queued wait in the backlog for a pair to close; counted, not said again.
+            series.ACCEPT_PAUSED.labels("fd_reserve").value += 1
+            self._paused = self.loop.call_later(self.settings.accept_backoff_s, self._resume)
+            return
+        self._acceptor.watch(sock.fileno(), self._watcher)
+        self._accept(self.settings.accept_batch, defer=self._watcher is self)
 
     def _defer(self, now: float) -> None:
         """Ahead of an idle worker: leave the queue to the others (``spread``)."""
@@ -501,6 +511,20 @@ class TcpListener:
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
         return len(left)
+
+
+def _room_for_a_pair(sock: socket.socket) -> bool:
+    """Whether an accept now would leave an fd for its dial: no dial waits for an fd, and
+    the lowest free fd (probed with a dup: fds are allocated lowest first) is not the last
+    one below the limit."""
+    if FD_RESERVE.waiters:
+        return False
+    try:
+        probe = os.dup(sock.fileno())
+    except OSError:
+        return False
+    os.close(probe)
+    return probe <= FD_RESERVE.limit - 2
 
 
 class Drainable(Protocol):
