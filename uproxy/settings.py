@@ -137,15 +137,17 @@ class Settings:
         flag="--udp-max-flows",
         config="uproxy.udpMaxFlows",
         kind="int",
-        help="Most UDP flows per service port; the oldest is evicted first",
+        help="Most UDP flows per service port in each data-plane worker (each holds an fd "
+        "for its endpoint side); the oldest is evicted first",
     )
     endpoint_eject_after: int = opt(
         3,
         flag="--endpoint-eject-after",
         config="uproxy.endpointEjectAfter",
         kind="int",
-        help="Failed dials in a row (for UDP: flows the endpoint refused with ICMP port or "
-        "host unreachable) after which an endpoint is left out of the choice for a while (1 s, "
+        help="Failed dials in a row, as each data-plane worker counts its own (for UDP: flows "
+        "the endpoint refused with ICMP port or host unreachable), after which an endpoint is "
+        "left out of that worker's choice for a while (1 s, "
         "doubling up to 30 s while it keeps failing; never when every endpoint would be out), "
         "until a dial to it succeeds (a UDP flow: its first reply) or it leaves the "
         "EndpointSlices; 0 never leaves one out",
