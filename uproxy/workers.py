@@ -372,6 +372,10 @@ class WorkerPool:
         results = await asyncio.gather(*waits, return_exceptions=True)
         for w, result in zip(workers, results, strict=True):
             if isinstance(result, BaseException):
+                log.warning(
+                    "Data-plane worker did not stop by the drain deadline; killing it",
+                    extra=kv(worker=w.index, pid=w.process.pid, waited_s=deadline),
+                )
                 _signal(w.process, signal.SIGKILL)
                 await w.process.wait()
             self._bury(w)

@@ -623,7 +623,10 @@ def test_a_worker_that_cannot_have_its_cpu_says_so_once_and_runs_unbound(
 
 
 async def test_a_stop_does_not_wait_past_its_deadline_for_a_worker_that_hangs(
-    tmp_path: Path, backends: list[NamedBackend], proxies: list[Proxy]
+    tmp_path: Path,
+    backends: list[NamedBackend],
+    proxies: list[Proxy],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A worker that does not act on SIGTERM (stopped here; in life, stuck) is killed once the
     drain deadline and its grace are over; the other drains and exits on its own."""
@@ -644,6 +647,8 @@ async def test_a_stop_does_not_wait_past_its_deadline_for_a_worker_that_hangs(
     assert healthy.returncode == 0
     assert 0.5 + 2.0 <= took < 0.5 + 2.0 + 3.0, took  # the deadline (+ its grace), not more
     assert pool.pids == []
+    said = [r.getMessage() for r in caplog.records if r.name == "uproxy.workers"]
+    assert said.count("Data-plane worker did not stop by the drain deadline; killing it") == 1
 
 
 async def test_a_dead_workers_clients_wait_for_its_replacement_and_no_other_client_moves(
