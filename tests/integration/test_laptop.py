@@ -577,19 +577,8 @@ async def test_a_connection_held_on_one_service_keeps_every_service_accepting(
     accepting through a stop: every other service's port closed at once, and its new
     connections were refused for the whole drain."""
     web_port, api_port = unused_tcp_port_factory(), unused_tcp_port_factory()
-    docs: list[dict[str, Any]] = []
-    for name, port, b in (("web", web_port, backends[0]), ("api", api_port, backends[1])):
-        docs.append(service(name, ports=[{"name": "http", "port": port, "protocol": "TCP"}]))
-        docs.append(
-            endpoint_slice(
-                f"{name}-0",
-                name,
-                endpoints=[endpoint(b.host)],
-                ports=[{"name": "http", "port": b.port, "protocol": "TCP"}],
-            )
-        )
     path = tmp_path / "services.yaml"
-    path.write_text(yaml.safe_dump_all(docs))
+    two_services(path, {"api": api_port, "web": web_port}, backends)  # api: b1, web: b2
     settings = Settings(
         services=str(path), rules="none", workers=workers, drain_timeout=3.0,
         healthz_bind_address="", metrics_bind_address="",
@@ -598,13 +587,13 @@ async def test_a_connection_held_on_one_service_keeps_every_service_accepting(
     try:
         await proxy.start()
         await asyncio.wait_for(proxy.synced.wait(), 5)
-        assert await greet("127.0.0.1", api_port, timeout=3) == "b2"
+        assert await greet("127.0.0.1", api_port, timeout=3) == "b1"
         reader, writer = await asyncio.open_connection("127.0.0.1", web_port)
-        assert await asyncio.wait_for(reader.readline(), 3) == b"b1\n"  # held open
+        assert await asyncio.wait_for(reader.readline(), 3) == b"b2\n"  # held open
         stopping = asyncio.create_task(proxy.stop())
         for _ in range(20):  # paced over the 3 s drain's first 2.4 s (before its last call)
             await asyncio.sleep(0.1)
-            assert await greet("127.0.0.1", api_port, timeout=1) == "b2"
+            assert await greet("127.0.0.1", api_port, timeout=1) == "b1"
         assert not stopping.done()
         writer.close()  # the held connection ends: the drain with it
         await asyncio.wait_for(stopping, 5)
