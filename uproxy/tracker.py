@@ -161,9 +161,12 @@ class Tracker:
         """Both Services and EndpointSlices have been listed at least once."""
         return {Kind.SERVICE, Kind.ENDPOINT_SLICE} <= self._listed
 
-    def upsert(self, kind: Kind, obj: Incoming) -> None:
+    def upsert(self, kind: Kind, obj: Incoming) -> bool:
+        """Take ``obj`` as it now is; whether that changed anything."""
         if self._apply(kind, _key(obj), obj):
             self._changed(kind)
+            return True
+        return False
 
     def delete(self, kind: Kind, obj: Obj) -> None:
         if self._apply(kind, _key(obj), None):

@@ -52,10 +52,10 @@ class SpyTracker(Tracker):
         super().__init__()
         self.calls: list[tuple[str, Kind, str]] = []
 
-    def upsert(self, kind: Kind, obj: Incoming) -> None:
+    def upsert(self, kind: Kind, obj: Incoming) -> bool:
         raw = obj.obj if isinstance(obj, Converted) else obj
         self.calls.append(("upsert", kind, object_key(raw)))
-        super().upsert(kind, obj)
+        return super().upsert(kind, obj)
 
     def delete(self, kind: Kind, obj: Obj) -> None:
         self.calls.append(("delete", kind, object_key(obj)))
@@ -467,7 +467,9 @@ async def test_a_file_written_in_place_is_read_once_the_writes_stop(tmp_path: Pa
     assert not any(call[0] == "delete" for call in tracker.calls), tracker.calls
 
 
-async def test_a_json_file_loads_and_reloads(tmp_path: Path) -> None:
+async def test_a_json_file_loads_and_reloads(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     path = tmp_path / "services.json"
     docs = cluster(3)
     path.write_text(kubectl_json(docs))
@@ -478,9 +480,14 @@ async def test_a_json_file_loads_and_reloads(tmp_path: Path) -> None:
     assert [e.ip for e in tracker.snapshot()[svc1].endpoints] == ["10.0.0.1"]
     docs[3] = endpoint_slice("svc-1-1", "svc-1", endpoints=[endpoint("10.0.0.7")])
     rewrite(path, kubectl_json(docs))
+    caplog.set_level(logging.INFO, logger="uproxy")
+    caplog.clear()
     await src.poll()
     assert [e.ip for e in tracker.snapshot()[svc1].endpoints] == ["10.0.0.7"]
     assert len(tracker.snapshot()) == 3
+    # One List, one document: every item was looked at, one changed (it said 6).
+    (loaded,) = [r for r in caplog.records if r.getMessage() == "Loaded services file"]
+    assert loaded.kv["changed"] == 1  # type: ignore[attr-defined]
 
 
 async def test_a_bad_first_file_fails_the_start(tmp_path: Path) -> None:

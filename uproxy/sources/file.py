@@ -587,6 +587,7 @@ class FileSource:
 
     async def _apply(self, change: _Change) -> None:
         self.documents_parsed += change.parsed
+        changed = len(change.upserts)
         if self._kept is None:
             for kind in (Kind.SERVICE, Kind.ENDPOINT_SLICE):
                 objs = [obj for k, obj in change.upserts if k is kind]
@@ -596,12 +597,13 @@ class FileSource:
             # sync that takes it closes the old proxy ports before it opens the new ones,
             # so replacing every service does not need twice the listeners.
             ts = TimeSlice()
+            changed = 0  # a changed document's objects that changed (a List's items, one by one)
             with self.tracker.batch():
                 for key in change.deletes:
                     self.tracker.delete(key[0], _tombstone(key))
                     await ts.tick()
                 for kind, obj in change.upserts:
-                    self.tracker.upsert(kind, obj)
+                    changed += self.tracker.upsert(kind, obj)
                     await ts.tick()
         self._kept = change.kept  # once the tracker has all of it
         self.reloads += 1
@@ -613,7 +615,7 @@ class FileSource:
                 services=services,
                 slices=len(change.kept.keys) - services,
                 parsed=change.parsed,
-                changed=len(change.upserts),
+                changed=changed,
                 removed=len(change.deletes),
             ),
         )
