@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import _socket
 import asyncio
 import dataclasses
+import fcntl
 import hashlib
 import os
 import select
+import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -87,7 +90,8 @@ def relay_state(listener: TcpListener) -> str:
             pipe = side.pipe
             queued = ""
             if side.sock is not None:
-                queued = f"unread={relay._unread(side.sock)} unsent={relay._unsent(side.sock)}"
+                unread = _unread(side.sock)
+                queued = f"unread={unread} unsent={relay._unsent(side.sock)}"
             lines.append(
                 f"  {name} fd={side.fd} watched={watched.get(side.fd)} readable={side.readable}"
                 f" rdhup={side.rdhup} eof={side.eof} done={side.done}"
@@ -257,3 +261,13 @@ async def udp_listener() -> AsyncIterator[UdpListenerFactory]:
     yield make
     for listener in opened:
         await listener.shutdown(1.0)
+
+
+def _unread(sock: _socket.socket) -> int:
+    """Bytes waiting in ``sock``'s receive queue (FIONREAD; 0 when that cannot be read)."""
+    try:
+        raw = fcntl.ioctl(sock.fileno(), 0x541B, b"\0\0\0\0")
+    except OSError:
+        return 0
+    value: int = struct.unpack("i", raw)[0]
+    return value

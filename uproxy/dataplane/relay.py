@@ -136,17 +136,6 @@ _SALVAGE_MAX = 8 << 20
 _FLUSH_BEFORE_RESET_S = 1.0
 _FLUSH_POLL_S = 0.005
 _SIOCOUTQ = 0x5411  # TIOCOUTQ: bytes in a TCP socket's send queue, unsent or unacknowledged
-_SIOCINQ = 0x541B  # FIONREAD: bytes in its receive queue
-
-
-def _unread(sock: _socket.socket) -> int:
-    """Bytes waiting in ``sock``'s receive queue (0 when that cannot be read)."""
-    try:
-        raw = fcntl.ioctl(sock.fileno(), _SIOCINQ, b"\0\0\0\0")
-    except OSError:
-        return 0
-    value: int = struct.unpack("i", raw)[0]
-    return value
 
 
 def _unsent(sock: _socket.socket) -> int:

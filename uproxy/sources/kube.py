@@ -128,10 +128,11 @@ async def make_api_client(*, kubeconfig: str | None, master: str | None) -> ApiC
                     f"Kubernetes configuration {source}: its exec plugin "
                     f"{_exec_command(user)}: {getattr(exc, 'strerror', None) or exc}"
                 ) from None
+            token_file = _token_file(user, where)
             if "exec" in user:
                 cfg.refresh_api_key_hook = _ExecCredential(loader, _exec_command(user))
-            else:
-                _follow_token_file(cfg, _token_file(user, where))
+            elif token_file is not None:
+                cfg.refresh_api_key_hook = _TokenFile(token_file)
     except KubeConfigError:
         raise  # already one line naming the file (``_read_kubeconfigs``)
     except ConfigException as exc:
@@ -166,10 +167,11 @@ def _server_url(master: str, *, tls: bool) -> str:
         text = ("https://" if tls else "http://") + text
     url = urllib.parse.urlsplit(text)
     try:
-        url.port  # noqa: B018 - raises on a port that is not a number
+        url.port  # noqa: B018 - a port that is not a number raises
+        valid = url.scheme in ("http", "https") and bool(url.hostname) and " " not in text
     except ValueError:
-        url = url._replace(netloc="")
-    if url.scheme not in ("http", "https") or not url.hostname or " " in text:
+        valid = False
+    if not valid:
         raise KubeConfigError(f"--master {master!r}: not an API server URL like https://HOST:PORT")
     return text.rstrip("/")
 
@@ -307,11 +309,6 @@ class _TokenFile(_Credential):
         self.mtime, self.read_at, self.refused = mtime, now, False
         if token:
             configuration.api_key["BearerToken"] = f"Bearer {token}"
-
-
-def _follow_token_file(cfg: Configuration, path: str | None) -> None:
-    if path is not None:
-        cfg.refresh_api_key_hook = _TokenFile(path)
 
 
 class _ExecCredential(_Credential):
