@@ -77,6 +77,13 @@ ZERO_IS_DEFAULT = {
 }
 
 
+# ``uproxy.zeroValues``: those of the fields above whose zero value this file means as the
+# zero (/healthz off, no minimum sync period), which kube-proxy's own file cannot say.
+# ``--write-config-to`` writes it when a setting is at such a zero, so the file loads back
+# to the same settings.
+ZERO_VALUES = "uproxy.zeroValues"
+
+
 def _zero(value: Any) -> bool:
     if isinstance(value, bool):
         return False
@@ -109,6 +116,8 @@ def render_config(settings: Settings) -> str:
     ``--write-config-to`` writes, and the docs' example at the defaults): loading it gives
     the same settings back."""
     doc: dict[str, Any] = {"apiVersion": API_VERSION, "kind": KIND, "mode": "userspace"}
+    zeros: list[str] = []
+    unset = Settings()
     for f in setting_fields():
         path, value = f.metadata["config"], getattr(settings, f.name)
         if not path or value is None:
@@ -118,6 +127,10 @@ def render_config(settings: Settings) -> str:
         for key in parents:
             node = node.setdefault(key, {})
         node[leaf] = _config_value(f.metadata["kind"], value, path)
+        if path in ZERO_IS_DEFAULT and _zero(node[leaf]) and value != getattr(unset, f.name):
+            zeros.append(path)
+    if zeros:
+        doc.setdefault("uproxy", {})["zeroValues"] = zeros
     return yaml.safe_dump(doc, sort_keys=False, default_flow_style=False)
 
 
@@ -225,17 +238,23 @@ def apply_config(
         )
     mode = doc.get("mode")
     if mode not in (None, "", "userspace"):
-        raise SettingsError(f"{source}: mode: uproxy is the userspace mode, got {mode!r}")
+        raise SettingsError(
+            f"{source}: mode: uproxy is the userspace mode, got {mode!r} (leave mode out or "
+            "set it to userspace; uproxy.rules chooses how its rules are programmed)"
+        )
+    zeros = _zero_values(doc, source)
     by_path = {f.metadata["config"]: f for f in setting_fields() if f.metadata["config"]}
     groups = {"linux"} | {p.rsplit(".", 1)[0] for p in by_path if "." in p}
     groups |= {g.rsplit(".", 1)[0] for g in groups if "." in g}
     for path, value in _flatten(doc):
-        if path in ("apiVersion", "kind", "mode"):
+        if path in ("apiVersion", "kind", "mode", ZERO_VALUES):
             continue
         canonical = _canonical(path)
         f = by_path.get(canonical)
         if f is not None:
-            if value is None or (canonical in ZERO_IS_DEFAULT and _zero(value)):
+            if value is None or (
+                canonical in ZERO_IS_DEFAULT and canonical not in zeros and _zero(value)
+            ):
                 continue
             try:
                 setattr(settings, f.name, convert(f, value))
@@ -255,6 +274,24 @@ def apply_config(
         else:
             log.warning("Unknown configuration field", extra=kv(file=source, field=path))
     return settings
+
+
+def _zero_values(doc: Mapping[str, Any], source: str) -> set[str]:
+    block = doc.get("uproxy")
+    value = block.get("zeroValues") if isinstance(block, Mapping) else None
+    if value is None:
+        return set()
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise SettingsError(
+            f"{source}: {ZERO_VALUES}: expected a list of field names, got {value!r}"
+        )
+    for name in value:
+        if _canonical(name) not in ZERO_IS_DEFAULT:
+            raise SettingsError(
+                f"{source}: {ZERO_VALUES}: {name!r} is not one of "
+                + ", ".join(sorted(ZERO_IS_DEFAULT))
+            )
+    return {_canonical(v) for v in value}
 
 
 def _flatten(doc: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:

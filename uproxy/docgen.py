@@ -45,7 +45,7 @@ _KINDS = {
     "int": "integer",
     "bool": "boolean",
     "ip": "IP address",
-    "hostport": "`HOST:PORT`, empty disables",
+    "hostport": "`HOST:PORT`; the flag empty disables (the file: see its zero values)",
     "cidrs": "list of CIDRs (a comma-separated string on the command line)",
     "mark": "32-bit mark (`0x1000`, or decimal)",
     "str": "string",
@@ -119,7 +119,7 @@ def _wrong_type_example() -> str:
 
 
 def configuration_md() -> str:
-    from uproxy.configfile import API_VERSION, KIND, NOT_APPLICABLE, ZERO_IS_DEFAULT
+    from uproxy.configfile import API_VERSION, KIND, NOT_APPLICABLE, ZERO_IS_DEFAULT, ZERO_VALUES
     from uproxy.settings import setting_fields
 
     lines = [
@@ -172,7 +172,7 @@ def configuration_md() -> str:
         "",
         "Fields of a kube-proxy configuration that do not apply to a userspace proxy are "
         "accepted and ignored (logged at `-v 2`), so an existing kube-proxy file loads "
-        "unchanged:",
+        "unchanged once its `mode` is empty or `userspace`:",
         "",
         ", ".join(f"`{p}`" for p in sorted(NOT_APPLICABLE)) + ".",
         "",
@@ -180,7 +180,10 @@ def configuration_md() -> str:
         "`0s`, as kubeadm writes every field it does not set) take their default, not the "
         'zero (so `healthzBindAddress: ""` is `0.0.0.0:10256`, not /healthz turned off): '
         + ", ".join(f"`{p}`" for p in sorted(ZERO_IS_DEFAULT))
-        + ". An address without a port gets the default's port (`0.0.0.0` is "
+        + f". To mean the zero itself, as the flags can (`--healthz-bind-address=` turns "
+        f"/healthz off), list the field in `{ZERO_VALUES}` (`--write-config-to` does so): "
+        '`zeroValues: [healthzBindAddress]` under `uproxy:` with `healthzBindAddress: ""`. '
+        "An address without a port gets the default's port (`0.0.0.0` is "
         "`0.0.0.0:10256` for /healthz), in the file and on the command line.",
         "",
         "Any other field is reported with a warning (`Unknown configuration field`), and "

@@ -611,3 +611,45 @@ def test_laptop_health_listens_on_loopback_unless_told(tmp_path: Path) -> None:
         "healthzBindAddress: 0.0.0.0:10356\nuproxy:\n  rules: none\n"
     )
     assert parse_settings([f"--config={config}"])[0].healthz_bind_address == "0.0.0.0:10356"
+
+
+def test_write_config_keeps_a_zero_that_means_off(tmp_path: Path) -> None:
+    """``healthzBindAddress: ""`` reads as the default (kube-proxy's defaulting), so a file
+    written with /healthz and /metrics off and no minimum sync period loaded back with all
+    three on: the file lists them in uproxy.zeroValues and loads to the same settings."""
+    out = tmp_path / "out.yaml"
+    off = ["--healthz-bind-address=", "--metrics-bind-address=", "--iptables-min-sync-period=0s"]
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "uproxy.cli",
+            "--rules",
+            "none",
+            *off,
+            "--write-config-to",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    s, _ = parse_settings(["--config", str(out)])
+    assert (s.healthz_bind_address, s.metrics_bind_address) == ("", "")
+    assert s.iptables_min_sync_period == 0
+    # Without the list the same zeros are kube-proxy's "not set", as kubeadm writes them.
+    out.write_text(out.read_text().replace("zeroValues", "zeroValuesNot"))
+    s, _ = parse_settings(["--config", str(out)])
+    assert s.healthz_bind_address and s.metrics_bind_address
+    assert s.iptables_min_sync_period == 1
+
+
+def test_zero_values_names_only_fields_whose_zero_is_unset(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n"
+        "uproxy:\n  zeroValues: [oomScoreAdj]\n"
+    )
+    with pytest.raises(SettingsError, match=r"uproxy.zeroValues: 'oomScoreAdj' is not one of"):
+        parse_settings(["--config", str(cfg)])
