@@ -33,6 +33,8 @@ async def remove_leftovers(*, nft_tables: bool, iptables_modes: Iterable[str]) -
     from uproxy.rules.restore import FAMILIES, cleanup_mode, may_hold_ours
     from uproxy.rules.watch import nft_tables as kernel_tables
 
+    if nft_tables:  # an iptables backend
+        _warn_kube_proxy_nftables(kernel_tables())
     removed = False
     steps: list[tuple[str, str, IPFamily | None]] = [("nftables", "", None)] if nft_tables else []
     steps += [("iptables", mode, family) for mode in iptables_modes for family in FAMILIES]
@@ -61,3 +63,19 @@ async def remove_leftovers(*, nft_tables: bool, iptables_modes: Iterable[str]) -
                 extra=kv(rules=kind, mode=mode, family=family.label if family else ""),
             )
     return removed
+
+
+# kube-proxy's nftables mode hooks its table in at ``dstnat`` (-100), the priority of the
+# iptables nat chains, and the kernel orders hooks of one priority as they were registered:
+# which proxy gets a ClusterIP's packets first is not up to uproxy. (uproxy's own nft table
+# runs at -101, before kube-proxy's.)
+_KUBE_PROXY_TABLE = "kube-proxy"
+
+
+def _warn_kube_proxy_nftables(tables: frozenset[tuple[int, str]] | None) -> None:
+    if tables and any(name == _KUBE_PROXY_TABLE for _, name in tables):
+        log.warning(
+            "kube-proxy's nftables rules are in place; with iptables rules ClusterIP traffic "
+            "may reach them before uproxy's portals (same priority): use --rules nftables, "
+            "whose table runs first, or remove them (kube-proxy --cleanup)",
+        )

@@ -80,7 +80,7 @@ from uproxy.rules.portals import (
 )
 from uproxy.rules.previous import Previous
 from uproxy.rules.restore import program
-from uproxy.rules.saved import matches, parse_save
+from uproxy.rules.saved import OTHERS_SERVICE_CHAINS, matches, parse_save, warn_overtaken
 from uproxy.rules.watch import FULL_SYNC_PERIOD_S, LegacyWatch, Token, Watch
 
 log = logging.getLogger("uproxy.rules.pyiptables")
@@ -298,13 +298,18 @@ class _Worker:
 
     def _sync_jumps(self, chain: Any, jumps: list[JumpRule]) -> None:
         """Add the missing jumps of one built-in chain, and delete jumps into uproxy's chains
-        that are not wanted (another configuration's, e.g. an old --nodeport-addresses)."""
+        that are not wanted (another configuration's, e.g. an old --nodeport-addresses) or
+        not where they belong (below another proxy's service jump: inserted again first)."""
         built = {jump: self._jump(jump) for jump in jumps}
         present = []
+        others_above = False
         for r in chain.rules:
+            if r.target.name in OTHERS_SERVICE_CHAINS:
+                others_above = True
             if r.target.name not in ALL_CHAINS:
                 continue
-            if any(r == b for b in built.values()):
+            jump = next((j for j, b in built.items() if r == b), None)
+            if jump is not None and not (jump.first and others_above):
                 present.append(r)
             else:
                 chain.delete_rule(r)
@@ -549,7 +554,9 @@ class IptcBackend:
         for family, installed in self._installed.items():
             self.saves += 1
             saved = await command.run([program(family, "legacy", "-save")])
-            ok = ok and matches(parse_save(saved.stdout), installed)
+            tables = parse_save(saved.stdout)
+            warn_overtaken(tables, installed, mode="legacy", family=family.label)
+            ok = ok and matches(tables, installed)
         if ok:
             self._watch.mark(token)
         else:

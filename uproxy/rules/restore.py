@@ -88,6 +88,7 @@ from uproxy.rules.saved import (
     missing_jumps,
     parse_save,
     stale_jumps,
+    warn_overtaken,
 )
 from uproxy.rules.watch import (
     FULL_SYNC_PERIOD_S,
@@ -482,6 +483,7 @@ class RestoreBackend:
             elif builtin is None:
                 builtin = await self._read_jumps(mode, family)
             missing = missing_jumps(builtin, ruleset)
+            warn_overtaken(builtin, ruleset, mode=mode, family=family.label)
             jumps[family] = (missing, stale_jumps(builtin, ruleset))
             # Edits never touch the jumps: a table missing one, or with a stale one, is rewritten.
             editable[family] = frozenset(

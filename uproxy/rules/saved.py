@@ -6,9 +6,12 @@ The backends compare installed rules with the desired ones as text, so this pars
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
+from uproxy.log import kv
 from uproxy.rules.portals import (
     ALL_CHAINS,
     CHAINS,
@@ -76,14 +79,54 @@ def strip_save(text: str) -> str:
     return "\n".join(out) + "\n"
 
 
+# Another proxy's jump into its service chains: kube-proxy's iptables (and ipvs) mode sends
+# every ClusterIP to ``KUBE-SERVICES`` from nat PREROUTING and OUTPUT. A packet that meets that
+# jump before uproxy's portal jump goes to the endpoints kube-proxy knows, so uproxy's ``first``
+# jumps must stand above it. A kube-proxy that starts after uproxy (a node's reboot while both
+# DaemonSets exist, during a move from one to the other) inserts its jump at the top; it only
+# checks that its jump exists, so moving uproxy's back above it does not start a fight.
+OTHERS_SERVICE_CHAINS = frozenset({"KUBE-SERVICES"})
+
+log = logging.getLogger("uproxy.rules")
+
+
+def overtaken_jumps(tables: Mapping[str, SavedTable], ruleset: RuleSet) -> list[JumpRule]:
+    """uproxy's installed ``first`` jumps that stand below another proxy's service jump."""
+    out: list[JumpRule] = []
+    for jump in ruleset.jumps:
+        table = tables.get(jump.table)
+        if not jump.first or table is None:
+            continue
+        lines = table.chains.get(jump.chain, [])
+        line = jump.save_line()
+        if line in lines and any(
+            jump_target(other) in OTHERS_SERVICE_CHAINS for other in lines[: lines.index(line)]
+        ):
+            out.append(jump)
+    return out
+
+
+def warn_overtaken(tables: Mapping[str, SavedTable], ruleset: RuleSet, **where: Any) -> None:
+    """One line when another proxy's service jump stands above uproxy's portal jumps (the
+    sync that follows moves them back to the top)."""
+    overtaken = overtaken_jumps(tables, ruleset)
+    if overtaken:
+        log.warning(
+            "Another proxy's service rules stand before uproxy's portals; moving uproxy's "
+            "jumps above them (remove the other proxy's rules: kube-proxy --cleanup)",
+            extra=kv(**where, chains=",".join(sorted({f"{j.table}/{j.chain}" for j in overtaken}))),
+        )
+
+
 def missing_jumps(tables: dict[str, SavedTable], ruleset: RuleSet) -> list[JumpRule]:
-    """The jumps from built-in chains that are not installed."""
+    """The jumps from built-in chains that are not installed, or not where they belong
+    (``overtaken_jumps``, which ``stale_jumps`` deletes in the same commit)."""
     missing: list[JumpRule] = []
     for jump in ruleset.jumps:
         table = tables.get(jump.table)
         if table is None or jump.save_line() not in table.chains.get(jump.chain, []):
             missing.append(jump)
-    return missing
+    return missing + overtaken_jumps(tables, ruleset)
 
 
 def stale_jumps(tables: dict[str, SavedTable], ruleset: RuleSet) -> list[str]:
@@ -91,7 +134,8 @@ def stale_jumps(tables: dict[str, SavedTable], ruleset: RuleSet) -> list[str]:
 
     They are left by another configuration: node-port jumps of an earlier
     ``--nodeport-addresses`` would keep node ports open on addresses no longer meant to; or
-    by a live rewrite that stopped halfway (jumps into ``CHAIN-NEW``).
+    by a live rewrite that stopped halfway (jumps into ``CHAIN-NEW``). Jumps another proxy's
+    jump stands above (``overtaken_jumps``) are listed too: deleted, and inserted again first.
     """
     wanted = {j.save_line() for j in ruleset.jumps}
     return [
@@ -101,7 +145,7 @@ def stale_jumps(tables: dict[str, SavedTable], ruleset: RuleSet) -> list[str]:
         if chain not in _OURS
         for line in lines
         if jump_target(line) in _OURS and line not in wanted
-    ]
+    ] + [jump.save_line() for jump in overtaken_jumps(tables, ruleset)]
 
 
 def holds(
