@@ -201,9 +201,13 @@ class _Checker:
                 canonical = legacy
             return text if canonical == text else sys.intern(canonical)
         try:
-            return sys.intern(str(ipaddress.ip_address(text)))
+            address = ipaddress.IPv6Address(text)
         except ValueError:
             raise self.fail(field, f"not an IP address: {text!r}", *at) from None
+        refusal = _ipv6_refusal(address)
+        if refusal is not None:
+            raise self.fail(field, f"not an IP address: {text!r} ({refusal})", *at)
+        return sys.intern(str(address))
 
     def boolean(self, value: Any, field: str, default: bool, *at: object) -> bool:
         if value is None:
@@ -366,14 +370,28 @@ def _policy(c: _Checker, spec: Obj, key: str) -> str:
     return value
 
 
+def _ipv6_refusal(address: ipaddress.IPv6Address) -> str | None:
+    """Why an address Python reads as IPv6 is not one the API server takes: a zone index
+    (``fe80::1%eth0``: no rule can match it, and one such address failed every rules sync
+    on the node), or an IPv4-mapped address (``::ffff:10.0.0.1``, the IPv4 address twice)."""
+    if address.scope_id is not None:
+        return "a zone index is not allowed"
+    if address.ipv4_mapped is not None:
+        return f"IPv4-mapped; write {address.ipv4_mapped}"
+    return None
+
+
 def _cidr(c: _Checker, value: Any, field: str) -> str:
     text = c.string(value, field)
     address, slash, prefix = text.strip().partition("/")
     address = _legacy_ipv4(address) or address  # 010.0.0.0/8, as ParseCIDRSloppy reads it
     try:
-        return str(ipaddress.ip_network(address + slash + prefix, strict=False))
+        network = ipaddress.ip_network(address + slash + prefix, strict=False)
     except ValueError:
         raise c.fail(field, f"not a CIDR: {text!r}") from None
+    if "%" in address:
+        raise c.fail(field, f"not a CIDR: {text!r} (a zone index is not allowed)")
+    return str(network)
 
 
 def _affinity(c: _Checker, spec: Obj) -> int | None:

@@ -128,6 +128,23 @@ BAD_SERVICES: list[tuple[str, dict[str, Any], str]] = [
     ("unnamed-multi", service(ports=[{"port": 1}, {"name": "b", "port": 2}]), "name"),
     ("bad-cluster-ip", service(cluster_ip="10.96.0.300"), "spec.clusterIPs"),
     ("bad-external-ip", service(externalIPs=["nope"]), "spec.externalIPs[0]"),
+    # A zone index passed Python's parser, then failed every rules sync of the node.
+    ("zoned-cluster-ip", service(cluster_ip="fd00:96::82%eth0"), "spec.clusterIPs"),
+    ("zoned-external-ip", service(externalIPs=["fd00:ee::100%1"]), "spec.externalIPs[0]"),
+    (
+        "zoned-lb-ip",
+        {
+            **service(type="LoadBalancer"),
+            "status": {"loadBalancer": {"ingress": [{"ip": "fd::1%lo"}]}},
+        },
+        "status.loadBalancer.ingress[0].ip",
+    ),
+    (
+        "zoned-source-range",
+        service(loadBalancerSourceRanges=["fd00:e::2%eth0/128"]),
+        "loadBalancerSourceRanges[0]",
+    ),
+    ("mapped-cluster-ip", service(cluster_ip="::ffff:10.96.0.83"), "spec.clusterIPs"),
     (
         "bad-node-port",
         service(ports=[{"name": "a", "port": 1, "nodePort": -1}], type="NodePort"),
@@ -297,6 +314,16 @@ BAD_SLICES: list[tuple[str, dict[str, Any], str]] = [
         "endpoints[0].addresses[0]",
     ),
     ("family-mismatch", endpoint_slice("x", endpoints=[endpoint("fd00::1")]), "addresses[0]"),
+    (
+        "zoned-address",
+        endpoint_slice("x", endpoints=[endpoint("fe80::1%eth0")], address_type="IPv6"),
+        "endpoints[0].addresses[0]",
+    ),
+    (
+        "mapped-address",
+        endpoint_slice("x", endpoints=[endpoint("::ffff:10.0.2.10")], address_type="IPv6"),
+        "endpoints[0].addresses[0]",
+    ),
     (
         "second-address-bad",
         endpoint_slice("x", endpoints=[{"addresses": ["10.0.0.1", "fd00::1"]}]),
