@@ -295,7 +295,11 @@ class Syncer:
         self._force_rules = False
         self._failed: dict[tuple[ServicePortName, Traffic, IPFamily], str] = {}
         self._retry: set[ServicePortName] = set()  # a listener or node port to try again
-        self._retry_delay = 0.0  # 0: nothing failed at the last sync
+        # Each of those ports' backoff: 1 s after its first failure, twice as long after each
+        # sync it failed again, up to the sync period. Per port: one port that never binds
+        # (a laptop service on port 80) kept a new one waiting 30 s for a port free in 3.
+        self._retry_delays: dict[ServicePortName, float] = {}
+        self._retry_delay = 0.0  # the soonest of them; 0: nothing failed at the last sync
         # Laptop ports this sync closed; a listener wanting one of them retries soon.
         self._freed: set[tuple[Protocol, int]] = set()
         self._retry_soon = False
@@ -397,12 +401,16 @@ class Syncer:
             self.options.on_synced()
 
     def _next_retry_delay(self) -> float:
+        period = self.options.settings.iptables_sync_period
+        last = self._retry_delays
+        self._retry_delays = {
+            spn: min(max(2 * last.get(spn, 0.0), RETRY_FIRST_S), period) for spn in self._retry
+        }
         if not self._retry:
             return 0.0
         if self._retry_soon:
             return RETRY_SOON_S
-        period = self.options.settings.iptables_sync_period
-        return min(max(2 * self._retry_delay, RETRY_FIRST_S), period)
+        return min(self._retry_delays.values())
 
     def retry_after(self) -> float | None:
         """How soon a sync should retry what the last one could not do; None: nothing failed.

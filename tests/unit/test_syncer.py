@@ -1180,3 +1180,26 @@ async def test_a_laptop_row_says_why_a_port_has_no_endpoints_of_its_family() -> 
     _, syncer, _, _, rows = make_dual(("127.0.0.1",), laptop=True, services=[service("web")])
     await syncer.sync()
     assert [r.endpoints for r in rows] == ["(none)"]
+
+
+async def test_each_port_backs_off_on_its_own() -> None:
+    """One port that never opens (a laptop service on port 80, without root) had backed the
+    one shared delay off to the sync period, and a port that failed later waited that long
+    too, for a port free a moment later."""
+    tracker, syncer, factory, _ = make(2)
+    factory.refuse.add(spn("s0"))
+    for _ in range(8):
+        await syncer.sync()
+    assert syncer.retry_after() == 128 * RETRY_FIRST_S  # s0 alone, backed off
+    factory.refuse.add(spn("late"))
+    services = [service(f"s{i}", cluster_ip=f"10.96.0.{i}") for i in range(2)]
+    tracker.replace(Kind.SERVICE, [*services, service("late", cluster_ip="10.96.0.9")])
+    await syncer.sync()
+    assert syncer.ports[spn("late")].cluster is None
+    assert syncer.retry_after() == RETRY_FIRST_S  # late's first failure: 1 s
+    await syncer.sync()
+    assert syncer.retry_after() == 2 * RETRY_FIRST_S
+    factory.refuse.discard(spn("late"))
+    await syncer.sync()
+    assert syncer.ports[spn("late")].cluster is not None
+    assert syncer.retry_after() == 1024 * RETRY_FIRST_S  # s0 alone again, still backing off
