@@ -17,7 +17,14 @@ from typing import Any, NoReturn
 from uproxy import __version__, heap
 from uproxy.eventloop import run_loop
 from uproxy.log import Held, kv, setup as setup_logging
-from uproxy.settings import Settings, SettingsError, convert, setting_fields, validate
+from uproxy.settings import (
+    Settings,
+    SettingsError,
+    convert,
+    default_text,
+    setting_fields,
+    validate,
+)
 
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
@@ -100,14 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
         flag = f.metadata["flag"]
         if not flag:
             continue
-        default = f.default
-        if f.metadata["kind"] == "duration":
-            from uproxy.settings import format_duration
-
-            default = format_duration(default)
-        help_text = (
-            f"{f.metadata['help']} (default: {default if default not in ('', None) else 'unset'})"
-        )
+        help_text = f"{f.metadata['help']} (default: {default_text(f) or 'unset'})"
         kwargs: dict[str, Any] = {"dest": f.name, "help": help_text}
         if f.metadata["kind"] == "bool":
             kwargs["action"] = "store_const"

@@ -26,7 +26,8 @@ GENERATED_NOTE = (
 _COMMANDS = {
     "--config": "Read a `KubeProxyConfiguration` file (below); flags given explicitly win over it.",
     "--cleanup": "Remove every rule and chain uproxy installs (any backend, nft and legacy) "
-    "and exit 0.",
+    "and exit: 0 when done (or nothing was there), 1 with one line when a rules program is "
+    "missing or refused.",
     "--init-only": "Raise the node's conntrack table and timeouts to the `conntrack` settings "
     "(never lower them) and exit: 0 when done, 1 with one line naming what could not be "
     "raised. For a privileged init container, so that uproxy itself needs no write access to "
@@ -57,22 +58,10 @@ def _cell(text: str) -> str:
 
 
 def _default_text(f: Any) -> str:
-    from uproxy.settings import format_duration
+    from uproxy.settings import default_text
 
-    value, kind = f.default, f.metadata["kind"]
-    if value is None:
-        return "unset"
-    if kind == "duration":
-        return f"`{format_duration(value)}`"
-    if kind == "bool":
-        return f"`{str(value).lower()}`"
-    if kind == "cidrs":
-        return "`[]`" if not value else f"`{','.join(value)}`"
-    if kind == "mark":
-        return f"`{value:#x}`"
-    if value == "":
-        return '`""`'
-    return f"`{value}`"
+    text = default_text(f)
+    return "unset" if text is None else f"`{text}`"
 
 
 def _type_text(f: Any) -> str:
@@ -230,8 +219,10 @@ def metric_rows() -> list[tuple[str, str, tuple[str, ...], str]]:
         else:
             labels = tuple(getattr(value, "_labelnames", ()))
         for family in value.describe():
+            # An info metric is scraped as a gauge of value 1 (the text format has no info).
+            kind = "gauge (info, always 1)" if family.type == "info" else family.type
             rows.append(
-                (_exposed_name(family.type, family.name), family.type, labels, family.documentation)
+                (_exposed_name(family.type, family.name), kind, labels, family.documentation)
             )
     return rows
 
@@ -285,7 +276,8 @@ def metrics_md() -> str:
         "they describe the control process alone (the data-plane workers' CPU and memory "
         "are the container's, as the kubelet's cAdvisor metrics report it, less these).",
         "",
-        "Series that count failures appear at their first event and stay from then on: "
+        "Series that count failures appear at their first event and stay from then on "
+        "(until their service port is deleted, with its other series): "
         + "; ".join(_sparse_series())
         + ". Until then they are absent, not zero: in dashboards add `or vector(0)`. "
         "`rate()` and `increase()` need two samples of a series, so they miss the event that "

@@ -16,7 +16,7 @@ import math
 import os
 import re
 import socket
-from dataclasses import dataclass, field, fields
+from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
 from uproxy.model import LbAlgorithm
@@ -494,6 +494,23 @@ def parse_duration(text: str) -> float:
     if pos != len(text) or pos == 0:
         raise ValueError(f"not a duration like 250ms, 30s or 1h30m: {text!r}")
     return total
+
+
+def default_text(f: Field[Any]) -> str | None:
+    """A setting's default as the docs and ``--help`` show it; None: unset."""
+    value: Any = f.default
+    kind = f.metadata["kind"]
+    if value is None:
+        return None
+    if kind == "duration":
+        return format_duration(value)
+    if kind == "bool":
+        return str(value).lower()
+    if kind == "cidrs":
+        return ",".join(value) or "[]"
+    if kind == "mark":
+        return f"{value:#x}"
+    return str(value) if value != "" else '""'
 
 
 def format_duration(seconds: float) -> str:
