@@ -24,7 +24,7 @@ from uproxy.rules import (
     conntrack,
     make_backend,
 )
-from uproxy.rules.base import Portal, PortalKind
+from uproxy.rules.base import Portal, PortalKind, keep_leftovers
 from uproxy.rules.restore import detect_mode
 
 
@@ -157,6 +157,9 @@ async def main() -> int:
         nodeport_cidrs=spec.get("nodeport_cidrs", ()),
         local=LocalTraffic(**spec.get("local", {})),
     )
+    if not spec.get("sweep", True):
+        # Another backend's rules left beside these on purpose (what a run before left).
+        backend._leftovers = keep_leftovers  # type: ignore[attr-defined]
     results: list[Any] = []
     try:
         for op in script["ops"]:

@@ -76,13 +76,15 @@ def run_ops(
     nodeport_cidrs: tuple[str, ...] = (),
     local: dict[str, Any] | None = None,
     host_ips: tuple[str, ...] | None = None,
+    sweep: bool = True,
 ) -> list[Any]:
     """Run ``ops`` with one backend instance inside the node; fail on any error.
 
     ``nodeport_cidrs`` and ``local`` (LocalTraffic's fields) configure the backend as
     --nodeport-addresses and --detect-local-mode would; ``host_ips`` are the node addresses
     of the families it serves (default: the node's IPv4 address, and its IPv6 one on a
-    dual-stack topology).
+    dual-stack topology). ``sweep``: False leaves other backends' rules in place (a
+    backend removes them after its first sync).
     """
     if host_ips is None:
         host_ips = (topo.node_ip, topo.node_ip6) if topo.ipv6 else (topo.node_ip,)
@@ -93,6 +95,7 @@ def run_ops(
         "dial_mark": dial_mark,
         "nodeport_cidrs": list(nodeport_cidrs),
         "local": local or {},
+        "sweep": sweep,
     }
     script = {"backend": spec, "ops": ops}
     done = subprocess.run(

@@ -66,6 +66,7 @@ def test_kube_proxys_nftables_table_is_named_beside_iptables_portals(
     """kube-proxy's nftables mode hooks in at the iptables nat chains' priority: which one
     sees a ClusterIP's packets first is the kernel's registration order, not uproxy's to set."""
     table = shell_op("nft", "-f", "-", stdin=KUBE_PROXY_NFT)
-    results = run_ops(topo, backend, mode, [table, {"op": "prepare"}, {"op": "said"}])
-    said = [line for line in results[2] if "kube-proxy's nftables rules are in place" in line]
-    assert len(said) == (1 if warned else 0), results[2]
+    ops = [table, {"op": "prepare"}, sync_op(PORTALS), {"op": "said"}]
+    results = run_ops(topo, backend, mode, ops)
+    said = [line for line in results[3] if "kube-proxy's nftables rules are in place" in line]
+    assert len(said) == (1 if warned else 0), results[3]

@@ -44,6 +44,10 @@ def test_a_start_removes_what_the_last_runs_backend_left(
     left = "nftables" if before[0] == "nftables" else before[1]
     assert ours(topo)[left]
     moved = [dataclasses.replace(p, proxy_port=p.proxy_port + 100) for p in PORTALS]
+    # Until this run's rules are in, the last run's stay: with none at all, a SYN got a
+    # conntrack entry without NAT and its retransmissions hung on it (no reset).
+    run_ops(topo, *after, [{"op": "prepare"}])
+    assert ours(topo)[left]
     run_ops(topo, *after, [{"op": "prepare"}, sync_op(moved), {"op": "verify"}])
     now = "nftables" if after[0] == "nftables" else after[1]
     assert ours(topo) == {kind: kind == now for kind in ("nftables", "nft", "legacy")}

@@ -89,7 +89,7 @@ def make_backend(
     local addresses in them (``--nodeport-addresses``; empty: every local address);
     ``local`` tells traffic from pods apart (``--detect-local-mode``).
     """
-    from uproxy.rules.leftovers import remove_leftovers
+    from uproxy.rules.leftovers import leftover_ports, remove_leftovers
 
     if name in ("auto", "iptables-restore", "iptables"):
         cls: type[IptcBackend | RestoreBackend]
@@ -105,6 +105,7 @@ def make_backend(
             nodeport_cidrs=nodeport_cidrs,
             local=local,
             leftovers=remove_leftovers,
+            leftover_ports=leftover_ports,
         )
     if name == "nftables":
         from uproxy.rules.nftables import NftablesBackend
@@ -116,6 +117,7 @@ def make_backend(
             nodeport_cidrs=nodeport_cidrs,
             local=local,
             leftovers=remove_leftovers,
+            leftover_ports=leftover_ports,
         )
     if name == "none":
         return NoRules()

@@ -15,6 +15,7 @@ from typing import Protocol as TypingProtocol
 
 from uproxy.model import IPFamily, Protocol, ServicePortName, ip_family
 from uproxy.records import quick_init
+from uproxy.rules.previous import PortalKey
 
 
 class PortalKind(enum.StrEnum):
@@ -142,15 +143,45 @@ class RulesError(Exception):
 class Leftovers(TypingProtocol):
     """Removes what other rules backends left on the host (``leftovers.remove_leftovers``):
     uproxy's nft tables when ``nft_tables``, its chains and jumps in the given iptables
-    variants. A backend's ``prepare`` calls it for everything but its own rules;
-    ``make_backend`` hands it in, so the backends never import one another for it."""
+    variants. A backend calls it for everything but its own rules once its own first rules
+    are in, not before: between the two a service's packets met no rules at all, and a SYN
+    that did got a conntrack entry without NAT that its retransmissions kept (the client hung
+    for the kernel's SYN retries). Until then the new run's listeners are on the ports those
+    rules lead to (``LeftoverPorts``). ``make_backend`` hands it in, so the backends never
+    import one another for it."""
 
     async def __call__(self, *, nft_tables: bool, iptables_modes: Iterable[str]) -> bool: ...
+
+
+class LeftoverPorts(TypingProtocol):
+    """Adds to ``into`` the proxy ports that other backends' rules left on the host lead to
+    (``previous``), for the keys not there yet (``leftovers.leftover_ports``). After a switch
+    of ``--rules`` those rules steer traffic until the new run's first sync is in; on these
+    ports they reach the right service, and no other service is given one of them."""
+
+    async def __call__(
+        self,
+        into: dict[PortalKey, int],
+        *,
+        nft_tables: bool,
+        iptables_modes: Iterable[str],
+        families: Iterable[IPFamily],
+    ) -> None: ...
 
 
 async def keep_leftovers(*, nft_tables: bool, iptables_modes: Iterable[str]) -> bool:
     """The ``Leftovers`` of a backend built on its own (tests): other backends' rules stay."""
     return False
+
+
+async def no_leftover_ports(
+    into: dict[PortalKey, int],
+    *,
+    nft_tables: bool,
+    iptables_modes: Iterable[str],
+    families: Iterable[IPFamily],
+) -> None:
+    """The ``LeftoverPorts`` of a backend built on its own (tests): none."""
 
 
 class RulesBackend(TypingProtocol):

@@ -1,5 +1,5 @@
-"""What other rules backends left: removed when a backend starts, as kube-proxy removes the
-rules of its other proxy modes at start.
+"""What other rules backends left: removed once a backend's first rules are in, as
+kube-proxy removes the rules of its other proxy modes when it starts.
 
 Switching ``--rules`` (or ``--iptables-mode``) between runs would otherwise leave the last
 run's portals in place, pointing at proxy ports nobody listens on any more: uproxy's nft
@@ -8,9 +8,16 @@ to iptables-restore its stale maps would still catch every ClusterIP first; the 
 round, services gone since the switch would still be redirected by the old chains. Only
 uproxy's own tables, chains and jumps are touched, exactly as ``--cleanup`` removes them.
 
-The backends do not import this module: ``make_backend`` hands ``remove_leftovers`` to
-each one it builds (``base.Leftovers``), and only this module imports the backends' removal
-steps: the imports between them run one way.
+Not before the first sync: from the removal to the new rules no rule would steer a service
+address, and a SYN sent then got a conntrack entry without NAT that its retransmissions kept
+(measured on a switch: a client hung for the kernel's SYN retries). Until they go, those
+rules lead to the ports the new run opened its listeners on: ``leftover_ports`` reads them at
+start, as a backend reads its own last run's (``previous``).
+
+The backends do not import this module: ``make_backend`` hands ``remove_leftovers`` and
+``leftover_ports`` to each one it builds (``base.Leftovers``, ``base.LeftoverPorts``), and
+only this module imports the backends' removal and reading steps: the imports between them
+run one way.
 """
 
 from __future__ import annotations
@@ -18,9 +25,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-from uproxy.log import kv
+from uproxy.log import V2, kv
 from uproxy.model import IPFamily
 from uproxy.rules.base import RulesError
+from uproxy.rules.previous import PortalKey
 
 log = logging.getLogger("uproxy.rules")
 
@@ -63,6 +71,32 @@ async def remove_leftovers(*, nft_tables: bool, iptables_modes: Iterable[str]) -
                 extra=kv(rules=kind, mode=mode, family=family.label if family else ""),
             )
     return removed
+
+
+async def leftover_ports(
+    into: dict[PortalKey, int],
+    *,
+    nft_tables: bool,
+    iptables_modes: Iterable[str],
+    families: Iterable[IPFamily],
+) -> None:
+    """Add the proxy ports other backends' rules lead to (``base.LeftoverPorts``): those of
+    uproxy's nft tables (``nft_tables``) and of its chains in the given iptables variants.
+    What cannot be read is left out (logged at -v 2): the start goes on."""
+    from uproxy.rules.nftables import read_previous as nft_previous
+    from uproxy.rules.restore import read_previous as chains_previous
+
+    families = tuple(families)
+    found: dict[PortalKey, int] = {}
+    try:
+        if nft_tables:
+            found.update(await nft_previous(families))
+        for mode in iptables_modes:
+            found.update(await chains_previous(mode, families))
+    except (RulesError, OSError, ValueError) as exc:
+        log.log(V2, "Cannot read the rules another rules backend left", extra=kv(err=exc))
+    for key, port in found.items():
+        into.setdefault(key, port)
 
 
 # kube-proxy's nftables mode hooks its table in at ``dstnat`` (-100), the priority of the

@@ -128,6 +128,7 @@ from uproxy.records import quick_init
 from uproxy.rules import command
 from uproxy.rules.base import (
     NO_LOCAL_TRAFFIC,
+    LeftoverPorts,
     Leftovers,
     LocalTraffic,
     Portal,
@@ -135,6 +136,7 @@ from uproxy.rules.base import (
     RulesError,
     Stack,
     keep_leftovers,
+    no_leftover_ports,
 )
 from uproxy.rules.portals import (
     ANY_IPV4,
@@ -817,6 +819,7 @@ class NftablesBackend:
         clock: Callable[[], float] = time.monotonic,
         instance: str | None = None,
         leftovers: Leftovers = keep_leftovers,
+        leftover_ports: LeftoverPorts = no_leftover_ports,
     ) -> None:
         self._options: dict[str, Any] = {
             "dial_mark": dial_mark,
@@ -846,6 +849,8 @@ class NftablesBackend:
         self._foreign: str | None = None  # the last stranger's stamp reported
         self.previous_ports: Previous = {}  # what the last run's table led to (``prepare``)
         self._leftovers = leftovers
+        self._leftover_ports = leftover_ports
+        self._swept = False  # the iptables backends' rules removed (after the first load)
 
     @property
     def families(self) -> tuple[IPFamily, ...]:
@@ -888,26 +893,17 @@ class NftablesBackend:
         return {f: t.builder.build(split[f]) for f, t in self._tables.items()}
 
     async def prepare(self) -> None:
-        """Remove what the iptables backends left (both variants, both families), and read
-        the proxy ports the last run's table leads to (``previous``); nothing to probe:
-        ``nft`` is the one tool, and a table is ours or not."""
-        await self._leftovers(nft_tables=False, iptables_modes=MODES)
+        """Read the proxy ports the last run's table leads to (``previous``), or the rules of
+        another backend a run before left; nothing to probe: ``nft`` is the one tool, and a
+        table is ours or not. What other backends left goes after the first load."""
         try:
-            self.previous_ports = await self._read_previous()
+            previous = await read_previous(self._tables)
+            await self._leftover_ports(
+                previous, nft_tables=False, iptables_modes=MODES, families=self._tables
+            )
+            self.previous_ports = previous
         except (RulesError, OSError, ValueError):
             self.previous_ports = {}
-
-    async def _read_previous(self) -> dict[PortalKey, int]:
-        tables = nft_tables()
-        out: dict[PortalKey, int] = {}
-        for table in self._tables.values():
-            if tables is not None and (_NFPROTO[table.family.version], TABLE) not in tables:
-                continue
-            argv = ["nft", "-j", "list", "table", table.family.table, TABLE]
-            done = await command.run(argv, check=False)
-            if done.returncode == 0:
-                out.update(await asyncio.to_thread(_previous_of, done.stdout))
-        return out
 
     async def sync(self, portals: Collection[Portal]) -> None:
         async with self._lock:
@@ -971,6 +967,9 @@ class NftablesBackend:
         self._damaged = self._reload = False
         self._last_full = self._clock()
         self.full_loads += 1
+        if not self._swept:  # this run's first rules are in (``Leftovers``)
+            self._swept = True
+            await self._leftovers(nft_tables=False, iptables_modes=MODES)
 
     async def _commit(self, text: str, *, before: Token | None, stamp: str) -> None:
         self.transactions += 1
@@ -1108,6 +1107,20 @@ async def _sentinels_present(table: _Table) -> bool:
     )
     done = await command.run(["nft", "-t", "-f", "-"], stdin=text, check=False)
     return done.returncode == 0
+
+
+async def read_previous(families: Iterable[IPFamily]) -> dict[PortalKey, int]:
+    """The proxy ports the last run's tables lead to (see ``previous``): one listing per
+    family whose table exists."""
+    tables = nft_tables()
+    out: dict[PortalKey, int] = {}
+    for family in map(FAMILY_OF.__getitem__, families):
+        if tables is not None and (_NFPROTO[family.version], TABLE) not in tables:
+            continue
+        done = await command.run(["nft", "-j", "list", "table", family.table, TABLE], check=False)
+        if done.returncode == 0:
+            out.update(await asyncio.to_thread(_previous_of, done.stdout))
+    return out
 
 
 def _previous_of(listing: str) -> dict[PortalKey, int]:

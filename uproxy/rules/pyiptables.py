@@ -56,12 +56,14 @@ from uproxy.model import IPFamily
 from uproxy.rules import command
 from uproxy.rules.base import (
     NO_LOCAL_TRAFFIC,
+    LeftoverPorts,
     Leftovers,
     LocalTraffic,
     Portal,
     RulesError,
     Stack,
     keep_leftovers,
+    no_leftover_ports,
 )
 from uproxy.rules.portals import (
     ALL_CHAINS,
@@ -399,9 +401,12 @@ class IptcBackend:
         watch: Watch | None = None,
         clock: Callable[[], float] = time.monotonic,
         leftovers: Leftovers = keep_leftovers,
+        leftover_ports: LeftoverPorts = no_leftover_ports,
     ) -> None:
         del mode  # legacy tables only; accepted for a uniform constructor
         self._leftovers = leftovers
+        self._leftover_ports = leftover_ports
+        self._swept = False  # other backends' rules removed (after the first sync)
         self._options: dict[str, Any] = {
             "dial_mark": dial_mark,
             "nodeport_cidrs": tuple(nodeport_cidrs),
@@ -482,14 +487,17 @@ class IptcBackend:
         return {f: b.build(split[f]) for f, b in self._builders.items()}
 
     async def prepare(self) -> None:
-        """Remove what other backends left (nft tables, iptables-nft chains), and read the
-        proxy ports the last run's chains lead to (``previous``; with the iptables programs
-        when they are there)."""
+        """Read the proxy ports the last run's chains lead to (``previous``; with the
+        iptables programs when they are there), or those of the rules another backend left
+        (removed after the first sync, ``Leftovers``)."""
         from uproxy.rules.restore import read_previous
 
-        await self._leftovers(nft_tables=True, iptables_modes=["nft"])
         try:
-            self.previous_ports = await read_previous("legacy", self._stacks)
+            previous = await read_previous("legacy", self._stacks)
+            await self._leftover_ports(
+                previous, nft_tables=True, iptables_modes=["nft"], families=self._stacks
+            )
+            self.previous_ports = previous
         except (RulesError, OSError):
             self.previous_ports = {}
 
@@ -510,6 +518,9 @@ class IptcBackend:
             todo = list(rulesets) if full or not changed else changed
             await self._commit({f: rulesets[f] for f in todo}, full=full)
             self._full = False
+            if not self._swept:  # this run's first rules are in (``Leftovers``)
+                self._swept = True
+                await self._leftovers(nft_tables=True, iptables_modes=["nft"])
             if full:
                 self._last_full = self._clock()
 
