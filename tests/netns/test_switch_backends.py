@@ -54,3 +54,18 @@ def test_a_start_removes_what_the_last_runs_backend_left(
     for mode in ("nft", "legacy"):
         if mode != now:  # the variant uproxy left holds exactly the others' rules again
             assert strip_save(save(topo, mode)) == others[mode]
+
+
+@pytest.mark.parametrize("before", [("iptables-restore", "nft"), ("nftables", "nft")])
+def test_rules_none_names_the_rules_a_run_with_rules_left(
+    topo: Topology, before: tuple[str, str]
+) -> None:
+    """``--rules none`` touches no rules, and a node's earlier rules kept steering its
+    services to proxy ports nobody listened on, without a word."""
+    quiet = run_ops(topo, "none", "nft", [{"op": "prepare"}, {"op": "said"}])[1]
+    assert not [line for line in quiet if "Rules of an earlier run" in line]
+    run_ops(topo, *before, [sync_op(PORTALS)])
+    said = run_ops(topo, "none", "nft", [{"op": "prepare"}, {"op": "said"}])[1]
+    warned = [line for line in said if "Rules of an earlier run with --rules are in place" in line]
+    assert len(warned) == 1 and "uproxy --cleanup" in warned[0], said
+    assert ours(topo)["nftables" if before[0] == "nftables" else "nft"]  # left in place

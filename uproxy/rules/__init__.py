@@ -120,7 +120,7 @@ def make_backend(
             leftover_ports=leftover_ports,
         )
     if name == "none":
-        return NoRules()
+        return NoRules(leftover_ports=leftover_ports)
     raise RulesError(f"unknown rules backend {name!r}: use one of {', '.join(BACKEND_NAMES)}")
 
 

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection
 
+from uproxy.log import kv
 from uproxy.model import IPFamily
-from uproxy.rules.base import LocalTraffic, Portal
-from uproxy.rules.previous import NO_PREVIOUS, Previous
+from uproxy.rules import command
+from uproxy.rules.base import LeftoverPorts, LocalTraffic, Portal, no_leftover_ports
+from uproxy.rules.previous import NO_PREVIOUS, PortalKey, Previous
+
+log = logging.getLogger("uproxy.rules")
 
 
 class NoRules:
@@ -14,12 +19,29 @@ class NoRules:
 
     name = "none"
 
-    def __init__(self) -> None:
+    def __init__(self, leftover_ports: LeftoverPorts = no_leftover_ports) -> None:
         self.portals: frozenset[Portal] = frozenset()
         self.previous_ports: Previous = NO_PREVIOUS  # no rules, so no last run's
+        self._leftover_ports = leftover_ports
 
     async def prepare(self) -> None:
-        return None
+        """Say so when an earlier run's rules are in place (a node run, then ``--rules
+        none``): they steer service addresses to proxy ports this run may never open, or
+        give to other services. Left alone (``none`` touches no rules); read only with the
+        privilege to, so a laptop start spawns nothing."""
+        if not command.has_net_admin():
+            return
+        found: dict[PortalKey, int] = {}
+        families = (IPFamily.V4, IPFamily.V6)
+        modes = ("nft", "legacy")
+        await self._leftover_ports(found, nft_tables=True, iptables_modes=modes, families=families)
+        if found:
+            log.warning(
+                "Rules of an earlier run with --rules are in place and steer service "
+                "addresses to its proxy ports; --rules none leaves them: uproxy --cleanup "
+                "removes them",
+                extra=kv(addresses=len(found)),
+            )
 
     async def sync(self, portals: Collection[Portal]) -> None:
         self.portals = frozenset(portals)
