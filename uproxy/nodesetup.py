@@ -21,6 +21,7 @@ other they cannot be written (the file is read-only there, and the hash size ref
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -159,12 +160,13 @@ def claim_network_namespace(name: str = NAMESPACE_LOCK) -> socket.socket:
         sock.close()
         if e.errno != errno.EADDRINUSE:
             raise
-    raise NamespaceTaken(_holder(name))
+    raise NamespaceTaken(*_holder(name))
 
 
 class NamespaceTaken(Exception):
-    def __init__(self, pid: int | None) -> None:
+    def __init__(self, pid: int | None, drain_s: float | None = None) -> None:
         self.pid = pid
+        self.drain_s = drain_s  # the holder's drain timeout, as it answered
         who = f"another uproxy (pid {pid} in its PID namespace)" if pid else "another uproxy"
         super().__init__(
             f"{who} already proxies for this network namespace; run one uproxy per node "
@@ -172,16 +174,28 @@ class NamespaceTaken(Exception):
         )
 
 
-def _holder(name: str) -> int | None:
-    """The pid of the process listening on ``name`` (its peer credentials), if it answers."""
+def _holder(name: str) -> tuple[int | None, float | None]:
+    """The pid of the process listening on ``name`` (its peer credentials) and the drain
+    timeout it answers with (``answer_claim``), each None when it does not say."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    pid: int | None = None
     try:
         sock.settimeout(1.0)
         sock.connect(name)
         creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        pid, _, _ = struct.unpack("3i", creds)
-        return pid or None
-    except OSError:
-        return None
+        pid = struct.unpack("3i", creds)[0] or None
+        return pid, float(sock.recv(64).decode("ascii").split()[0])
+    except (OSError, ValueError, IndexError, UnicodeDecodeError):
+        return pid, None
     finally:
         sock.close()
+
+
+def answer_claim(held: socket.socket, drain_s: float) -> None:
+    """Answer another start that asks who holds the namespace: this process's drain
+    timeout, so that a successor with a shorter one waits out this one's drain."""
+    with contextlib.suppress(OSError):
+        conn = held.accept()[0]
+        with conn:
+            conn.setblocking(False)
+            conn.send(f"{drain_s:g}\n".encode("ascii"))

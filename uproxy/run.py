@@ -43,19 +43,27 @@ def set_up_node(settings: Settings) -> None:
 CLAIM_GRACE_S = 5.0
 
 
-async def claim_node(settings: Settings) -> socket.socket:
+async def claim_node(settings: Settings, name: str | None = None) -> socket.socket:
     """This network namespace, for this process's rules and ports (``nodesetup``). One
     uproxy that still holds it may be draining (a restart that overlaps its predecessor's
-    stop): it is waited for, up to a drain and a few seconds, then that is an error."""
-    from uproxy.nodesetup import NamespaceTaken, claim_network_namespace
+    stop): it is waited for, up to its drain (or this one's, if longer) and a few seconds,
+    then that is an error."""
+    from uproxy.nodesetup import (
+        NAMESPACE_LOCK,
+        NamespaceTaken,
+        answer_claim,
+        claim_network_namespace,
+    )
 
     loop = asyncio.get_running_loop()
     give_up = loop.time() + settings.drain_timeout + CLAIM_GRACE_S
     said = False
     while True:
         try:
-            held = claim_network_namespace()
+            held = claim_network_namespace(name or NAMESPACE_LOCK)
         except NamespaceTaken as e:
+            if e.drain_s is not None and not said:
+                give_up = max(give_up, loop.time() + e.drain_s + CLAIM_GRACE_S)
             if loop.time() >= give_up:
                 raise
             if not said:
@@ -66,16 +74,11 @@ async def claim_node(settings: Settings) -> socket.socket:
                 said = True
             await asyncio.sleep(0.1)
             continue
-        # Another start asks who holds it (its peer credentials): answer by taking the
-        # connection and closing it, so that asking never fills the queue.
+        # Another start asks who holds it (its peer credentials) and how long it may drain:
+        # answered at once, so that asking never fills the queue.
         held.setblocking(False)
-        loop.add_reader(held.fileno(), _answer, held)
+        loop.add_reader(held.fileno(), answer_claim, held, settings.drain_timeout)
         return held
-
-
-def _answer(held: socket.socket) -> None:
-    with contextlib.suppress(OSError):
-        held.accept()[0].close()
 
 
 def format_table(rows: list[TableRow]) -> str:

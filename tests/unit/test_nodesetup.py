@@ -4,17 +4,22 @@ files, in a network namespace, are in tests/e2e/test_node_setup.py."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import select
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from uproxy import run as uproxy_run
 from uproxy.nodesetup import (
     HASHSIZE,
     NETFILTER,
     NamespaceTaken,
     Wanted,
+    answer_claim,
     claim_network_namespace,
     set_oom_score_adj,
     table_size,
@@ -141,3 +146,32 @@ def test_one_holder_of_a_network_namespace_and_who_it_is() -> None:
     finally:
         held.close()
     claim_network_namespace(name).close()  # released with its holder
+
+
+async def test_a_start_waits_out_the_drain_its_predecessor_said(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A restart that shortened --drain-timeout gave up on a predecessor still draining
+    within its own: the holder answers with its drain timeout, and that is waited for."""
+    monkeypatch.setattr(uproxy_run, "CLAIM_GRACE_S", 0.1)
+    name = f"\0uproxy-test-{os.getpid()}-{time.monotonic_ns()}"
+    first = claim_network_namespace(name)  # a predecessor with --drain-timeout 1.5s
+
+    def predecessor() -> None:  # its own process in life: answers, lets go after 0.8 s
+        with first:
+            until = time.monotonic() + 0.8
+            while (left := until - time.monotonic()) > 0:
+                if select.select([first], [], [], left)[0]:
+                    answer_claim(first, 1.5)
+
+    thread = threading.Thread(target=predecessor)
+    thread.start()
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    try:
+        second = await uproxy_run.claim_node(Settings(drain_timeout=0.1), name)  # own: 0.2 s
+        loop.remove_reader(second.fileno())  # it answers the next start; not one here
+        second.close()
+    finally:
+        thread.join()
+    assert loop.time() - started >= 0.7  # it waited until the first let go
