@@ -138,8 +138,9 @@ class SlotReader:
             raw = self._directory[at + _RECORD_LEN.size : at + _RECORD_LEN.size + length]
             text, *rest = raw.decode().split(_SEP)
             slot = int(text)
-            if not rest:  # a forgotten label set
+            if not rest:  # a forgotten label set: its labels go too (a service churned)
                 self._families[slot] = None
+                self._labels[slot] = ()
             elif slot == len(self._families):
                 family, *labels = map(sys.intern, rest)
                 self._families.append(family)

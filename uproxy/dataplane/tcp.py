@@ -178,7 +178,10 @@ class TcpListener:
         self._sock: socket.socket | None = sock
         self._family = sock.family  # read once: socket.family converts to an enum per read
         self._acceptor = read_poller_for(loop)
-        self._watcher: TcpListener | _Retiring | _Draining = self  # what the acceptor calls
+        # What the acceptor calls in place of this listener (None: the listener itself).
+        # Never ``self``: a listener that refers to itself outlives its close until a full
+        # collection, and one frozen with a bulk change (``uproxy.heap``) never goes.
+        self._watcher: _Retiring | _Draining | None = None
         # The relays' epoll set (an fd: made now, not at an fd-starved accept), and its read
         # buffer made big enough for this port's reads.
         self.poller = poller_for(loop)
@@ -394,8 +397,8 @@ class TcpListener:
             series.ACCEPT_PAUSED.labels("fd_reserve").value += 1
             self._paused = self.loop.call_later(self.settings.accept_backoff_s, self._resume)
             return
-        self._acceptor.watch(sock.fileno(), self._watcher)
-        self._accept(self.settings.accept_batch, defer=self._watcher is self)
+        self._acceptor.watch(sock.fileno(), self._watcher or self)
+        self._accept(self.settings.accept_batch, defer=self._watcher is None)
 
     def _defer(self, now: float) -> None:
         """Ahead of an idle worker: leave the queue to the others (``spread``)."""
@@ -414,7 +417,7 @@ class TcpListener:
             return
         paused.cancel()
         self._paused = None
-        self._acceptor.watch(self._sock.fileno(), self._watcher)
+        self._acceptor.watch(self._sock.fileno(), self._watcher or self)
 
     def _look(self) -> None:
         """Deferring: go on, come back, or (after ``spread.DEFER_S``) take what nobody
@@ -432,7 +435,7 @@ class TcpListener:
             taking = False
         if self in loads.deferring:
             loads.deferring.remove(self)
-        self._acceptor.watch(self._sock.fileno(), self._watcher)
+        self._acceptor.watch(self._sock.fileno(), self._watcher or self)
         if taking:
             self._accept(spread.TAKEN_AFTER, defer=False)
 
@@ -474,6 +477,7 @@ class TcpListener:
                 self._loads.deferring.remove(self)
         else:
             self._acceptor.unwatch(sock.fileno())
+        self._watcher = None  # a _Retiring or _Draining refers back to this listener
         sock.close()
 
     async def shutdown(self, timeout: float) -> int:
@@ -484,7 +488,7 @@ class TcpListener:
         """A stop began: accept (without deferring to another worker, which may have closed
         its copy already) until ``stop_accepting``."""
         sock = self._sock
-        if sock is not None and self._watcher is self:
+        if sock is not None and self._watcher is None:
             self._watcher = _Draining(self)
             if self._paused is None:
                 self._acceptor.unwatch(sock.fileno())
