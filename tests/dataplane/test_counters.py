@@ -192,3 +192,85 @@ async def test_a_sliced_add_up_lets_the_loop_run_and_counts_a_worker_that_dies_m
     finally:
         a.close()
         b.close()
+
+
+_CHURNING_WORKER = textwrap.dedent(
+    """
+    import sys
+    from uproxy import metrics
+    from uproxy.dataplane.counters import CounterFiles, SlotWriter
+    writer = SlotWriter(CounterFiles(int(sys.argv[1]), int(sys.argv[2])))
+    metrics.share(writer)
+    metrics.BYTES.labels("ns/stays:http", "to_endpoint").value += 7
+    for i in range(int(sys.argv[3])):  # a service created, used and deleted, again and again
+        svc = f"ns/churn-{i}:http"
+        metrics.BYTES.labels(svc, "to_endpoint").value += 1000
+        held = metrics.CONNECTIONS.labels(svc, "TCP", "ok")  # a connection still draining
+        held.value += 1
+        metrics.forget_service(svc)
+        held.value += 1  # counted into a slot nobody reports, and not handed out meanwhile
+        del held
+    metrics.BYTES.labels("ns/stays:http", "to_endpoint").value += 1
+    metrics.CONNECTIONS.labels("ns/late:http", "TCP", "ok").value += 5
+    print(writer.compactions, max(writer._free, default=0), flush=True)
+    """
+)
+
+
+def test_a_churning_worker_stays_within_a_few_slots_and_is_added_up_exactly() -> None:
+    """A service created and deleted 20,000 times: its slots are handed out again once
+    nothing counts into them, and the directory is rewritten with what is live, so a
+    worker's counters stay the size of what it serves (before, every port created took new
+    slots and directory records for good, and past ~150,000 new ports counted nowhere)."""
+    files = CounterFiles.create(directory_bytes=1 << 20)  # 512 KiB a half: many rewrites
+    try:
+        fds = (files.values_fd, files.directory_fd)
+        done = subprocess.run(
+            [sys.executable, "-c", _CHURNING_WORKER, *map(str, fds), "20000"],
+            check=True,
+            pass_fds=fds,
+            env={**os.environ, "PYTHONPATH": os.getcwd()},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        compactions, highest_slot = map(int, done.stdout.split())
+        assert compactions >= 3
+        assert highest_slot < 40  # the same few slots, over and over
+        reader = SlotReader(files)
+        assert reader.refresh()
+        seen = {(family, labels): value for family, labels, value in reader.items()}
+        assert seen[("uproxy_bytes_total", ("ns/stays:http", "to_endpoint"))] == 8
+        assert seen[("uproxy_connections_total", ("ns/late:http", "TCP", "ok"))] == 5
+        assert not [labels for _, labels in seen if "churn" in labels[0]]
+        reader.close()
+    finally:
+        files.close()
+
+
+def test_a_reader_follows_a_rewrite_of_the_directory_and_keeps_serving_meanwhile() -> None:
+    files = CounterFiles.create(directory_bytes=1 << 16)
+    bound: dict[int, tuple[str, tuple[str, ...]]] = {}
+    try:
+        writer = SlotWriter(files, live=lambda: ((s, f, v) for s, (f, v) in bound.items()))
+        reader = SlotReader(files)
+        kept = writer.new_slot("uproxy_bytes_total", ("ns/kept:p", "in"))
+        bound[kept] = ("uproxy_bytes_total", ("ns/kept:p", "in"))
+        writer.values[kept] = 3
+        reader.refresh()
+        for i in range(2000):  # far more records than a half holds: rewritten many times
+            slot = writer.new_slot("uproxy_bytes_total", (f"ns/s{i}:p", "in"))
+            writer.values[slot] = 1
+            writer.forget_slot(slot)
+            writer.release(slot)
+            if i % 500 == 0:
+                # Between two rewrites the reader serves what it knew (one label set that
+                # stayed, with its value), then learns the rest.
+                assert ("ns/kept:p", "in") in [labels for _, labels, _ in reader.items()]
+                assert reader.refresh()
+        assert writer.compactions >= 2
+        assert reader.refresh()
+        assert list(reader.items()) == [("uproxy_bytes_total", ("ns/kept:p", "in"), 3.0)]
+        reader.close()
+    finally:
+        files.close()

@@ -80,6 +80,12 @@ class SharedTally(ctypes.c_double):
         tally.slot = slot
         return tally
 
+    def __del__(self) -> None:
+        # Its label set forgotten (a deleted service) and nothing left counting into it:
+        # the slot may name another label set now (``SlotWriter.release``).
+        if _shared is not None:
+            _shared.release(self.slot)
+
 
 AnyTally = Tally | SharedTally
 
@@ -96,6 +102,18 @@ def share(writer: SlotWriter) -> None:
     global _shared
     _shared = writer
     DIAL_DURATION.share(writer)
+    writer.live = _live_bindings
+
+
+def _live_bindings() -> Iterator[tuple[int, str, tuple[str, ...]]]:
+    """Every label set this worker has bound and not forgotten, with its slot: what a
+    rewrite of the directory keeps (``SlotWriter.compact``)."""
+    yield from DIAL_DURATION.bindings()
+    for family in DATA_PLANE:
+        if isinstance(family, LabelledFamily):
+            for values, tally in family.series():
+                if isinstance(tally, SharedTally):
+                    yield tally.slot, family.name, values
 
 
 def _escape_label_value(value: str) -> str:
@@ -335,6 +353,13 @@ class ScrapeHistogram(ScrapeFamily):
     @property
     def sum(self) -> float:
         return self._store[self._base + len(self.bounds) + 1]
+
+    def bindings(self) -> Iterator[tuple[int, str, tuple[str, ...]]]:
+        """Its slots with their label sets, once ``share``d (see ``_live_bindings``)."""
+        if _shared is not None and self._store is _shared.values:
+            count = len(self.bounds) + 1
+            yield from ((self._base + i, self.name, (str(i),)) for i in range(count))
+            yield self._base + count, self.name, ("sum",)
 
     def share(self, writer: SlotWriter) -> None:
         """Keep the buckets and the sum in consecutive slots ("0".."N" and "sum")."""
