@@ -290,6 +290,12 @@ def metrics_md() -> str:
         + ") are there from the moment uproxy proxies the port, at zero until its first "
         "connection or datagram, and go when the service port is deleted.",
         "",
+        "The data-plane workers count in shared memory, so the counts of a worker that dies "
+        "(and is replaced) stay in the sums: nothing is lost or counted twice. "
+        "`uproxy_bytes_total` counts bytes as a worker hands them on; a worker killed in "
+        "the middle of a transfer may have counted up to a pipe's worth (1 MiB per "
+        "connection) that the kernel then dropped with it.",
+        "",
         "| Metric | Type | Labels | Meaning |",
         "|---|---|---|---|",
     ]
