@@ -446,8 +446,10 @@ def _merge(results: dict[str, Any], part: str, data: dict[str, Any], progress: P
                 before["skipped"] = f"failed: {error}"
             progress.say(f"{name}: FAILED in round {round_no}: {error}")
             return True
+        # A workload that failed (its note says so) fails the run; the others' figures stand.
+        failures = data["entry"].pop("failed", [])
         results["peers"][name] = dataplane.merge_round(before, data["entry"])
-        return False
+        return bool(failures)
     if part.startswith("disturb:"):
         rules = part.removeprefix("disturb:")
         entry = data.get("disturb") or {"error": error or "no result"}

@@ -5,7 +5,10 @@ that the machine's drift (its speed moves by a fifth and more over minutes on a 
 machine) reaches every peer alike instead of the peers that happen to run in a slow stretch.
 In each round a peer is started afresh, checked (a 1 MiB blob through it must hash right, a
 UDP datagram must come back unchanged), warmed up briefly on every workload, measured once on
-each and stopped; its figures are the medians over the rounds. Each measured run records the
+each and stopped; its figures are the medians over the rounds. A round whose proxy exits
+before its runs are over is a failed round, none of its figures kept (whatever a load
+generator read after that measured no proxy); a workload that fails with the proxy alive
+is noted and fails the run, the other workloads' figures kept. Each measured run records the
 proxy's CPU seconds next to the load generator's figures: its whole process tree (uproxy's
 control process and workers, nginx's master and workers, HAProxy's threads), split by role as
 ``bench.proctree`` explains, and the whole machine's (``/proc/stat``: load generator, backend,
@@ -196,19 +199,41 @@ def run_peer(
         if problem:
             raise RuntimeError(problem)
         progress.say(f"{peer.name}: started, bytes verified")
+        alive = _alive_check(peer, running, ctx)
         for w in WORKLOADS:
             if w.needs_udp and not running.udp:
                 entry["notes"].append(f"{w.key}: not supported by this peer")
                 progress.advance(_workload_seconds(plan, w))
                 continue
             entry["runs"][w.key] = _round(
-                peer, w, running, plan, scripts, where.load, progress, entry["notes"], round_no
+                peer, w, running, plan, scripts, where.load, progress, entry, round_no, alive
             )
         if running.pids:
             entry["runs"]["peak"] = [proctree.memory_mb(running.pids)]
+            alive("the memory reading")
     finally:
         peer.stop(ctx, running)
     return entry
+
+
+class ProxyExited(RuntimeError):
+    """The peer's proxy exited during its round: the round failed, none of it is a figure."""
+
+
+def _alive_check(peer: Peer, running: Running, ctx: Context) -> Callable[[str], None]:
+    """A check, after each run, that every process the peer started still runs: raises
+    ``ProxyExited`` naming the run (``during``), with the exit status and the log's end."""
+
+    def check(during: str) -> None:
+        for proc in running.procs:
+            if proc.poll() is not None:
+                tail = ctx.procs.log_tail(proc)
+                raise ProxyExited(
+                    f"{peer.name} exited with {proc.returncode} during {during}"
+                    + (f": {tail}" if tail else "")
+                )
+
+    return check
 
 
 def merge_round(before: dict[str, Any], entry: dict[str, Any]) -> dict[str, Any]:
@@ -242,32 +267,40 @@ def _round(
     scripts: dict[str, Path],
     load: CpuSet,
     progress: Progress,
-    notes: list[str],
+    entry: dict[str, Any],
     round_no: int,
+    alive: Callable[[str], None],
 ) -> list[wl.Figures]:
     """One workload's warm-up and measured run in this round, each with the proxy tree's CPU;
-    a failed run ends the workload for the round with a note (the other workloads still
-    run)."""
+    a failed run ends the workload for the round with a note and goes into the entry's
+    ``failed`` (the other workloads still run); a proxy that exited ends the round
+    (``ProxyExited``)."""
     runs: list[wl.Figures] = []
     for durations, measured in _steps(plan):
+        label = f"round {round_no}/{plan.rounds}" if measured else "warm-up"
         before = proctree.sample(running.pids)
         machine_before, steal_before = machine_busy_s(), host_steal_s()
         started = time.monotonic()
         try:
             figures = w.run(running.ports, durations, scripts, load)
         except (wl.WorkloadError, OSError) as e:
-            notes.append(f"{w.key}, round {round_no}: {e}")
-            progress.say(f"{peer.name}: {w.key} failed: {e}")
+            alive(f"{w.title}, {label}")
+            failure = f"{w.key}, round {round_no}: failed: {e}"
+            entry["notes"].append(failure)
+            entry.setdefault("failed", []).append(failure)
+            progress.say(f"{peer.name}: {w.key} FAILED: {e}")
             break
+        alive(f"{w.title}, {label}")
         figures["wall_s"] = time.monotonic() - started
         figures["machine_cpu_s"] = machine_busy_s() - machine_before
         figures["steal_ms_per_s"] = (host_steal_s() - steal_before) * 1000 / figures["wall_s"]
         if w.key == "conn" and figures.get("requests"):
             figures["machine_us_per_conn"] = figures["machine_cpu_s"] * 1e6 / figures["requests"]
         cpu = proctree.between(before, proctree.sample(running.pids)) if running.pids else None
+        if cpu is not None and cpu.vanished:
+            raise ProxyExited(f"{peer.name}'s processes vanished during {w.title}, {label}")
         _derive(w.key, figures, cpu)
         progress.advance(w.seconds(durations) + STEP_OVERHEAD_S)
-        label = f"round {round_no}/{plan.rounds}" if measured else "warm-up"
         progress.say(f"{peer.name}: {w.title}, {label}: {_headline(w.key, figures)}")
         if measured:
             runs.append(figures)

@@ -180,6 +180,9 @@ class Cpu:
     threads: int = 0
     waited_s: float = 0.0  # runnable but waiting for a CPU (threads alive at both ends)
     main_threads_s: list[float] = field(default_factory=list)
+    # Roots gone by the second sample: their CPU since the first went with them (to whoever
+    # reaped them), so their trees are left out rather than counted as negative time.
+    vanished: list[int] = field(default_factory=list)
 
     @property
     def total_s(self) -> float:
@@ -235,13 +238,19 @@ def _between_one(before: Sample, after: Sample, into: Cpu) -> None:
 
 
 def between(before: list[Sample], after: list[Sample]) -> Cpu:
-    """The CPU of every tree (matched by root) from ``before`` to ``after``."""
+    """The CPU of every tree (matched by root) from ``before`` to ``after``; a tree whose root
+    is gone by ``after`` is left out and named in ``vanished`` (its processes took their CPU
+    with them: what remains would read as negative time)."""
     out = Cpu()
     by_root = {s.root: s for s in before}
     for a in after:
         b = by_root.get(a.root)
-        if b is not None:
-            _between_one(b, a, out)
+        if b is None:
+            continue
+        if b.procs and a.root not in a.procs:
+            out.vanished.append(a.root)
+            continue
+        _between_one(b, a, out)
     out.main_threads_s.sort(reverse=True)
     return out
 

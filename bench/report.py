@@ -229,7 +229,7 @@ def _header(results: dict[str, Any]) -> list[str]:
         lines += [woke, ""]
     skipped = {p: e["skipped"] for p, e in peers.items() if e.get("skipped")}
     if skipped:
-        lines += ["Skipped peers:", ""]
+        lines += ["Skipped or failed peers:", ""]
         lines += [f"- {p}: {why}" for p, why in skipped.items()]
         lines.append("")
     return lines

@@ -166,6 +166,11 @@ def udp(port: int, *, seconds: float, core: CpuSet) -> Figures:
         raw: dict[str, float] = json.loads(res.stdout)
     except json.JSONDecodeError as e:
         raise WorkloadError(f"udp load gave no JSON: {res.stderr.strip()[:200]}") from e
+    if not raw["replies"]:
+        # Nothing came back: no latency or rate was measured, whatever the figures would say.
+        raise WorkloadError(
+            f"no UDP reply in {raw['seconds']:.1f} s (lost {raw['lost']:.0f}, bad {raw['bad']:.0f})"
+        )
     return {
         "rate": raw["rate"],
         "seconds": raw["seconds"],
