@@ -45,6 +45,7 @@ from bench import (
     workloads as wl,
 )
 from bench.backends import BackendPorts, missing_tools, start as start_backends
+from bench.cmdline import positive_int
 from bench.peers import Context, Peer, Uproxy, all_peers
 from bench.procs import Cores, Placement, ProcessGroup, run_uproxy_as_shipped
 from bench.progress import Progress
@@ -82,7 +83,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument(
         "--runs",
-        type=int,
+        type=positive_int,
         help="rounds: measured runs per workload, each peer started afresh for each, the peers "
         "in turn (default: 3, quick: 1)",
     )
@@ -96,7 +97,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument(
         "--disturb-services",
-        type=int,
+        type=positive_int,
         help=f"services for that part (default: {disturb.FULL.services:,}; quick: "
         f"{disturb.QUICK.services:,})",
     )
