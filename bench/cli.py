@@ -172,11 +172,59 @@ def _disturb_plan(args: argparse.Namespace) -> disturb.Plan:
     return plan
 
 
+DISTURB = "disturb"  # the --peers name of the keep-alive runs during control work
+
+
+def _wanted_peers(args: argparse.Namespace) -> set[str] | None:
+    """The names ``--peers`` gives (None: every peer)."""
+    if args.peers is None:
+        return None
+    return {name.strip() for name in args.peers.split(",") if name.strip()}
+
+
+def _unknown_peers(args: argparse.Namespace) -> str | None:
+    """What is wrong with ``--peers``, or None: an unknown name would otherwise be dropped
+    without a word, and a list of nothing but unknown names would write an empty report."""
+    wanted = _wanted_peers(args)
+    if wanted is None:
+        return None
+    known = [p.name for p in all_peers()] + [DISTURB]
+    unknown = sorted(wanted - set(known))
+    if unknown:
+        return f"unknown peers: {', '.join(unknown)} (choose from: {', '.join(known)})"
+    if not wanted:
+        return f"--peers names no peer (choose from: {', '.join(known)})"
+    return None
+
+
+def _out_dir(args: argparse.Namespace) -> Path:
+    if args.render:
+        return Path(args.out or args.render.parent)
+    return Path(args.out or (DEFAULT_OUT / "quick" if args.quick else DEFAULT_OUT))
+
+
+def _unwritable(out: Path) -> str | None:
+    """Why the results cannot go into ``out``, or None; created here when missing, so a bad
+    ``--out`` is known before anything is measured, not when the report is written."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return f"--out {out}: cannot create it: {e.strerror or e}"
+    if not os.access(out, os.W_OK | os.X_OK):
+        return f"--out {out}: not writable"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     args = parse(args_list)
+    if not args.part:
+        problem = _unknown_peers(args) or _unwritable(_out_dir(args))
+        if problem:
+            print(f"bench: error: {problem}", file=sys.stderr)
+            return 2
     if args.render:
-        return render(args.render, args.out or args.render.parent)
+        return render(args.render, _out_dir(args))
     missing = missing_tools()
     if missing:
         print(
@@ -220,11 +268,11 @@ def run_all(args: argparse.Namespace, args_list: list[str]) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     use_netns = not args.no_netns and os.geteuid() == 0
     plan = _plan(args)
-    out: Path = args.out or (DEFAULT_OUT / "quick" if args.quick else DEFAULT_OUT)
+    out = _out_dir(args)
     cores = Cores.pick()
     peers = all_peers()
-    if args.peers:
-        wanted = set(args.peers.split(","))
+    wanted = _wanted_peers(args)
+    if wanted is not None:
         peers = [p for p in peers if p.name in wanted]
     probe_ctx = Context(
         procs=ProcessGroup(logdir=Path(tempfile.gettempdir())),
@@ -372,7 +420,8 @@ def _disturb_parts(
     args: argparse.Namespace, results: dict[str, Any], use_netns: bool, uproxy_missing: str | None
 ) -> list[str]:
     """One part per rules backend; why there are none, in the results, when there are none."""
-    if args.no_disturb or (args.peers and "disturb" not in args.peers.split(",")):
+    wanted = _wanted_peers(args)
+    if args.no_disturb or (wanted is not None and DISTURB not in wanted):
         return []
     plan = _disturb_plan(args)
     results["disturb"] = {"services": plan.services, "workers": disturb.WORKERS, "backends": {}}
