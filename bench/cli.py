@@ -47,7 +47,7 @@ from bench import (
 from bench.backends import BackendPorts, missing_tools, start as start_backends
 from bench.cmdline import positive_int
 from bench.peers import Context, Peer, Uproxy, all_peers
-from bench.procs import Cores, Placement, ProcessGroup, run_uproxy_as_shipped
+from bench.procs import Cores, Placement, ProcessGroup, run_to_end, run_uproxy_as_shipped
 from bench.progress import Progress
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
@@ -467,12 +467,11 @@ def _rules_sync(quick: bool, progress: Progress) -> dict[str, Any]:
     """The rules backends' sync time: ``python -m bench.rules_sync``, its table kept as is."""
     progress.say("rules sync: python -m bench.rules_sync")
     try:
-        done = subprocess.run(
+        # Stopped, when interrupted, with time to delete the namespace it made.
+        done = run_to_end(
             [sys.executable, "-m", "bench.rules_sync", "--sizes", RULES_SYNC_SIZES[quick]],
-            capture_output=True,
-            text=True,
-            timeout=600,
-            check=False,
+            timeout_s=600,
+            grace_s=20,
         )
     except subprocess.TimeoutExpired:
         return {"error": "timed out after 600 s"}

@@ -29,8 +29,10 @@ import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from types import FrameType
 from typing import Any
 
+from bench import netns
 from uproxy.model import Protocol, ServicePortName
 from uproxy.rules import command, restore as restore_backend
 from uproxy.rules.base import Portal, PortalKind
@@ -141,7 +143,9 @@ def outer(services: int, rounds: int, out: str | None) -> int:
         argv += ["bench.holds", "--inner", "--services", str(services), "--rounds", str(rounds)]
         done = subprocess.run(argv, capture_output=True, text=True, timeout=INNER_TIMEOUT_S)
     finally:
-        subprocess.run(["ip", "netns", "del", ns], check=False)
+        # The inner run and its commands first, on an interrupt: a namespace with a process
+        # in it outlives its name.
+        netns.delete(ns)
     if done.returncode != 0:
         print(f"failed: {done.stderr.strip()}", file=sys.stderr)
         return 1
@@ -179,7 +183,17 @@ def main() -> int:
     if args.inner:
         json.dump(asyncio.run(inner(args.services, args.rounds)), sys.stdout)
         return 0
-    return outer(args.services, args.rounds, args.out)
+    # SIGTERM unwinds like Ctrl-C: the namespace is deleted.
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        return outer(args.services, args.rounds, args.out)
+    except KeyboardInterrupt:
+        print("interrupted; namespace deleted", file=sys.stderr)
+        return 130
+
+
+def _terminate(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

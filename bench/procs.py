@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from bench import proctree
 from bench.proctree import (
@@ -180,23 +181,57 @@ class ProcessGroup:
 
     def stop(self, proc: subprocess.Popen[bytes], *, timeout_s: float = 5.0) -> None:
         """SIGTERM the child's process group, SIGKILL it if it lingers."""
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=timeout_s)
-        # Children that outlived their leader (a forked socat) share the group id.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_session(proc, timeout_s=timeout_s)
 
     def stop_all(self) -> None:
         for proc in reversed(self._procs):
             self.stop(proc)
         self._procs.clear()
+
+
+def stop_session(proc: subprocess.Popen[Any], *, timeout_s: float) -> None:
+    """SIGTERM the process group of ``proc`` (started in a session of its own), give it
+    ``timeout_s`` to clean up, then SIGKILL the group: what it forked too."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=timeout_s)
+    # Children that outlived their leader (a forked socat) share the group id.
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def run_to_end(
+    argv: Sequence[str], *, timeout_s: float, grace_s: float = 5.0
+) -> subprocess.CompletedProcess[str]:
+    """Run a helper to completion in a session of its own, its output captured, bounded in time.
+
+    ``subprocess.run`` answers a timeout or an interrupt (Ctrl-C, or SIGTERM raised as
+    KeyboardInterrupt here) by SIGKILLing the child alone: its own cleanup never runs (a
+    namespace it made stays) and whatever it started is orphaned. Here the child's whole group
+    gets SIGTERM and ``grace_s`` to clean up first, then SIGKILL; the interrupt is raised
+    again, a timeout as ``subprocess.TimeoutExpired``.
+    """
+    child = subprocess.Popen(
+        list(argv),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    with child:
+        try:
+            out, err = child.communicate(timeout=timeout_s)
+        except BaseException:
+            stop_session(child, timeout_s=grace_s)
+            raise
+    return subprocess.CompletedProcess(child.args, child.returncode, out, err)
 
 
 def run_pinned(

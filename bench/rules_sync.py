@@ -14,11 +14,14 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
+from types import FrameType
 from typing import Any
 
+from bench import netns
 from uproxy.model import Protocol, ServicePortName
 from uproxy.rules import make_backend
 from uproxy.rules.base import Portal, PortalKind
@@ -83,7 +86,9 @@ def outer(sizes: list[int]) -> int:
                 timeout=INNER_TIMEOUT_S,
             )
         finally:
-            subprocess.run(["ip", "netns", "del", ns], check=False)
+            # Whatever still runs in it (the inner run and its rules commands, on an
+            # interrupt) is killed first: a namespace with a process in it outlives its name.
+            netns.delete(ns)
         if done.returncode != 0:
             print(f"{backend_name}/{mode} failed: {done.stderr.strip()}", file=sys.stderr)
             return 1
@@ -114,7 +119,17 @@ def main() -> int:
     if args.inner:
         json.dump(asyncio.run(inner(args.backend, args.mode, sizes)), sys.stdout)
         return 0
-    return outer(sizes)
+    # SIGTERM (python -m bench stopping this) unwinds like Ctrl-C: the namespace is deleted.
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        return outer(sizes)
+    except KeyboardInterrupt:
+        print("interrupted; namespace deleted", file=sys.stderr)
+        return 130
+
+
+def _terminate(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

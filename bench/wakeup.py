@@ -25,6 +25,8 @@ import sys
 import time
 from typing import Any
 
+from bench.procs import run_to_end
+
 WAKES = 1000
 GAP_S = 0.001
 TIMEOUT_S = 30.0
@@ -112,7 +114,8 @@ def probe(sleeper: int, waker: int) -> dict[str, Any]:
     argv = [sys.executable, "-m", "bench.wakeup", "--sleeper", str(sleeper)]
     argv += ["--waker", str(waker)]
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT_S)
+        # On an interrupt its spinner goes with it (its process group).
+        done = run_to_end(argv, timeout_s=TIMEOUT_S)
     except (OSError, subprocess.SubprocessError) as e:
         return {"error": str(e)}
     if done.returncode != 0:
