@@ -45,6 +45,8 @@ from typing import Any
 
 import yaml
 
+from bench.cmdline import positive_float, positive_int, positive_ints
+
 ECHO_PORT = 18999
 TARGET_PORT = 18080  # laptop mode: the proxy port is the service port on 127.0.0.1
 BIG_PORT = 18081
@@ -321,15 +323,20 @@ def measure(endpoints: int, seconds: float, workdir: Path, change: str = "one") 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--endpoints", default="100,5000,20000", help="counts, baseline first")
-    parser.add_argument("--seconds", type=float, default=15.0)
-    parser.add_argument("--runs", type=int, default=2, help="runs per count, interleaved")
+    parser.add_argument(
+        "--endpoints",
+        type=positive_ints,
+        default="100,5000,20000",
+        help="counts, baseline first",
+    )
+    parser.add_argument("--seconds", type=positive_float, default=15.0)
+    parser.add_argument("--runs", type=positive_int, default=2, help="runs per count, interleaved")
     parser.add_argument("--change", choices=CHANGES, default="one", help="what each change is")
     parser.add_argument("--json", type=Path, help="write the figures here too")
     args = parser.parse_args(argv)
     if not on_first_cpu():
         return 2
-    counts = [int(c) for c in args.endpoints.split(",")]
+    counts: list[int] = args.endpoints
     results = interleaved(
         counts,
         args.runs,

@@ -42,6 +42,7 @@ from bench.big_service import (
     _slice,
     write_services,
 )
+from bench.cmdline import positive_int, positive_ints
 
 PATTERNS = ("at once", "one after another")
 TAKEN_TIMEOUT_S = 5.0
@@ -147,11 +148,15 @@ def measure(sizes: list[int], bursts: int, idle_s: float, workdir: Path) -> list
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default="4,8,16,32,64", help="connections per burst")
-    parser.add_argument("--bursts", type=int, default=8, help="bursts per size and pattern")
+    parser.add_argument(
+        "--sizes", type=positive_ints, default="4,8,16,32,64", help="connections per burst"
+    )
+    parser.add_argument(
+        "--bursts", type=positive_int, default=8, help="bursts per size and pattern"
+    )
     parser.add_argument("--idle", type=float, default=0.3, help="seconds between bursts")
     args = parser.parse_args(argv)
-    sizes = [int(s) for s in args.sizes.split(",")]
+    sizes: list[int] = args.sizes
     with tempfile.TemporaryDirectory(prefix="uproxy-spread-") as tmp:
         rows = measure(sizes, args.bursts, args.idle, Path(tmp))
     print("\n| pattern | connections | busier worker's share, median | worst | all on one worker |")

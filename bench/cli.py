@@ -218,13 +218,13 @@ def _unwritable(out: Path) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     args = parse(args_list)
+    if args.render:
+        return render(args.render, _out_dir(args))
     if not args.part:
         problem = _unknown_peers(args) or _unwritable(_out_dir(args))
         if problem:
             print(f"bench: error: {problem}", file=sys.stderr)
             return 2
-    if args.render:
-        return render(args.render, _out_dir(args))
     missing = missing_tools()
     if missing:
         print(
@@ -244,7 +244,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def render(source: Path, out: Path) -> int:
     """Rebuild the summary, table and plots from raw runs (after changing what is reported)."""
-    results: dict[str, Any] = json.loads(source.read_text())
+    results, problem = _results_file(source)
+    problem = problem or _unwritable(out)
+    if problem:
+        print(f"bench: error: {problem}", file=sys.stderr)
+        return 2
     for entry in results["peers"].values():
         for runs in entry.get("runs", {}).values():
             for figures in runs:
@@ -257,6 +261,21 @@ def render(source: Path, out: Path) -> int:
     for path in report.write(results, out):
         print(path)
     return 0
+
+
+def _results_file(source: Path) -> tuple[dict[str, Any], str | None]:
+    """A results.json's content, or why it is not one."""
+    try:
+        results = json.loads(source.read_text())
+    except OSError as e:
+        return {}, f"--render {source}: cannot read it: {e.strerror or e}"
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return {}, f"--render {source}: not JSON: {e}"
+    if not isinstance(results, dict) or not isinstance(results.get("peers"), dict):
+        return {}, f"--render {source}: not a results.json of python -m bench (no peers)"
+    if not isinstance(results.get("meta"), dict):
+        return {}, f"--render {source}: not a results.json of python -m bench (no meta)"
+    return results, None
 
 
 def _terminate(signum: int, frame: FrameType | None) -> None:

@@ -64,6 +64,7 @@ from types import FrameType
 from typing import Any
 
 from bench import netns
+from bench.cmdline import positive_int, positive_ints
 from bench.cp_cluster import BACKENDS, NODE, NODE_IP, SERVICE_CIDR, TARGET_PORT
 from bench.procs import Cores, ProcessGroup, peak_rss_bytes, run_uproxy_as_shipped
 from bench.progress import Progress
@@ -386,7 +387,7 @@ def _main_run(a: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     plan = scale_plan(list(QUICK.sizes if a.quick else FULL.sizes), quick=a.quick)
     if a.sizes:
-        plan = replace(plan, sizes=tuple(int(s) for s in a.sizes.split(",")))
+        plan = replace(plan, sizes=tuple(a.sizes))
     if a.backends:
         plan = replace(plan, backends=a.backends)
     for field in ("changes", "relists", "settle_s", "starts"):
@@ -450,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="mode", required=True)
     run_p = sub.add_parser("run", help="the at-scale figures alone (root)")
     run_p.add_argument("--quick", action="store_true")
-    run_p.add_argument("--sizes", help="comma-separated service counts")
+    run_p.add_argument("--sizes", type=positive_ints, help="comma-separated service counts")
     run_p.add_argument(
         "--backends",
         type=_backend_names,
@@ -459,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     run_p.add_argument("--changes", type=int, help="endpoint changes and additions (20)")
     run_p.add_argument("--relists", type=int, help="forced relists (10)")
     run_p.add_argument("--settle", dest="settle_s", type=float, help="idle seconds (10)")
-    run_p.add_argument("--starts", type=int, help="cold starts per session, median (3)")
+    run_p.add_argument("--starts", type=positive_int, help="cold starts per session, median (3)")
     run_p.add_argument("--out", type=Path, default=Path("controlplane.json"))
     serve_p = sub.add_parser("serve", help="the API double with N services (a child)")
     serve_p.add_argument("--services", type=int, required=True)

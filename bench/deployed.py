@@ -55,6 +55,7 @@ from types import FrameType
 from typing import Any
 
 from bench import deployed_report, wakeup, workloads as wl
+from bench.cmdline import positive_int, positive_ints
 from bench.deployed_peers import REFERENCE, NodePeer, all_peers
 from bench.deployed_setup import PREFIX, WARMUP_S, PeerSkipped, Plan, Run, run_setup
 from bench.procs import Cores, run_uproxy_as_shipped
@@ -252,8 +253,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "kernel DNAT (linear chain, nft map), at 1 and 10,000 services. Needs root.",
     )
     p.add_argument("--quick", action="store_true", help="1 and 1,000 services, one round, 1 s")
-    p.add_argument("--scales", help="comma-separated numbers of services (default: 1,10000)")
-    p.add_argument("--rounds", type=int, help="setups per peer and scale (default: 3, quick: 1)")
+    p.add_argument(
+        "--scales",
+        type=positive_ints,
+        help="comma-separated numbers of services (default: 1,10000)",
+    )
+    p.add_argument(
+        "--rounds", type=positive_int, help="setups per peer and scale (default: 3, quick: 1)"
+    )
     p.add_argument("--peers", help="comma-separated peer names (default: all)")
     p.add_argument(
         "--long-keepalive",
@@ -273,13 +280,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def plan_for(
     *,
     quick: bool,
-    scales: str | None = None,
+    scales: list[int] | None = None,
     rounds: int | None = None,
     long_keepalive_s: float = 0.0,
 ) -> Plan:
     plan = QUICK if quick else FULL
     if scales:
-        plan = dataclasses.replace(plan, scales=tuple(sorted(int(n) for n in scales.split(","))))
+        plan = dataclasses.replace(plan, scales=tuple(sorted(set(scales))))
     if rounds:
         plan = dataclasses.replace(plan, rounds=rounds)
     return dataclasses.replace(plan, long_keepalive_s=long_keepalive_s)

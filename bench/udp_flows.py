@@ -54,6 +54,7 @@ from bench.big_service import (
     tail_text,
     write_services,
 )
+from bench.cmdline import positive_float, positive_int, positive_ints
 
 DNS_PORT = 18053  # laptop mode: the proxy port is the service port on 127.0.0.1
 UDP_ECHO_PORTS = (18954, 18955)
@@ -202,9 +203,13 @@ def load(queries: int, seconds: float, change: str, live: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--burst", default="100,3000", help="queries per burst, baseline first")
-    parser.add_argument("--seconds", type=float, default=15.0)
-    parser.add_argument("--runs", type=int, default=2, help="runs per burst size, interleaved")
+    parser.add_argument(
+        "--burst", type=positive_ints, default="100,3000", help="queries per burst, baseline first"
+    )
+    parser.add_argument("--seconds", type=positive_float, default=15.0)
+    parser.add_argument(
+        "--runs", type=positive_int, default=2, help="runs per burst size, interleaved"
+    )
     parser.add_argument("--change", choices=CHANGES, default="none", help="after each burst")
     parser.add_argument("--json", type=Path, help="write the figures here too")
     argv = sys.argv[1:] if argv is None else argv
@@ -214,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not on_first_cpu():
         return 2
-    sizes = [int(c) for c in args.burst.split(",")]
+    sizes: list[int] = args.burst
     results = interleaved(
         sizes,
         args.runs,

@@ -4,11 +4,13 @@ or overwrites the committed results)."""
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from bench import cli
+from bench import cli, cmdline, deployed
 
 
 @pytest.fixture(autouse=True)
@@ -95,3 +97,66 @@ def test_a_missing_out_is_created_at_start(tmp_path: Path) -> None:
     with pytest.raises(AssertionError, match="the run started"):
         cli.main(["--quick", "--out", str(out)])
     assert out.is_dir()
+
+
+def _usage_error(capsys: pytest.CaptureFixture[str], main: Any, argv: list[str]) -> str:
+    """A command's argparse error: exit status 2, the last line ``...: error: ...``."""
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert ": error: argument " in line
+    return line
+
+
+@pytest.mark.parametrize(
+    ("module", "argv"),
+    [
+        ("controlplane", ["run", "--sizes", "abc"]),
+        ("controlplane", ["run", "--sizes", "1000,"]),
+        ("controlplane", ["run", "--sizes", "10k"]),
+        ("controlplane", ["run", "--sizes", "0"]),
+        ("controlplane", ["run", "--starts", "0"]),
+        ("big_service", ["--endpoints", "abc"]),
+        ("big_service", ["--runs", "0"]),
+        ("big_service", ["--seconds", "0"]),
+        ("udp_flows", ["--burst", "x"]),
+        ("udp_flows", ["--runs", "0"]),
+        ("burst_spread", ["--sizes", "x"]),
+        ("burst_spread", ["--bursts", "0"]),
+        ("deployed", ["--scales", "abc"]),
+        ("deployed", ["--rounds", "0"]),
+    ],
+)
+def test_a_bad_number_is_one_usage_error(
+    capsys: pytest.CaptureFixture[str], module: str, argv: list[str]
+) -> None:
+    main = importlib.import_module(f"bench.{module}").main
+    line = _usage_error(capsys, main, argv)
+    assert argv[-1] in line or repr(argv[-1]) in line
+
+
+def test_counts_are_read_as_lists() -> None:
+    assert cmdline.positive_ints("100,5000") == [100, 5000]
+    assert deployed.plan_for(quick=False, scales=[10000, 1]).scales == (1, 10000)
+
+
+def test_render_of_a_missing_file_is_one_error_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    line = _error(capsys, ["--render", str(tmp_path / "MISSING.json")])
+    assert (
+        line
+        == f"bench: error: --render {tmp_path / 'MISSING.json'}: cannot read it: No such file or directory"
+    )
+
+
+@pytest.mark.parametrize("text", ["{}", "[]", "not json", '{"peers": {}}'])
+def test_render_of_what_is_not_a_results_file_is_one_error_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, text: str
+) -> None:
+    source = tmp_path / "results.json"
+    source.write_text(text)
+    line = _error(capsys, ["--render", str(source)])
+    assert line.startswith(f"bench: error: --render {source}: not ")
+    assert not (tmp_path / "RESULTS.md").exists()
