@@ -322,7 +322,9 @@ def measure(endpoints: int, seconds: float, workdir: Path, change: str = "one") 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.big_service", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument(
         "--endpoints",
         type=positive_ints,

@@ -147,7 +147,9 @@ def measure(sizes: list[int], bursts: int, idle_s: float, workdir: Path) -> list
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.burst_spread", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument(
         "--sizes", type=positive_ints, default="4,8,16,32,64", help="connections per burst"
     )

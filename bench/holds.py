@@ -172,7 +172,9 @@ def outer(services: int, rounds: int, out: str | None) -> int:
 
 def main() -> int:
     # No docstring under PYTHONOPTIMIZE=2, which the bench sets for its children.
-    parser = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.holds", description=(__doc__ or "").partition("\n")[0]
+    )
     parser.add_argument("--services", type=int, default=10000)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", help="write the figures as JSON here")

@@ -109,7 +109,9 @@ def outer(sizes: list[int]) -> int:
 
 def main() -> int:
     # No docstring under PYTHONOPTIMIZE=2, which the bench sets for its children.
-    parser = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.rules_sync", description=(__doc__ or "").partition("\n")[0]
+    )
     parser.add_argument("--sizes", default="100,1000,10000")
     parser.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--backend", default="iptables-restore", help=argparse.SUPPRESS)

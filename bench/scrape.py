@@ -57,7 +57,9 @@ def scrape(url: str, *, seconds: float, interval: float) -> dict[str, Any]:
 
 def main() -> int:
     # No docstring under PYTHONOPTIMIZE=2, which the bench sets for its children.
-    p = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m bench.scrape", description=(__doc__ or "").partition("\n")[0]
+    )
     p.add_argument("--url", required=True)
     p.add_argument("--seconds", type=float, required=True)
     p.add_argument("--interval", type=float, default=1.0)

@@ -202,7 +202,9 @@ def load(queries: int, seconds: float, change: str, live: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.udp_flows", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument(
         "--burst", type=positive_ints, default="100,3000", help="queries per burst, baseline first"
     )

@@ -160,3 +160,12 @@ def test_render_of_what_is_not_a_results_file_is_one_error_line(
     line = _error(capsys, ["--render", str(source)])
     assert line.startswith(f"bench: error: --render {source}: not ")
     assert not (tmp_path / "RESULTS.md").exists()
+
+
+@pytest.mark.parametrize("module", ["big_service", "udp_flows", "burst_spread"])
+def test_usage_names_the_command_as_it_is_run(
+    capsys: pytest.CaptureFixture[str], module: str
+) -> None:
+    with pytest.raises(SystemExit):
+        importlib.import_module(f"bench.{module}").main(["--no-such-option"])
+    assert capsys.readouterr().err.startswith(f"usage: python -m bench.{module} ")
