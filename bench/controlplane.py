@@ -52,6 +52,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -399,13 +400,20 @@ def _main_run(a: argparse.Namespace) -> int:
     try:
         cp = run_at_scale(plan, procs=procs, cores=Cores.pick(), workdir=workdir, progress=progress)
     except KeyboardInterrupt:
+        shutil.rmtree(workdir, ignore_errors=True)
         return 130
     finally:
         procs.stop_all()
     cp["elapsed_s"] = progress.elapsed()
     a.out.write_text(json.dumps({"control_plane": cp}, indent=1) + "\n")
     print(cp_report.markdown(cp))
-    progress.say(f"wrote {a.out}; child logs in {workdir}")
+    # The sessions' logs (uproxy's, the API double's) are what tells why one failed; a run
+    # that went well leaves nothing behind (10,000 services' files and logs are megabytes).
+    if cp.get("failed"):
+        progress.say(f"wrote {a.out}; a session failed: child logs kept in {workdir}")
+        return 1
+    shutil.rmtree(workdir, ignore_errors=True)
+    progress.say(f"wrote {a.out}")
     return 0
 
 
