@@ -7,7 +7,7 @@ flows that open together and expire together; an endpoint that goes (a DNS pod r
 takes its share of them at once. Closing those sockets is the worker's work, on the loop
 that relays everything else.
 
-``python -m bench.udp_flows`` (no root needed; about a minute): a uproxy of this tree
+``python -m bench.udp_flows`` (no root needed; about a minute and a half): a uproxy of this tree
 (``--services FILE --rules none --workers 1``, pinned to the second CPU) with two services:
 ``target`` (TCP), whose endpoint is an echo server, and ``dns`` (UDP), with two echo
 endpoints. One client connection sends 64 bytes to ``target`` every millisecond and times
@@ -39,6 +39,7 @@ from typing import Any
 from bench.big_service import (
     ECHO,
     ECHO_PORT,
+    MIDDLE_NOTE,
     TARGET_PORT,
     _children,
     _connect,
@@ -233,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{f['worker_ms_per_burst']:.0f} ms"
         ),
     )
+    print(f"\n{MIDDLE_NOTE}")
     print("\n| queries per burst | p99 ms | p99.9 ms | max ms | over 2 ms | worker ms per burst |")
     print("|---|---|---|---|---|---|")
     for n in sizes:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from bench import cli, cmdline, deployed
+from bench import big_service, cli, cmdline, deployed
 
 
 @pytest.fixture(autouse=True)
@@ -169,3 +169,10 @@ def test_usage_names_the_command_as_it_is_run(
     with pytest.raises(SystemExit):
         importlib.import_module(f"bench.{module}").main(["--no-such-option"])
     assert capsys.readouterr().err.startswith(f"usage: python -m bench.{module} ")
+
+
+def test_of_two_runs_the_table_shows_the_worse() -> None:
+    better, worse = {"p999_ms": 1.0}, {"p999_ms": 3.0}
+    assert big_service.middle([better, worse], "p999_ms") is worse
+    assert big_service.middle([worse, better], "p999_ms") is worse
+    assert big_service.middle([better, {"p999_ms": 2.0}, worse], "p999_ms")["p999_ms"] == 2.0
