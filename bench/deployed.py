@@ -55,6 +55,7 @@ from types import FrameType
 from typing import Any
 
 from bench import deployed_report, wakeup, workloads as wl
+from bench.backends import missing_tools
 from bench.cmdline import positive_int, positive_ints
 from bench.deployed_peers import REFERENCE, NodePeer, all_peers
 from bench.deployed_setup import PREFIX, WARMUP_S, PeerSkipped, Plan, Run, run_setup
@@ -315,6 +316,15 @@ def main(argv: list[str] | None = None) -> int:
         peers = [p for p in peers if p.name in wanted]
     if os.geteuid() != 0:
         print("bench.deployed: needs root (network namespaces, iptables)", file=sys.stderr)
+        return 2
+    # Checked here, not by each setup: without wrk every peer would fail, one after another.
+    missing = missing_tools()
+    if missing:
+        print(
+            f"bench.deployed: missing tools: {', '.join(missing)} (Debian packages: "
+            "nginx-light, iperf3, wrk, util-linux)",
+            file=sys.stderr,
+        )
         return 2
     signal.signal(signal.SIGTERM, _terminate)
     signal.signal(signal.SIGHUP, _terminate)

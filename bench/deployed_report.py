@@ -243,6 +243,16 @@ def short_of_rate(data: dict[str, Any]) -> list[str]:
     ]
 
 
+def paced_setups(data: dict[str, Any]) -> int:
+    """How many setups ran the equal-rate connection run."""
+    return sum(
+        isinstance(r.get("conn_paced"), dict)
+        for by_scale in data["runs"].values()
+        for runs in by_scale.values()
+        for r in runs
+    )
+
+
 def failed(data: dict[str, Any]) -> bool:
     return "error" in data or any(e.get("failed") for e in data.get("peers", {}).values())
 
@@ -329,17 +339,19 @@ def markdown(data: dict[str, Any] | None) -> list[str]:
     lines.append("")
     if offered:
         short = short_of_rate(data)
+        if short:
+            verdict = "not sustained by: " + "; ".join(short) + "."
+        elif paced_setups(data):
+            verdict = f"every setup measured sustained it (≥ {SUSTAINED:.0%})."
+        else:
+            verdict = "no setup was measured at it."
         lines += [
             f"Equal rate: new connections offered at {offered:,} conn/s to every peer at every "
-            "number of services; "
-            + (
-                "not sustained by: " + "; ".join(short) + "."
-                if short
-                else f"every setup sustained it (≥ {SUSTAINED:.0%})."
-            ),
+            f"number of services; {verdict}",
             "",
         ]
-    lines += _scale_table(summ, peers, order, small, large, offered)
+    if large != small:  # one number of services: nothing to compare it with
+        lines += _scale_table(summ, peers, order, small, large, offered)
     lines += _large_table(summ, peers, order, large)
     lines += _goals(summ, small, large, offered)
     lines += _spread_table(summ, peers, order, scales, offered)
@@ -484,6 +496,8 @@ def _goals(summ: dict[str, Any], small: str, large: str, offered: int | None = N
         ]
     lines += ["| peer | figure | compared with | goal | measured |", "|---|---|---|---|---|"]
     for peer, key, which, at_large, what, goal in GOALS:
+        if small == large and (at_large or which == "vs_smallest"):
+            continue  # one number of services: the same row again, or a scale against itself
         scale = large if at_large else small
         figs = summ.get(peer, {}).get(scale, {})
         closed = ""
