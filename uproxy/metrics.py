@@ -103,6 +103,7 @@ from uproxy.dataplane.series import (
     OPEN_CONNECTIONS as OPEN_CONNECTIONS,
     PROXIED as PROXIED,
     SERIES_PER_CHUNK as SERIES_PER_CHUNK,
+    UDP_EVICTIONS as UDP_EVICTIONS,
     UDP_FLOWS as UDP_FLOWS,
     AnyTally as AnyTally,
     LabelledFamily as LabelledFamily,

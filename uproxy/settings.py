@@ -119,7 +119,8 @@ class Settings:
         flag="--udp-timeout",
         config="udpIdleTimeout",
         kind="duration",
-        help="How long an idle UDP flow is kept",
+        help="How long an idle UDP flow is kept; one still waiting for the endpoint's answer "
+        "to its client's last datagram is kept at least 5 s",
     )
     tcp_keepalive: float = opt(
         15.0,

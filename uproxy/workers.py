@@ -682,6 +682,8 @@ class WorkerPool:
                 str(files.directory_fd),
                 "--index",
                 str(index),
+                "--of",
+                str(self.count),
                 *self._argv_extra,
                 *(["--nice", str(self.lowered.worker_nice)] if self.lowered else []),
                 *(["--cpu", str(cpu)] if cpu is not None else []),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import os
 import random
 import resource
@@ -25,12 +26,13 @@ from tests.dataplane.conftest import (
     wait_until,
 )
 from uproxy import metrics
+from uproxy.dataplane import udp as udp_module
 from uproxy.dataplane.poller import read_poller_for
 from uproxy.dataplane.release import CLOSE_CHUNK, release_for
 from uproxy.dataplane.settings import DataplaneSettings
-from uproxy.dataplane.udp import UdpListener, reply_pktinfo
+from uproxy.dataplane.udp import FlowPorts, UdpListener, reply_pktinfo
 from uproxy.localnet import has_loopback6
-from uproxy.model import Endpoint, LbAlgorithm, ServicePort, Traffic
+from uproxy.model import Endpoint, LbAlgorithm, Protocol, ServicePort, ServicePortName, Traffic
 
 
 class _UdpEcho(asyncio.DatagramProtocol):
@@ -737,3 +739,200 @@ async def test_a_flow_whose_socket_cannot_connect_is_a_failed_dial_and_the_rest_
     # a refused one, and none holds a socket to the unreachable endpoint.
     assert 0 < listener.active <= 9
     assert {flow.endpoint for flow in listener.flows.values()} == {ep_a}
+
+
+class _SlowEcho(asyncio.DatagramProtocol):
+    """Answers each datagram after ``delay_s`` (a DNS server asking its upstream); only
+    those that start with ``only`` when that is given."""
+
+    def __init__(self, delay_s: float, only: bytes = b"") -> None:
+        self.delay_s = delay_s
+        self.only = only
+        self.transport: asyncio.DatagramTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+        if data.startswith(self.only) and self.transport is not None:
+            loop = asyncio.get_running_loop()
+            loop.call_later(self.delay_s, self.transport.sendto, data, addr)
+
+
+@contextlib.asynccontextmanager
+async def slow_echo(delay_s: float, only: bytes = b"") -> AsyncIterator[Endpoint]:
+    loop = asyncio.get_running_loop()
+    transport, _ = await loop.create_datagram_endpoint(
+        lambda: _SlowEcho(delay_s, only), local_addr=("127.0.0.1", 0)
+    )
+    try:
+        yield Endpoint("127.0.0.1", transport.get_extra_info("sockname")[1], node_name=NODE)
+    finally:
+        transport.close()
+
+
+async def test_an_answer_slower_than_the_idle_timeout_reaches_its_own_client(
+    udp_listener: UdpListenerFactory,
+) -> None:
+    """A flow waiting for its answer is kept (``REPLY_WAIT_S``): with kube-proxy's 250 ms
+    idle timeout every answer slower than ~375 ms was lost with its flow, and one the
+    endpoint sent after its flow closed could reach another client on the same port."""
+    async with slow_echo(0.6) as ep:
+        settings = DataplaneSettings(udp_timeout_s=0.25)
+        listener = await udp_listener(
+            make_balancer(UDP_NAME, [ep], settings=settings), settings=settings
+        )
+        to = ("127.0.0.1", listener.port)
+        clients = [client_socket() for _ in range(40)]
+        try:
+            payloads = [b"client-%d-" % i + os.urandom(8) for i in range(len(clients))]
+            for c, payload in zip(clients, payloads, strict=True):
+                c.sendto(payload, to)
+            got: dict[int, bytes] = {}
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 5
+            while len(got) < len(clients) and loop.time() < deadline:
+                await asyncio.sleep(0.02)
+                for i, c in enumerate(clients):
+                    with contextlib.suppress(BlockingIOError):
+                        got[i] = c.recv(100)
+            assert got == dict(enumerate(payloads))  # every one, each its own
+        finally:
+            for c in clients:
+                c.close()
+
+
+def test_flow_ports_are_a_workers_own_share_taken_in_turn() -> None:
+    base = _free_udp_run(12)
+    ports = range(base, base + 12)
+    first = FlowPorts(0, 2, ports=ports, rng=random.Random(1))
+    second = FlowPorts(1, 2, ports=ports, rng=random.Random(1))
+
+    def bound(flow_ports: FlowPorts, held: list[socket.socket]) -> int:
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        held.append(s)
+        flow_ports.bind(s)
+        port: int = s.getsockname()[1]
+        return port
+
+    held: list[socket.socket] = []
+    try:
+        taken = [bound(first, held) for _ in range(6)]
+        assert sorted(taken) == list(ports[0::2])  # the whole share before any port again
+        for s in held:
+            s.close()
+        held.clear()
+        again = [bound(first, held) for _ in range(6)]
+        assert again == taken  # in the same turn: a port comes back after the others
+        others = {bound(second, held) for _ in range(6)}
+        assert others == set(ports[1::2])  # never a port of the other worker's share
+        # A port somebody holds is skipped.
+        for s in held:
+            s.close()
+        held.clear()
+        blocker = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        held.append(blocker)
+        blocker.bind(("0.0.0.0", taken[0]))
+        assert bound(first, held) == taken[1]
+    finally:
+        for s in held:
+            s.close()
+
+
+def _free_udp_run(n: int) -> int:
+    """The first of ``n`` consecutive UDP ports free right now (above the ephemeral range)."""
+    for base in range(61000, 65000, n):
+        socks = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+                socks.append(s)
+                s.bind(("0.0.0.0", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise AssertionError("no free run of UDP ports")
+
+
+async def test_successive_flows_take_successive_ports_of_the_share(
+    udp_backends: UdpBackendFactory,
+    udp_listener: UdpListenerFactory,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    base = _free_udp_run(8)
+    share = FlowPorts(0, 1, ports=range(base, base + 8), rng=random.Random(3))
+    monkeypatch.setattr(udp_module, "FLOW_PORTS", share)
+    ep, _ = await udp_backends("x")
+    listener = await udp_listener(make_balancer(UDP_NAME, [ep], settings=DataplaneSettings()))
+    to = ("127.0.0.1", listener.port)
+    seen = []
+    for i in range(8):
+        with client_socket() as c:
+            await exchange(c, b"%d" % i, to)
+            (flow,) = [f for f in listener.flows.values() if f.client == c.getsockname()]
+            seen.append(flow.sock.getsockname()[1])
+    assert sorted(seen) == list(range(base, base + 8))  # no port twice within the share
+
+
+async def test_evictions_for_a_full_flow_table_are_counted_and_said_once(
+    udp_listener: UdpListenerFactory,
+    request: pytest.FixtureRequest,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="uproxy")
+    caplog.clear()
+    sink = _UdpSink()
+    request.addfinalizer(sink.close)
+    settings = DataplaneSettings(udp_max_flows=4, udp_timeout_s=30)
+    name = ServicePortName("evict", "dns", "dns", Protocol.UDP)
+    listener = await udp_listener(
+        make_balancer(name, [sink.endpoint], settings=settings), settings=settings
+    )
+    to = ("127.0.0.1", listener.port)
+    evictions = metrics.UDP_EVICTIONS.labels(str(name))
+    before = evictions.value
+    for i in range(10):
+        with client_socket() as c:
+            c.sendto(b"%d" % i, to)
+
+        def relayed(n: int = i + 1) -> bool:
+            return sink.received >= n
+
+        await wait_until(relayed, what="datagram relayed")
+    assert evictions.value - before == 6
+    said = [r for r in caplog.records if "UDP flows evicted" in r.getMessage()]
+    assert len(said) == 1
+
+
+async def test_a_flow_that_gets_replies_is_evicted_after_those_that_get_nothing(
+    udp_listener: UdpListenerFactory,
+) -> None:
+    async with slow_echo(0.05, only=b"answer me") as ep:
+        settings = DataplaneSettings(udp_max_flows=3, udp_timeout_s=30)
+        listener = await udp_listener(
+            make_balancer(UDP_NAME, [ep], settings=settings), settings=settings
+        )
+        to = ("127.0.0.1", listener.port)
+        with client_socket() as a, client_socket() as b, client_socket() as c:
+            a.sendto(b"answer me", to)
+            b.sendto(b"quiet", to)
+            c.sendto(b"quiet", to)
+            await wait_until(lambda: listener.active == 3, what="three flows")
+            reply = b""
+            deadline = time.monotonic() + 3
+            while not reply and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+                with contextlib.suppress(BlockingIOError):
+                    reply = a.recv(100)
+            assert reply == b"answer me"  # a's flow is the most recently active now
+            with client_socket() as d:
+                d.sendto(b"quiet", to)
+                await wait_until(
+                    lambda: any(f.client == d.getsockname() for f in listener.flows.values()),
+                    what="d's flow",
+                )
+            clients = {f.client for f in listener.flows.values()}
+            assert a.getsockname() in clients and b.getsockname() not in clients

@@ -470,6 +470,13 @@ UDP_FLOWS = ScrapeGauge(
     ("service",),
     per_port=lambda service, protocol: ((service,),) if protocol == "UDP" else (),
 )
+UDP_EVICTIONS = ScrapeCounter(
+    "uproxy_udp_flow_evictions_total",
+    "UDP flows dropped before their idle timeout to make room for a new one: the service "
+    "port's flow table was full (--udp-max-flows, per worker)",
+    ("service",),
+    sparse=True,
+)
 ACCEPT_PAUSED = ScrapeCounter(
     "uproxy_accept_paused_total",
     "Times accepting was paused, by reason (emfile, enfile, enobufs, enomem; fd_reserve: "
@@ -507,6 +514,7 @@ DATA_PLANE: tuple[ScrapeFamily, ...] = (
     DIAL_ATTEMPTS,
     DIAL_DURATION,
     UDP_FLOWS,
+    UDP_EVICTIONS,
     NO_ENDPOINTS,
     ENDPOINT_EJECTIONS,
     CONNECTION_ERRORS,

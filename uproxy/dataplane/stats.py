@@ -28,6 +28,7 @@ class Stats:
 
     __slots__ = (
         "_dial_failed",
+        "_evicted",
         "_no_endpoints",
         "_refused",
         "bound",
@@ -53,6 +54,7 @@ class Stats:
         self._refused: series.AnyTally | None = None
         self._dial_failed: series.AnyTally | None = None
         self._no_endpoints: series.AnyTally | None = None
+        self._evicted: series.AnyTally | None = None
 
     def bind(self) -> None:
         service, protocol = self.service, self.protocol
@@ -80,6 +82,13 @@ class Stats:
                 self.service, self.protocol, "dial_failed"
             )
         return self._dial_failed
+
+    @property
+    def evicted(self) -> series.AnyTally:
+        """A UDP flow dropped to make room for a new one (``--udp-max-flows``)."""
+        if self._evicted is None:
+            self._evicted = series.UDP_EVICTIONS.labels(self.service)
+        return self._evicted
 
     @property
     def no_endpoints(self) -> series.AnyTally:

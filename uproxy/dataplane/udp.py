@@ -31,9 +31,21 @@ Connecting a UDP socket sends nothing, so neither can be told earlier. The flow 
 the client's next datagram picks an endpoint afresh.
 
 Idle flows are found by a periodic sweep (every ``udp_timeout_s / 2``, only while flows
-exist), not a timer per datagram: a datagram only stores ``loop.time()`` in its flow.
-The flow table is a dict in order of the clients' last datagram, so evicting "the least
-recently active" flow when the table is full is ``next(iter(...))``.
+exist), not a timer per datagram: a datagram only stores ``loop.time()`` in its flow. A
+flow whose client sent something the endpoint has not answered yet is kept at least
+``REPLY_WAIT_S``: a DNS server that asks its upstream takes longer than the 250 ms idle
+timeout (kube-proxy's), and its answer was lost with the flow (every answer slower than
+~375 ms, measured). The flow table is a dict in order of last activity (a client's
+datagram, or a batch of replies), so evicting "the least recently active" flow when the
+table is full is ``next(iter(...))``; evictions are counted and said once a minute.
+
+Each flow's socket is bound to a local port of this worker's own share of the ephemeral
+range, taken in turn (``FlowPorts``), not left to the kernel. The kernel picks a random
+free port, and picks a port again as soon as its flow closed: a reply the endpoint sent
+late then reached the new flow that got that port for the same endpoint, and went to its
+client, an answer to somebody else (12 of 3,000 clients, with replies after 600 ms). In
+turn, a port comes back only after the whole share (at 1,000 new flows a second, 14 s
+with two workers), and no worker takes a port another worker let go.
 """
 
 from __future__ import annotations
@@ -41,6 +53,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import random
 import socket
 import struct
 from typing import Self
@@ -53,6 +66,7 @@ from uproxy.dataplane.sockets import bind_udp
 from uproxy.dataplane.stats import Stats
 from uproxy.log import kv
 from uproxy.model import Endpoint, ServicePortName, Traffic
+from uproxy.portrange import ephemeral_ports
 
 log = logging.getLogger("uproxy.dataplane.udp")
 
@@ -63,6 +77,58 @@ _WILDCARDS = ("0.0.0.0", "::", "")
 # What a connected UDP socket reports when the endpoint's host answers with ICMP port or
 # host unreachable: the endpoint is not there. (EMSGSIZE and the like say nothing of it.)
 _REFUSED = frozenset((errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN))
+
+# How long a flow waits for the endpoint's answer to its client's last datagram, at least
+# (a slow DNS upstream); an answered flow goes after ``udp_timeout_s`` idle, as before.
+REPLY_WAIT_S = 5.0
+# Evictions for a full flow table are said at most this often per port (counted always).
+EVICTION_LOG_S = 60.0
+# Ports tried in turn for a flow before leaving the choice to the kernel (a crowded range).
+FLOW_BIND_TRIES = 16
+
+
+class FlowPorts:
+    """Local ports for flows' sockets: this worker's share of the ephemeral range (every
+    ``count``-th port from the ``index``-th), each taken in turn from a random start."""
+
+    def __init__(
+        self,
+        index: int = 0,
+        count: int = 1,
+        ports: range | list[int] | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        chosen = ports if ports is not None else ephemeral_ports()
+        self._ports = chosen[index::count]
+        self._next = (rng or random.Random()).randrange(len(self._ports)) if self._ports else 0
+
+    def bind(self, sock: socket.socket) -> None:
+        """Bind ``sock`` to the next free port of the share; when ``FLOW_BIND_TRIES`` in a
+        row are taken, leave it unbound (its connect then lets the kernel choose)."""
+        ports = self._ports
+        n = len(ports)
+        host = "::" if sock.family == socket.AF_INET6 else "0.0.0.0"
+        for _ in range(min(FLOW_BIND_TRIES, n)):
+            port = ports[self._next]
+            self._next = self._next + 1 if self._next + 1 < n else 0
+            try:
+                sock.bind((host, port))
+                return
+            except OSError as exc:
+                if exc.errno not in (errno.EADDRINUSE, errno.EACCES):
+                    raise
+
+
+# This process's flow ports: a worker sets its share at start (``worker.main``).
+FLOW_PORTS: FlowPorts | None = None
+
+
+def flow_ports() -> FlowPorts:
+    global FLOW_PORTS
+    if FLOW_PORTS is None:
+        FLOW_PORTS = FlowPorts()
+    return FLOW_PORTS
+
 
 # A flow's key: the client's address and port, and on a wildcard-bound listener the
 # datagram's packet info as received (the address it was sent to, and the interface).
@@ -82,6 +148,7 @@ class UdpFlow:
         "last",
         "listener",
         "pktinfo",
+        "replied",
         "sock",
     )
 
@@ -101,6 +168,7 @@ class UdpFlow:
         self.sock = sock
         self.pktinfo = pktinfo
         self.last = now
+        self.replied = float("-inf")  # the endpoint's last reply (``last``: any datagram)
         self.answered = False  # the endpoint has replied on this flow
         # The balancer counted ``endpoint`` (least-connections): released when the flow goes.
         self.held = listener.balancer.counting
@@ -114,10 +182,15 @@ class UdpFlow:
         view = listener.poller.buffer
         sock = self.sock
         counter = listener.stats.bytes_to_client
-        for _ in range(listener.settings.udp_batch):
+        for i in range(listener.settings.udp_batch):
             try:
                 n = sock.recv_into(view)
             except BlockingIOError:
+                flows = listener.flows
+                if i and flows.get(self.key) is self:
+                    # Replies count as activity: the most recent flow, the last to evict.
+                    del flows[self.key]
+                    flows[self.key] = self
                 return
             except OSError as exc:
                 # ECONNREFUSED (ICMP port unreachable) and the like: forget the flow so the
@@ -127,7 +200,7 @@ class UdpFlow:
             if not self.answered:
                 self.answered = True
                 listener.balancer.dial_ok(self.endpoint)
-            self.last = listener.loop.time()
+            self.last = self.replied = listener.loop.time()
             counter.value += n
             try:
                 if self.pktinfo is None:
@@ -187,6 +260,8 @@ class UdpListener:
         self.stats = Stats(name, traffic)  # bound at the first datagram
         self._flows_counted = 0  # this listener's share of the flows gauge
         self._starved = False  # a flow could not get a socket, and none has since
+        self._evicted = 0  # flows evicted for a full table since the last line said so
+        self._evictions_said = float("-inf")
 
     @classmethod
     async def open(
@@ -348,6 +423,7 @@ class UdpListener:
         flows = self.flows
         while len(flows) >= self.settings.udp_max_flows:
             self.drop_flow(next(iter(flows.values())))
+            self._note_eviction(now)
         family = socket.AF_INET6 if ":" in ep.ip else socket.AF_INET
         try:
             # Non-blocking from the start: no ioctl(FIONBIO) per flow (a DNS query's flow).
@@ -371,6 +447,7 @@ class UdpListener:
         try:
             if self.settings.dial_mark:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, self.settings.dial_mark)
+            (FLOW_PORTS or flow_ports()).bind(sock)
             sock.connect(ep.address)
         except OSError:
             sock.close()
@@ -393,10 +470,36 @@ class UdpListener:
     def _sweep_interval(self) -> float:
         return max(self.settings.udp_timeout_s / 2, 0.01)
 
+    def _note_eviction(self, now: float) -> None:
+        self.stats.evicted.value += 1
+        self._evicted += 1
+        if now - self._evictions_said >= EVICTION_LOG_S:
+            log.warning(
+                "UDP flows evicted: the flow table is full (--udp-max-flows)",
+                extra=kv(
+                    service=str(self.name),
+                    port=self.port,
+                    max_flows=self.settings.udp_max_flows,
+                    evicted=self._evicted,
+                ),
+            )
+            self._evictions_said = now
+            self._evicted = 0
+
     def _sweep(self) -> None:
         self._sweeper = None
-        deadline = self.loop.time() - self.settings.udp_timeout_s
-        self._drop_flows([f for f in self.flows.values() if f.last <= deadline])
+        now = self.loop.time()
+        idle = now - self.settings.udp_timeout_s
+        waiting = now - max(self.settings.udp_timeout_s, REPLY_WAIT_S)
+        # Idle, and not waiting for an answer to the client's last datagram (sent after the
+        # last reply) for less than REPLY_WAIT_S.
+        self._drop_flows(
+            [
+                f
+                for f in self.flows.values()
+                if f.last <= idle and (f.replied >= f.last or f.last <= waiting)
+            ]
+        )
         self._count_flows()
         if self.flows and self.sock is not None:
             self._sweeper = self.loop.call_later(self._sweep_interval(), self._sweep)

@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--channel", type=int, required=True)
     p.add_argument("--counters", type=int, nargs=2, required=True)
     p.add_argument("--index", type=int, required=True)
+    p.add_argument("--of", type=int, default=1, help="the number of workers (their port shares)")
     p.add_argument(
         "--loads", type=int, nargs=2, metavar=("FD", "WORKERS"), help="see dataplane.spread"
     )
@@ -100,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent()  # when the control process dies, however it dies: SIGTERM
     # Before the data-plane modules bind their label sets: every tally lives in shared memory.
     series.share(SlotWriter(CounterFiles(*args.counters)))
+    from uproxy.dataplane import udp  # after share(): its listeners bind label sets
+
+    udp.FLOW_PORTS = udp.FlowPorts(args.index, args.of)  # this worker's share of flow ports
     if args.loads is not None:  # before any listener, which reads it when made
         fd, count = args.loads
         spread.LOADS = spread.Loads(fd, count, args.index)
