@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from uproxy.health import ProxyHealth
+from uproxy.httpserver import SHUTDOWN_TIMEOUT_S
 from uproxy.log import V2, V3
 
 log = logging.getLogger("uproxy.healthcheck")
@@ -40,7 +41,7 @@ ServiceKey = tuple[str, str]  # (namespace, name)
 _Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
 
 _DEFAULT_RETRY_INTERVAL_S = 2.0
-_SHUTDOWN_TIMEOUT_S = 1.0
+_SHUTDOWN_TIMEOUT_S = SHUTDOWN_TIMEOUT_S  # see there; the servers close together
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,8 +116,8 @@ class HealthCheckServers:
             return
         async with self._lock:
             self._desired = dict(services)
-            for key in [k for k, inst in self._open.items() if services.get(k) != inst.spec]:
-                await self._close_one(key)
+            changed = [k for k, inst in self._open.items() if services.get(k) != inst.spec]
+            await asyncio.gather(*map(self._close_one, changed))
             for key in [k for k in self._reported if k not in services]:
                 del self._reported[key]
             await self._open_missing()
@@ -138,8 +139,7 @@ class HealthCheckServers:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         async with self._lock:
-            for key in list(self._open):
-                await self._close_one(key)
+            await asyncio.gather(*map(self._close_one, list(self._open)))
             self._desired.clear()
             self._reported.clear()
 

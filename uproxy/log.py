@@ -94,6 +94,39 @@ def setup(*, verbosity: int = 0, fmt: str = "text") -> None:
     client = logging.getLogger("kubernetes_asyncio")
     client.handlers[:] = [logging.NullHandler()]
     client.propagate = False
+    # The HTTP servers (/healthz, /metrics, health-check node ports) log through aiohttp's
+    # loggers, to which nothing was attached: Python's last resort printed each request it
+    # could not parse as an 11-line traceback, outside this format, and any client that
+    # reaches a health-check node port could send them by the thousand. In this format now,
+    # and a client's malformed request only at -v 3 (kube-proxy's servers say nothing).
+    web_handler = logging.StreamHandler(sys.stderr)
+    web_handler.setFormatter(handler.formatter)
+    web_handler.addFilter(_ClientErrors(level))
+    web = logging.getLogger("aiohttp")
+    web.handlers[:] = [web_handler]
+    web.setLevel(logging.INFO)
+    web.propagate = False
+
+
+class _ClientErrors(logging.Filter):
+    """A request aiohttp could not parse (its ``http_exceptions``: a bad header, a line too
+    long) is the client's doing: said at -v 3 without its traceback, or not at all."""
+
+    def __init__(self, level: int) -> None:
+        super().__init__()
+        self._level = level
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is None or not type(exc).__module__.startswith("aiohttp.http_exceptions"):
+            return True
+        if self._level > V3:
+            return False
+        record.levelno, record.levelname = V3, logging.getLevelName(V3)
+        record.msg, record.args = "Bad HTTP request", ()
+        record.exc_info, record.exc_text = None, None
+        record.kv = {"error": str(exc).replace("\n", " ")}
+        return True
 
 
 class Held(logging.Handler):

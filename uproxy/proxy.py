@@ -277,10 +277,8 @@ class Proxy:
             await self.syncer.close(drain=False)
         else:
             await self.syncer.close(drain=True)
-        await self.healthchecks.close()
-        for server in (self.healthz, self.metrics_server):
-            if server is not None:
-                await server.close()
+        servers = [s for s in (self.healthz, self.metrics_server) if s is not None]
+        await asyncio.gather(self.healthchecks.close(), *(s.close() for s in servers))
         # A normal shutdown only: one for a changed --config (or a failure) is a restart, and
         # removing the rules then would cut every service until the next start.
         if self.settings.cleanup_on_exit and self.failure is None:

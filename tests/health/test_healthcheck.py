@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import socket
+import threading
+import time
 from collections.abc import AsyncIterator, Callable
 
 import aiohttp
@@ -351,3 +354,45 @@ async def test_each_family_answers_with_its_own_count(
         assert (await check(http, unused_port, host="[::1]"))[::2] == (200, 1)
     finally:
         await hcs.close()
+
+
+async def test_servers_close_together_whatever_clients_that_do_not_read_hold(
+    servers: HealthCheckServers,
+) -> None:
+    """A client that pipelines requests and never reads its answers held each server's
+    close for 2 s, one server after another (12 s of a stop with five of them, past a pod's
+    grace period with fifteen): they close together now, each waiting a moment at most."""
+    keys = [("shop", f"web-{i}") for i in range(3)]
+    ports = [free_port() for _ in keys]
+    await servers.sync(
+        {k: HealthCheckSpec(k[0], k[1], p) for k, p in zip(keys, ports, strict=True)}
+    )
+    done = threading.Event()
+
+    def pipeline_without_reading(port: int) -> None:
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.settimeout(0.5)
+            requests = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" * 1000
+            deadline = time.monotonic() + 5
+            with contextlib.suppress(TimeoutError):
+                while time.monotonic() < deadline and not done.is_set():
+                    s.sendall(requests)  # until the server stops reading: answers pile up
+            done.wait(15)
+
+    threads = [threading.Thread(target=pipeline_without_reading, args=(p,)) for p in ports]
+    for t in threads:
+        t.start()
+    try:
+        await asyncio.sleep(2)  # the servers are stuck writing answers nobody reads
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await asyncio.wait_for(servers.close(), 20)
+        took = loop.time() - started
+        assert took < len(keys), took  # was 2 s per server, one after another
+        for port in ports:
+            assert await refused("127.0.0.1", port)
+    finally:
+        done.set()
+        for t in threads:
+            t.join(20)
