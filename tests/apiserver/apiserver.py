@@ -192,7 +192,7 @@ class ApiServerDouble:
         self._continuations: dict[str, tuple[str, int, list[Obj]]] = {}
         self._watchers: set[_Watcher] = set()
         self._held: dict[str, asyncio.Event] = {}
-        self._broken_lists: dict[str, list[tuple[int, bytes]]] = {}
+        self._broken_lists: dict[str, list[tuple[int, bytes, dict[str, str]]]] = {}
         self._swallowing: set[str] = set()  # kinds whose new watches get no answer
         self._swallowed: dict[str, int] = {}
         self._runner: web.AppRunner | None = None
@@ -406,10 +406,18 @@ class ApiServerDouble:
                 n += 1
         return n
 
-    def break_lists(self, kind: str, *bodies: bytes, status: int = 200) -> None:
-        """Answer the next lists of ``kind`` (one each) with these bodies and ``status``:
-        what a broken server, a proxy in the way or a refusal (RBAC's 403) sends."""
-        self._broken_lists.setdefault(str(kind), []).extend((status, b) for b in bodies)
+    def break_lists(
+        self,
+        kind: str,
+        *bodies: bytes,
+        status: int = 200,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        """Answer the next lists of ``kind`` (one each) with these bodies, ``status`` and
+        ``headers``: what a broken server, a proxy in the way, a refusal (RBAC's 403) or
+        API Priority and Fairness (429 with ``Retry-After``) sends."""
+        answers = ((status, b, dict(headers or {})) for b in bodies)
+        self._broken_lists.setdefault(str(kind), []).extend(answers)
 
     def hold_lists(self, kind: str) -> None:
         """Make lists of ``kind`` wait until ``release_lists``."""
@@ -516,8 +524,10 @@ class ApiServerDouble:
             await held.wait()
         broken = self._broken_lists.get(kind)
         if broken:
-            status, raw = broken.pop(0)
-            return web.Response(body=raw, status=status, content_type="application/json")
+            status, raw, headers = broken.pop(0)
+            return web.Response(
+                body=raw, status=status, headers=headers, content_type="application/json"
+            )
         q = request.query
         res = _RESOURCES[kind]
         token = q.get("continue")

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import datetime
 import gc
+import json
 import logging
 import subprocess
 import sys
@@ -997,3 +998,61 @@ def test_watch_lines_are_cut_at_newlines_whatever_the_reads() -> None:
     assert lines.feed(b"x" * 10) == []
     with pytest.raises(ValueError, match="over"):
         lines.feed(b"y" * MAX_EVENT_BYTES)
+
+
+TOO_MANY = json.dumps(
+    {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "status": "Failure",
+        "message": "Too many requests, please try again later.",
+        "reason": "TooManyRequests",
+        "details": {"retryAfterSeconds": 3},
+        "code": 429,
+    }
+).encode()
+
+
+async def test_a_429_is_retried_no_sooner_than_its_retry_after(
+    apiserver: ApiServerDouble, start_source: SourceFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """API Priority and Fairness throttles with 429 and Retry-After; client-go waits that
+    long, and uproxy retried after its own backoff (0.5 s first), every node at once."""
+    apiserver.create(SVC, service("a"))
+    apiserver.break_lists(SVC, TOO_MANY, TOO_MANY, status=429, headers={"Retry-After": "3"})
+    tracker, _ = await start_source(backoff_max_s=0.2)
+    await wait_for(lambda: tracker.synced and names(tracker) == {"a"}, timeout=15)
+    failed = [r for r in caplog.records if r.getMessage() == "Listing failed; retrying"]
+    waits = [r.kv["retry_s"] for r in failed]  # type: ignore[attr-defined]
+    assert len(waits) == 2 and all(w >= 3 for w in waits), waits
+
+
+async def test_a_410_after_a_watch_that_ran_relists_at_once_whatever_came_before(
+    apiserver: ApiServerDouble, start_source: SourceFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A quiet watch expired (normal: a server compacts its history), then an outage: the
+    410 of the first watch after it counted as the second of a relist that spins, and the
+    relist waited out the backoff the outage had grown (up to 30 s, without a line, while
+    services deleted meanwhile kept answering)."""
+    caplog.set_level(1, logger="uproxy")
+    apiserver.create(SVC, service("a"))
+    tracker, _ = await start_source(backoff_max_s=4.0)
+    await wait_for(lambda: tracker.synced and apiserver.open_watches(SVC) == 1)
+    lists = apiserver.list_count(SVC)
+    apiserver.expire_watches()  # relisted at once, the old way too
+    await wait_for(lambda: apiserver.list_count(SVC) > lists and apiserver.open_watches(SVC) == 1)
+    await apiserver.go_down()
+    await asyncio.sleep(6)  # the outage: failed watches back off 0.5, 1, 2, 4 s
+    apiserver.delete(SVC, service("a"))
+    apiserver.compact()
+    caplog.clear()
+    await apiserver.start()
+    await wait_for(lambda: names(tracker) == set(), timeout=20)
+    said = [
+        (r.getMessage(), r.created)
+        for r in caplog.records
+        if getattr(r, "kv", {}).get("resource") == "Service"
+    ]
+    gone = next(t for m, t in said if m == "Watch cannot resume; relisting")
+    listed = next(t for m, t in said if m == "Listed objects" and t >= gone)
+    assert listed - gone < 1.0, said  # not after the backoff (4 s)

@@ -436,10 +436,32 @@ class _Silent(Exception):
 
 
 class _ApiError(Exception):
-    def __init__(self, status: int, reason: str) -> None:
+    def __init__(self, status: int, reason: str, retry_after_s: float = 0.0) -> None:
         self.status = status
         self.reason = reason
+        self.retry_after_s = retry_after_s  # what the server asked for (429, 503)
         super().__init__(f"{status} {reason}")
+
+
+# The longest ``Retry-After`` taken as it is: a server that asks for more is asked again then.
+RETRY_AFTER_MAX_S = 60.0
+
+
+def _retry_after(headers: Mapping[str, str]) -> float:
+    """A 429's or 503's ``Retry-After`` in seconds (0: none, or a date, which kube-apiserver
+    never sends). API Priority and Fairness sends it to a client it throttles; client-go
+    waits at least that long, so does uproxy, rather than its own shorter backoff."""
+    try:
+        return min(max(float(headers.get("Retry-After", "0")), 0.0), RETRY_AFTER_MAX_S)
+    except ValueError:
+        return 0.0
+
+
+def _delay(backoff: _Backoff, exc: BaseException) -> float:
+    delay = backoff.next_delay()
+    if isinstance(exc, _ApiError):
+        delay = max(delay, exc.retry_after_s)
+    return delay
 
 
 # Errors after which the loop backs off and retries; anything else is a bug, logged with a
@@ -580,16 +602,23 @@ class KubeSource:
     async def _follow(self, feed: _Feed) -> None:
         loop = asyncio.get_running_loop()
         backoff = _Backoff(self.backoff_max_s)
-        gone_in_a_row = 0  # 410s with no progress between them: back off, do not spin
+        # A watch of a fresh listing that the server expires at once, again and again (its
+        # compaction outruns the listing), would relist in a tight loop: from the second in
+        # a row, the relist waits (a backoff of its own). A 410 after a watch that had been
+        # open a while is the normal course, and relists at once: counted as in a row, it
+        # waited out the backoff an outage had grown (30 s, unlogged, measured).
+        gone_in_a_row = 0
+        gone_backoff = _Backoff(self.backoff_max_s)
         while True:
             asked_at = time.monotonic()
+            fresh = feed.rv is None  # this watch starts from a listing made just now
             if feed.rv is None:
                 try:
                     feed.rv = await self._list(feed)
                 except _RETRYABLE as exc:
                     feed.rv = None
                     self._refused(exc, asked_at)
-                    delay = backoff.next_delay()
+                    delay = _delay(backoff, exc)
                     log.warning(
                         "Listing failed; retrying",
                         extra=kv(resource=feed.name, error=_describe(exc), retry_s=round(delay, 2)),
@@ -601,13 +630,17 @@ class KubeSource:
             try:
                 progressed = await self._watch(feed)
             except _Gone as gone:
-                log.info(
-                    "Watch cannot resume; relisting", extra=kv(resource=feed.name, why=gone.why)
-                )
                 feed.rv = None
-                gone_in_a_row += 1
-                if gone_in_a_row > 1:
-                    await asyncio.sleep(backoff.next_delay())
+                at_once = fresh and loop.time() - opened < WATCH_STEADY_S
+                gone_in_a_row = gone_in_a_row + 1 if at_once else 0
+                if not gone_in_a_row:
+                    gone_backoff.reset()
+                delay = gone_backoff.next_delay() if gone_in_a_row > 1 else 0.0
+                log.info(
+                    "Watch cannot resume; relisting",
+                    extra=kv(resource=feed.name, why=gone.why, after_s=round(delay, 2)),
+                )
+                await asyncio.sleep(delay)
                 continue
             except _Silent:
                 log.warning(
@@ -617,7 +650,7 @@ class KubeSource:
                 continue
             except _RETRYABLE as exc:
                 self._refused(exc, asked_at)
-                delay = backoff.next_delay()
+                delay = _delay(backoff, exc)
                 log.warning(
                     "Watch failed; retrying",
                     extra=kv(resource=feed.name, error=_describe(exc), retry_s=round(delay, 2)),
@@ -626,6 +659,7 @@ class KubeSource:
                 continue
             if progressed:
                 gone_in_a_row = 0
+                gone_backoff.reset()
             # A watch that delivered, or stayed open a while (a quiet resource), worked: the
             # next failure starts the backoff over (client-go resets it likewise).
             if progressed or loop.time() - opened >= WATCH_STEADY_S:
@@ -715,7 +749,7 @@ class KubeSource:
         finally:
             resp.release()
         if not 200 <= resp.status <= 299:
-            raise _ApiError(resp.status, _status_message(raw))
+            raise _ApiError(resp.status, _status_message(raw), _retry_after(resp.headers))
         body = json.loads(raw)
         if not isinstance(body, Mapping):
             raise ValueError(f"malformed {feed.name} list: not an object")
@@ -752,7 +786,7 @@ class KubeSource:
                 why = _relist_reason(resp.status, _status_body(raw))
                 if why is not None:
                     raise _Gone(why)
-                raise _ApiError(resp.status, _status_message(raw))
+                raise _ApiError(resp.status, _status_message(raw), _retry_after(resp.headers))
             handled = 0
             data = b""
             while True:
