@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from uproxy.cli import parse_settings
+from uproxy.configfile import API_VERSION, KIND
 from uproxy.dataplane.settings import DataplaneSettings
 from uproxy.model import LbAlgorithm
 from uproxy.portrange import PortAllocator, ephemeral_ports, parse_port_range
@@ -398,6 +399,13 @@ windowsRunAsService: false
 """
 
 
+def config_file(tmp_path: Path, body: str, *, name: str = "c.yaml") -> Path:
+    """A KubeProxyConfiguration file of ``body`` after its apiVersion and kind."""
+    path = tmp_path / name
+    path.write_text(f"apiVersion: {API_VERSION}\nkind: {KIND}\n{body}")
+    return path
+
+
 def test_kubeadm_config_loads_with_the_defaults_for_its_zero_values(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -422,11 +430,7 @@ def test_kubeadm_config_loads_with_the_defaults_for_its_zero_values(
 
 def test_a_zero_where_zero_means_something_is_kept(tmp_path: Path) -> None:
     # conntrack.maxPerCore: 0 is kube-proxy's "leave the limit alone", not the default.
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text(
-        "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n"
-        "conntrack:\n  maxPerCore: 0\noomScoreAdj: 0\n"
-    )
+    cfg = config_file(tmp_path, "conntrack:\n  maxPerCore: 0\noomScoreAdj: 0\n", name="c.yaml")
     s, _ = parse_settings(["--config", str(cfg)])
     assert s.conntrack_max_per_core == 0 and s.oom_score_adj == 0
 
@@ -511,22 +515,14 @@ def test_json_log_lines_carry_klog_verbosity() -> None:
 
 
 def test_a_flag_over_a_config_value_is_named_as_the_flag(tmp_path: Path) -> None:
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text(
-        "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n"
-        "uproxy:\n  workers: 2\n"
-    )
+    cfg = config_file(tmp_path, "uproxy:\n  workers: 2\n", name="c.yaml")
     with pytest.raises(SettingsError, match=r"^invalid --workers: must be 0 to \d+, got -1$"):
         parse_settings(["--config", str(cfg), "--workers=-1"])
 
 
 def test_an_empty_block_is_no_value(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     # Every field of the block commented out: YAML reads null; nothing to warn about.
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text(
-        "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n"
-        "uproxy:\n  # workers: 2\nconntrack: {}\n"
-    )
+    cfg = config_file(tmp_path, "uproxy:\n  # workers: 2\nconntrack: {}\n", name="c.yaml")
     caplog.set_level(logging.DEBUG, logger="uproxy")
     s, _ = parse_settings(["--config", str(cfg)])
     assert s.workers == Settings().workers
@@ -605,10 +601,8 @@ def test_laptop_health_listens_on_loopback_unless_told(tmp_path: Path) -> None:
     assert parse_settings(["--rules", "auto"])[0].healthz_bind_address == "0.0.0.0:10256"
     told = ["--rules", "none", "--healthz-bind-address", "0.0.0.0:10256"]
     assert parse_settings(told)[0].healthz_bind_address == "0.0.0.0:10256"
-    config = tmp_path / "config.yaml"
-    config.write_text(
-        "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n"
-        "healthzBindAddress: 0.0.0.0:10356\nuproxy:\n  rules: none\n"
+    config = config_file(
+        tmp_path, "healthzBindAddress: 0.0.0.0:10356\nuproxy:\n  rules: none\n", name="config.yaml"
     )
     assert parse_settings([f"--config={config}"])[0].healthz_bind_address == "0.0.0.0:10356"
 
@@ -646,10 +640,6 @@ def test_write_config_keeps_a_zero_that_means_off(tmp_path: Path) -> None:
 
 
 def test_zero_values_names_only_fields_whose_zero_is_unset(tmp_path: Path) -> None:
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text(
-        "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n"
-        "uproxy:\n  zeroValues: [oomScoreAdj]\n"
-    )
+    cfg = config_file(tmp_path, "uproxy:\n  zeroValues: [oomScoreAdj]\n", name="c.yaml")
     with pytest.raises(SettingsError, match=r"uproxy.zeroValues: 'oomScoreAdj' is not one of"):
         parse_settings(["--config", str(cfg)])
