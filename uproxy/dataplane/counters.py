@@ -21,22 +21,31 @@ The directory has two halves: the log grows in the current one, and once that ha
 well past what is still bound (services deleted), the worker writes what is bound into the
 other half and makes it current (``SlotWriter.compact``); a forgotten slot is handed out
 again once nothing counts into it. A worker's counters are then the size of what it serves,
-however many services came and went.
+however many services came and went. That rewrite goes in steps of a couple of milliseconds
+between the loop's other work: at 10,000 service ports it is 70,000 records, ~50 ms in one
+go, which every relay of the worker would have waited out.
+
+The directory's header counts rewrites twice over, as a sequence lock does: ``header // 2``
+is the current half's epoch (its parity says which half), and the header is odd while the
+other half is being rewritten, so a reader can tell when the half it read may have been
+written under it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import mmap
 import os
 import struct
 import sys
+import time
 from collections.abc import Callable, Iterable, Iterator, MutableSequence
 from dataclasses import dataclass
 from typing import cast
 
 SLOTS = 1 << 20  # label sets one worker can bind (70,000 at 10,000 service ports)
 DIRECTORY_BYTES = 64 << 20
-_EPOCH = struct.Struct("=Q")  # the directory's header: which half is current (its parity)
+_EPOCH = struct.Struct("=Q")  # the directory's header: 2 x the current epoch, +1 mid-rewrite
 _HALF_HEADER = struct.Struct("=QQ")  # a half's: records published, bytes used after it
 _RECORD_LEN = struct.Struct("=I")
 _SEP = "\x1f"
@@ -45,9 +54,15 @@ _SEP = "\x1f"
 # used stay resident, so the directory stays within a few times what is live.
 COMPACT_GROWTH = 4
 COMPACT_MIN_BYTES = 256 << 10
+# A rewrite under a running loop writes for this long at a time, then lets the loop run.
+REWRITE_STEP_S = 0.002
+_REWRITE_CLOCK_EVERY = 256  # records between two looks at the clock (~0.2 ms of writing)
 
 Labels = tuple[str, ...]
 # What a worker has bound and not forgotten: (slot, family, label values), for a rewrite.
+# Iterated in steps with the loop running in between, so its iteration must survive label
+# sets bound and forgotten meanwhile (``series._live_bindings`` copies each family's as it
+# reaches it); whatever changes after the rewrite began is written again after it.
 Live = Callable[[], Iterable[tuple[int, str, Labels]]]
 
 
@@ -73,6 +88,19 @@ class CounterFiles:
 
 class CountersFull(Exception):
     """No slot or directory space left: the caller counts in process memory instead."""
+
+
+class _Rewrite:
+    """A rewrite of the directory into its other half, under way."""
+
+    __slots__ = ("epoch", "pending", "records", "tail", "used")
+
+    def __init__(self, epoch: int, live: Iterable[tuple[int, str, Labels]]) -> None:
+        self.epoch = epoch  # the epoch the other half will have
+        self.pending = iter(live)  # what was bound when it began, not yet written
+        self.tail: list[bytes] = []  # the records appended since it began, in order
+        self.records = 0
+        self.used = 0
 
 
 def _halves(fd: int) -> tuple[int, int]:
@@ -107,7 +135,9 @@ class SlotWriter:
         self._epoch = 0
         self._records = 0
         self._used = 0
+        self._room = self._half - _HALF_HEADER.size  # record bytes a half holds
         self._compact_at = COMPACT_MIN_BYTES  # the current half's size that starts a rewrite
+        self._rewrite: _Rewrite | None = None
         self.compactions = 0
 
     def new_slot(self, family: str, labels: Labels) -> int:
@@ -148,55 +178,116 @@ class SlotWriter:
     def _append(self, text: str) -> None:
         record = text.encode()
         size = _RECORD_LEN.size + len(record)
-        if self._used + size > min(self._half - _HALF_HEADER.size, self._compact_at):
-            self.compact()
-            if self._used + size > self._half - _HALF_HEADER.size:
+        if self._used + size > self._room:
+            self.compact()  # the current half is full: the rewrite now, whole
+            if self._used + size > self._room:
                 raise CountersFull(f"{self._half} bytes of counter names are in use")
-        self._write(self._epoch, record)
-        self._publish(self._epoch)
+        elif self._used + size > self._compact_at and self._rewrite is None:
+            self._begin_rewrite()
+        self._used = self._put(self._epoch, self._used, record)
+        self._records += 1
+        self._publish(self._epoch, self._records, self._used)
+        if self._rewrite is not None:
+            self._rewrite.tail.append(record)  # the other half gets it too, at the end
 
     def _base(self, epoch: int) -> int:
         return _EPOCH.size + (epoch % 2) * self._half
 
-    def _write(self, epoch: int, record: bytes) -> None:
-        start = self._base(epoch) + _HALF_HEADER.size + self._used
-        end = start + _RECORD_LEN.size + len(record)
+    def _put(self, epoch: int, used: int, record: bytes) -> int:
+        """Write ``record`` after the first ``used`` record bytes of ``epoch``'s half; the
+        bytes used after it. CountersFull when the half has no room for it."""
+        end = used + _RECORD_LEN.size + len(record)
+        if end > self._room:
+            raise CountersFull("the label sets bound do not fit half the directory")
+        start = self._base(epoch) + _HALF_HEADER.size + used
         self._directory[start : start + _RECORD_LEN.size] = _RECORD_LEN.pack(len(record))
-        self._directory[start + _RECORD_LEN.size : end] = record
-        self._used += _RECORD_LEN.size + len(record)
-        self._records += 1
+        self._directory[start + _RECORD_LEN.size : start + end - used] = record
+        return end
 
-    def _publish(self, epoch: int) -> None:
+    def _publish(self, epoch: int, records: int, used: int) -> None:
         # The reader trusts the records the count covers, written before it.
         at = self._base(epoch)
-        self._directory[at : at + _HALF_HEADER.size] = _HALF_HEADER.pack(self._records, self._used)
+        self._directory[at : at + _HALF_HEADER.size] = _HALF_HEADER.pack(records, used)
+
+    def _set_header(self, rewriting: bool) -> None:
+        self._directory[: _EPOCH.size] = _EPOCH.pack(2 * self._epoch + rewriting)
+
+    def _begin_rewrite(self) -> None:
+        """Start a rewrite: in steps on the running loop (a worker), or whole without one."""
+        if self.live is None:
+            self._compact_at = self._room
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.compact()
+            return
+        self._rewrite = rewrite = _Rewrite(self._epoch + 1, self.live())
+        self._set_header(rewriting=True)
+        loop.call_soon(self._step, rewrite)
+
+    def _step(self, rewrite: _Rewrite) -> None:
+        if rewrite is not self._rewrite:
+            return  # finished (or given up) by ``compact`` meanwhile
+        try:
+            if not self._write_pending(rewrite, time.perf_counter() + REWRITE_STEP_S):
+                asyncio.get_running_loop().call_soon(self._step, rewrite)
+                return
+            self._finish(rewrite)
+        except CountersFull:
+            self._give_up()
 
     def compact(self) -> None:
         """Write what is bound into the other half, then make that one current (one aligned
-        8-byte store). Without ``live``, or when what is live does not fit, nothing changes:
-        the current half fills up, then new label sets are counted in process only."""
+        8-byte store), now: a rewrite under way is finished. Without ``live``, or when what
+        is live does not fit, nothing changes: the current half fills up, then new label
+        sets are counted in process only."""
         if self.live is None:
-            self._compact_at = self._half
+            self._compact_at = self._room
             return
-        live = [_SEP.join((str(slot), family, *labels)) for slot, family, labels in self.live()]
-        epoch, records, used = self._epoch, self._records, self._used
-        self._epoch, self._records, self._used = epoch + 1, 0, 0
+        rewrite = self._rewrite
+        if rewrite is None:
+            self._rewrite = rewrite = _Rewrite(self._epoch + 1, self.live())
+            self._set_header(rewriting=True)
         try:
-            for text in live:
-                record = text.encode()
-                if self._used + _RECORD_LEN.size + len(record) > self._half - _HALF_HEADER.size:
-                    raise CountersFull("the label sets bound do not fit half the directory")
-                self._write(self._epoch, record)
+            self._write_pending(rewrite, None)
+            self._finish(rewrite)
         except CountersFull:
-            self._epoch, self._records, self._used = epoch, records, used
-            self._compact_at = self._half
-            return
-        self._publish(self._epoch)
-        self._directory[: _EPOCH.size] = _EPOCH.pack(self._epoch)
+            self._give_up()
+
+    def _write_pending(self, rewrite: _Rewrite, deadline: float | None) -> bool:
+        """Write what was bound when ``rewrite`` began, until ``deadline``: whether all is."""
+        for written, (slot, family, labels) in enumerate(rewrite.pending, 1):
+            record = _SEP.join((str(slot), family, *labels)).encode()
+            rewrite.used = self._put(rewrite.epoch, rewrite.used, record)
+            rewrite.records += 1
+            if (
+                deadline is not None
+                and written % _REWRITE_CLOCK_EVERY == 0
+                and time.perf_counter() >= deadline
+            ):
+                return False
+        return True
+
+    def _finish(self, rewrite: _Rewrite) -> None:
+        for record in rewrite.tail:  # bound or forgotten since it began, in that order
+            rewrite.used = self._put(rewrite.epoch, rewrite.used, record)
+            rewrite.records += 1
+        self._rewrite = None
+        self._epoch, self._records, self._used = rewrite.epoch, rewrite.records, rewrite.used
+        self._publish(self._epoch, self._records, self._used)
+        self._set_header(rewriting=False)
         # Slots forgotten before the rewrite are in no record now; those still counted into
         # stay out of the free list until released.
         self._compact_at = max(COMPACT_MIN_BYTES, COMPACT_GROWTH * self._used)
         self.compactions += 1
+
+    def _give_up(self) -> None:
+        """What is bound does not fit half the directory: the current half stays, fills up,
+        then new label sets are counted in process only."""
+        self._rewrite = None
+        self._set_header(rewriting=False)
+        self._compact_at = self._room
 
 
 class SlotReader:
@@ -225,7 +316,7 @@ class SlotReader:
     def refresh(self, limit: int | None = None) -> bool:
         """Learn the label sets bound (and forgotten) since the last call: at most ``limit``
         records of them; whether it caught up (a first read at 10,000 ports is 40,000)."""
-        (epoch,) = _EPOCH.unpack_from(self._directory, 0)
+        epoch = _EPOCH.unpack_from(self._directory, 0)[0] // 2
         if epoch != self._epoch:
             self._epoch, self._records, self._offset = epoch, 0, 0
             self._building = ([], [])
@@ -251,19 +342,23 @@ class SlotReader:
                 self._records += 1
                 self._offset += _RECORD_LEN.size + length
         except (ValueError, IndexError, struct.error):
-            # A half rewritten under this read (two rewrites since it began): start over.
-            if _EPOCH.unpack_from(self._directory, 0)[0] == epoch:
+            if not self._overwritten(epoch):
                 raise
-            self._epoch = -1
+            self._epoch = -1  # a half rewritten under this read: start over
             return False
-        if _EPOCH.unpack_from(self._directory, 0)[0] - epoch >= 2:
-            self._epoch = -1  # the half was rewritten again while being read: start over
+        if self._overwritten(epoch):
+            self._epoch = -1  # the half was being rewritten while read: start over
             return False
         caught_up: bool = self._records >= total or self._offset >= end
         if caught_up and self._building is not None:
             self._families, self._labels = self._building
             self._building = None
         return caught_up
+
+    def _overwritten(self, epoch: int) -> bool:
+        """Whether the half of ``epoch`` may have been written since it was current: a
+        rewrite into it (to ``epoch + 2``) has begun."""
+        return bool(_EPOCH.unpack_from(self._directory, 0)[0] >= 2 * epoch + 3)
 
     def items(self) -> Iterator[tuple[str, Labels, float]]:
         """Every named slot that is not forgotten: (family, label values, value)."""
