@@ -62,6 +62,7 @@ import resource
 import time
 from collections.abc import (
     Callable,
+    Container,
     Iterable,
     Iterator,
 )
@@ -315,17 +316,27 @@ class WorkerTotals:
         self._generation = 0  # moves at every retire: a sliced pass that sees it starts over
         self._lock = asyncio.Lock()
 
-    def retire(self, reader: SlotReader) -> None:
-        """A worker is gone: keep its counters (its last state is in shared memory)."""
+    def retire(self, reader: SlotReader, serving: Container[str] | None = None) -> None:
+        """A worker is gone: keep its counters (its last state is in shared memory).
+
+        ``serving``: the service ports the control process still proxies. A worker that
+        died before it applied a deletion still names the deleted port's label sets, whose
+        ``forget_service`` has run already: kept, they stayed in every scrape until a
+        restart, and a port created again under that name went on from their counts.
+        """
         reader.refresh()
         gauges = {g.name for g in GAUGES}
+        service_at = _service_label_at()
         for family, labels, value in reader.items():
-            if family not in gauges:
-                key = (family, labels)
-                self._retired[key] = self._retired.get(key, 0.0) + value
-                at = _service_label_at().get(family)
-                if at is not None:
-                    self._retired_by_service.setdefault(labels[at], set()).add(key)
+            if family in gauges:
+                continue
+            at = service_at.get(family)
+            if at is not None and serving is not None and labels[at] not in serving:
+                continue  # deleted before this worker learnt it
+            key = (family, labels)
+            self._retired[key] = self._retired.get(key, 0.0) + value
+            if at is not None:
+                self._retired_by_service.setdefault(labels[at], set()).add(key)
         self._generation += 1
 
     def add_up(self, readers: Iterable[SlotReader]) -> None:

@@ -832,7 +832,7 @@ class WorkerPool:
         w.channel.close()
         if self._applied_waiters:
             self._check_applied()  # no longer waited for
-        self._totals.retire(w.reader)
+        self._totals.retire(w.reader, serving={str(name) for name, _ in self._endpoints})
         w.reader.close()
         w.files.close()
 

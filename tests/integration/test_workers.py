@@ -461,6 +461,75 @@ async def test_metrics_add_up_the_workers_exactly(
     assert got[("uproxy_bytes_total", ("default/web:http", "to_client"))] == sent + greetings
 
 
+async def test_counters_without_a_service_label_are_at_zero_before_their_first_event(
+    tmp_path: Path, backends: list[NamedBackend], proxies: list[Proxy]
+) -> None:
+    """A node that never ran out of fds reads 0 pauses, not "no data" (an alert on
+    ``rate(uproxy_accept_paused_total[5m])`` had nothing to evaluate)."""
+    proxy = await serving_web(tmp_path / "services.yaml", backends, proxies)
+    assert proxy.metrics_server is not None
+    got = await scrape(proxy.metrics_server.port)
+    paused = {labels: v for (name, labels), v in got.items() if name.startswith("uproxy_accept")}
+    reasons = ("emfile", "enfile", "enobufs", "enomem", "fd_reserve")
+    assert paused == {(reason,): 0.0 for reason in reasons}
+    dials = {labels: v for (name, labels), v in got.items() if "dial_attempts" in name}
+    assert dials == {("ok",): 0.0, ("failed",): 0.0}
+
+
+def _with_api(path: Path, backends: list[NamedBackend], api: bool) -> None:
+    """The web service, and with ``api`` a second one (``default/api:http``) on b1."""
+    services_file(path, backends)
+    if api:
+        docs = [
+            service("api", ports=[{"name": "http", "port": 2, "protocol": "TCP"}]),
+            endpoint_slice(
+                "api-0",
+                "api",
+                endpoints=[endpoint(backends[0].host)],
+                ports=[{"name": "http", "port": backends[0].port, "protocol": "TCP"}],
+            ),
+        ]
+        path.write_text(path.read_text() + "---\n" + yaml.safe_dump_all(docs))
+
+
+async def test_a_worker_that_dies_before_it_learnt_of_a_deletion_leaves_no_counts_behind(
+    tmp_path: Path, backends: list[NamedBackend], proxies: list[Proxy]
+) -> None:
+    """A worker stopped (a long apply, a stall) while a service port is deleted, then killed:
+    what it had counted for the deleted port goes with the port. Kept as the dead's counts,
+    its series stayed in every scrape until a restart, and the port created again under the
+    same name went on from them (7 after one connection, not 1)."""
+    path = tmp_path / "services.yaml"
+    _with_api(path, backends, api=True)
+    proxy = await start_proxy(path)
+    proxies.append(proxy)
+    assert proxy.workers is not None and proxy.metrics_server is not None
+    api = ServicePortName("default", "api", "http", Protocol.TCP)
+    ok = ("default/api:http", "TCP", "ok")
+    for _ in range(100):  # until the worker to be stopped has relayed some of it
+        await asyncio.gather(*(greet("127.0.0.1", proxy_port(proxy, api)) for _ in range(6)))
+        if per_worker(proxy, "uproxy_connections_total", ok)[0] > 0:
+            break
+    assert per_worker(proxy, "uproxy_connections_total", ok)[0] > 0
+    victim = proxy.workers.pids[0]
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        _with_api(path, backends, api=False)
+        await wait_for(lambda: api not in proxy.syncer.ports, timeout=10)
+    finally:
+        os.kill(victim, signal.SIGKILL)
+    await wait_for(lambda: proxy.workers is not None and proxy.workers.restarts == 1)
+    await wait_for(lambda: _all_ready(proxy), timeout=10)
+    got = await scrape(proxy.metrics_server.port)
+    assert not [key for key in got if "default/api:http" in key[1]]
+    _with_api(path, backends, api=True)
+    await wait_for(lambda: api in proxy.syncer.ports, timeout=10)
+    await wait_for(lambda: proxy.workers is not None and proxy.workers.pending() == 0)
+    assert await greet("127.0.0.1", proxy_port(proxy, api)) == "b1"
+    got = await scrape(proxy.metrics_server.port)
+    assert got[("uproxy_connections_total", ok)] == 1
+
+
 async def scrape(port: int) -> dict[tuple[str, tuple[str, ...]], float]:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(b"GET /metrics HTTP/1.0\r\n\r\n")

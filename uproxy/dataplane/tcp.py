@@ -62,6 +62,13 @@ DRAIN_LAST_CALL = 0.2
 
 DialTimers = dict[float, FixedDelayTimers[Connection]]
 
+# Every reason accepting pauses for, bound at zero: a dashboard's
+# ``rate(uproxy_accept_paused_total[5m])`` reads 0, not "no data", on a node that never ran out.
+_ACCEPT_PAUSED = {
+    reason: series.ACCEPT_PAUSED.labels(reason)
+    for reason in (*RESOURCE_ERRNOS.values(), "fd_reserve")
+}
+
 # The dial timers of each loop and schedule (``settings.dial_timeouts_s``), one dict shared
 # by every listener with that schedule: a dict of four per listener was 2 MB at 10,000 ports.
 _DIAL_TIMERS: dict[asyncio.AbstractEventLoop, dict[tuple[float, ...], DialTimers]] = {}
@@ -365,7 +372,7 @@ class TcpListener:
         if self._paused is not None or self._sock is None:
             return
         self._acceptor.unwatch(self._sock.fileno())
-        series.ACCEPT_PAUSED.labels(reason).value += 1
+        _ACCEPT_PAUSED[reason].value += 1
         if self._starved:
             # Still out of fds after the backoff: counted, but one log line per episode.
             self._paused = self.loop.call_later(self.settings.accept_backoff_s, self._resume)
@@ -394,7 +401,7 @@ class TcpListener:
             # Still no fd for a connection and its dial: one accepted now would wait out its
             # dial budget and be reset (once every backoff, a client lost each time). Those
             # queued wait in the backlog for a pair to close; counted, not said again.
-            series.ACCEPT_PAUSED.labels("fd_reserve").value += 1
+            _ACCEPT_PAUSED["fd_reserve"].value += 1
             self._paused = self.loop.call_later(self.settings.accept_backoff_s, self._resume)
             return
         self._acceptor.watch(sock.fileno(), self._watcher or self)
