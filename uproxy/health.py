@@ -56,6 +56,7 @@ class ProxyHealth:
     __slots__ = (
         "_clock",
         "_last_updated",
+        "_missing_workers",
         "_node_eligible",
         "_oldest_queued",
         "_oldest_taken",
@@ -74,6 +75,7 @@ class ProxyHealth:
         # The oldest request the running sync (or a failed one before it) took.
         self._oldest_taken: float | None = None
         self._stopping = False
+        self._missing_workers = 0
 
     @property
     def timeout_s(self) -> float:
@@ -123,9 +125,17 @@ class ProxyHealth:
     def stopping(self) -> bool:
         return self._stopping
 
+    def set_missing_workers(self, count: int) -> None:
+        """Data-plane workers that died and could not be started again (out of fds or
+        memory). While one is missing, its share of the connections (a UDP flow's
+        datagrams, a ClientIP client's connections) has nobody to serve it: load balancers
+        should send nothing new here. /livez stays as it is: the control process works."""
+        self._missing_workers = count
+
     def serving(self) -> bool:
-        """Live and not stopping: what health-check node ports answer for the proxy."""
-        return not self._stopping and self.live()
+        """Live, not stopping, and every data-plane worker running: what health-check node
+        ports answer for the proxy."""
+        return not self._stopping and not self._missing_workers and self.live()
 
     def _fresh(self, now: float) -> bool:
         # Taken before queued, so when both are set the taken one is the older.
@@ -137,8 +147,8 @@ class ProxyHealth:
         return self._fresh(self._clock())
 
     def healthy(self) -> bool:
-        """Live, this node is not being deleted, and uproxy is not stopping."""
-        return self._node_eligible and not self._stopping and self.live()
+        """Serving (see ``serving``) and this node is not being deleted."""
+        return self._node_eligible and self.serving()
 
     def report(self, *, include_node: bool) -> tuple[bool, dict[str, object]]:
         """The verdict and the JSON body of ``/healthz`` (include_node) or ``/livez``.
@@ -151,7 +161,7 @@ class ProxyHealth:
         ok = self._fresh(now)
         eligible = self._node_eligible
         if include_node:
-            ok = ok and eligible and not self._stopping
+            ok = ok and eligible and not self._stopping and not self._missing_workers
         if ok:
             last = rfc3339(now)
         elif self._last_updated is None:

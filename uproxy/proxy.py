@@ -126,6 +126,7 @@ class Proxy:
                 argv=worker_argv(s),
                 control_nice=s.control_nice,
                 cpus=worker_cpus(s.worker_cpu_affinity),
+                on_missing=self.health.set_missing_workers,
             )
             if count > 0
             else None

@@ -44,6 +44,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from uproxy import metrics, priority
 from uproxy.dataplane.balancer import Balancer
@@ -67,7 +68,7 @@ from uproxy.dataplane.messages import (
 from uproxy.dataplane.settings import DataplaneSettings
 from uproxy.dataplane.sockets import bind_group, steer, steer_to_first, unsteer
 from uproxy.dataplane.spread import LoadsWriter
-from uproxy.log import kv
+from uproxy.log import V2, kv
 from uproxy.model import (
     Endpoint,
     IPFamily,
@@ -240,13 +241,16 @@ class WorkerPool:
         argv: list[str],
         control_nice: int = 0,
         cpus: tuple[int, ...] = (),
+        on_missing: Callable[[int], None] | None = None,
     ) -> None:
         """``count`` workers, each configured with ``settings``; ``argv``: the flags a worker
         is started with (``worker_argv``), since it sets up logging and its event loop before
         it reads its channel; ``control_nice``: nice levels this (the control) process takes
         below its workers when they start (``uproxy.priority``; 0: one priority); ``cpus``:
         worker ``i`` binds itself to ``cpus[i % len(cpus)]``, and its replacements to the
-        same CPU (``worker_cpus``; empty: no binding)."""
+        same CPU (``worker_cpus``; empty: no binding); ``on_missing(n)``: told how many
+        workers are dead with no replacement started (one could not be: out of fds or
+        memory), whenever that number changes."""
         if count < 1:
             raise ValueError("a worker pool needs at least one worker")
         self.count = count
@@ -270,6 +274,8 @@ class WorkerPool:
         self._totals = metrics.WorkerTotals()
         self._supervisor: asyncio.Task[None] | None = None
         self._watchdog: asyncio.Task[None] | None = None
+        self._on_missing = on_missing
+        self.missing: set[int] = set()  # dead workers whose replacement could not start
         self._stopping = False
         self.restarts = 0
         self._applied_waiters: list[tuple[list[tuple[_Worker, int]], Callable[[], None]]] = []
@@ -766,15 +772,34 @@ class WorkerPool:
                 raise result
 
     async def _supervise(self) -> None:
+        """Replace every worker that dies, each in a task of its own: a replacement that
+        cannot start (out of fds or memory) retries while the others' deaths are seen."""
         deaths_in_a_row: dict[int, int] = {}
-        while True:
-            waits = {asyncio.ensure_future(w.process.wait()): w for w in self._workers.values()}
-            done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            for task in pending:
+        replacing: dict[asyncio.Future[Any], int] = {}
+        try:
+            while True:
+                waits: dict[asyncio.Future[Any], _Worker] = {
+                    asyncio.ensure_future(w.process.wait()): w
+                    for index, w in self._workers.items()
+                    if index not in replacing.values()
+                }
+                done, pending = await asyncio.wait(
+                    [*waits, *replacing], return_when=asyncio.FIRST_COMPLETED
+                )
+                for task in pending:
+                    if task in waits:
+                        task.cancel()
+                for task in done:
+                    dead = waits.get(task)
+                    if dead is not None:
+                        job = asyncio.create_task(self._replace(dead, deaths_in_a_row))
+                        replacing[job] = dead.index
+                    else:
+                        replacing.pop(task)  # its worker is waited for from the next pass
+        finally:
+            for task in replacing:
                 task.cancel()
-            for task in done:
-                dead = waits[task]
-                await self._replace(dead, deaths_in_a_row)
+            await asyncio.gather(*replacing, return_exceptions=True)
 
     async def _watch(self) -> None:
         """Kill a worker that stopped applying what it is sent (``STUCK_S``): stuck in a
@@ -812,14 +837,38 @@ class WorkerPool:
         lived = time.monotonic() - dead.started_at
         n = 0 if lived > CRASH_LOOP_WINDOW_S else deaths.get(dead.index, 0)
         deaths[dead.index] = n + 1
-        await asyncio.sleep(RESTART_BACKOFF_S[min(n, len(RESTART_BACKOFF_S) - 1)])
-        worker = await self._spawn(dead.index)
+        failures = 0
+        while True:
+            await asyncio.sleep(RESTART_BACKOFF_S[min(n + failures, len(RESTART_BACKOFF_S) - 1)])
+            try:
+                worker = await self._spawn(dead.index)
+                break
+            except Exception as exc:  # whatever it is (EMFILE, ENOMEM), a later try may work
+                failures += 1
+                retry_s = RESTART_BACKOFF_S[min(n + failures, len(RESTART_BACKOFF_S) - 1)]
+                fields = kv(worker=dead.index, err=exc, retry_s=retry_s, attempts=failures)
+                if failures == 1:
+                    log.error("Cannot start a replacement worker, will retry", extra=fields)
+                    self._missing(dead.index, True)
+                else:
+                    log.log(V2, "Cannot start a replacement worker, will retry", extra=fields)
         self._workers[dead.index] = worker
+        if failures:
+            self._missing(dead.index, False)
         try:
             await self._wait_ready([worker])
         except RuntimeError as exc:
             log.error("Replacement worker did not start", extra=kv(worker=dead.index, err=exc))
             _signal(worker.process, signal.SIGKILL)  # the supervisor sees it exit, tries again
+
+    def _missing(self, index: int, missing: bool) -> None:
+        before = len(self.missing)
+        if missing:
+            self.missing.add(index)
+        else:
+            self.missing.discard(index)
+        if len(self.missing) != before and self._on_missing is not None:
+            self._on_missing(len(self.missing))
 
     def _bury(self, w: _Worker) -> None:
         """A worker is gone: keep its counts, free its channel and shared memory. Once: a

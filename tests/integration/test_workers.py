@@ -17,6 +17,7 @@ import hashlib
 import logging
 import os
 import re
+import resource
 import signal
 import socket
 import subprocess
@@ -802,6 +803,44 @@ async def test_a_stuck_worker_is_killed_and_replaced_and_its_clients_served(
     assert said[0].kv["pid"] == victim  # type: ignore[attr-defined]
     assert said[1].kv["how"] == "stopped answering, killed"  # type: ignore[attr-defined]
     assert pool._workers[1].process.returncode is None  # the other worker untouched
+
+
+async def test_a_replacement_that_cannot_start_is_tried_again_and_the_node_is_unhealthy_meanwhile(
+    tmp_path: Path,
+    backends: list[NamedBackend],
+    proxies: list[Proxy],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A worker dies while the control process has no fd to spare: its replacement fails to
+    start. That failure ended the supervisor for good: no worker was replaced again, with
+    no line saying so, and /healthz stayed 200 on a node that relayed nothing once the last
+    one died. Now it is one error line, tried again with back-off, and the node is not
+    healthy until a replacement runs."""
+    proxy = await serving_web(tmp_path / "services.yaml", backends, proxies)
+    pool = proxy.workers
+    assert pool is not None
+    victim, other = pool.pids
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    in_use = len(os.listdir("/proc/self/fd")) - 1  # less the one listdir read them with
+    resource.setrlimit(resource.RLIMIT_NOFILE, (in_use, hard))  # not one fd to spare
+    try:
+        os.kill(victim, signal.SIGKILL)
+        await wait_for(lambda: pool.missing == {0}, timeout=5, message="a failed start")
+        assert not proxy.health.serving() and not proxy.health.healthy()
+        assert proxy.health.live()  # the control process works: no restart wanted
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    await wait_for(lambda: not pool.missing and victim not in pool.pids, timeout=10)
+    assert proxy.health.serving()
+    failed = [r for r in caplog.records if "Cannot start a replacement worker" in r.getMessage()]
+    assert [r.levelname for r in failed][:1] == ["ERROR"]
+    assert len([r for r in failed if r.levelname == "ERROR"]) == 1
+    # The supervisor lives on: the other worker is replaced too, and both serve.
+    os.kill(other, signal.SIGKILL)
+    await wait_for(lambda: pool.restarts == 2 and other not in pool.pids, timeout=10)
+    await wait_for(lambda: all(w.ready.is_set() for w in pool._workers.values()), timeout=10)
+    names = await asyncio.gather(*(greet("127.0.0.1", proxy_port(proxy)) for _ in range(8)))
+    assert set(names) <= {"b1", "b2", "b3"}
 
 
 async def test_a_replacement_that_dies_before_it_is_ready_is_replaced_at_once(
