@@ -22,6 +22,7 @@ from uproxy.settings import (
     SettingsError,
     convert,
     default_text,
+    parse_bool,
     setting_fields,
     validate,
 )
@@ -46,8 +47,14 @@ class _Parser(argparse.ArgumentParser):
         duration would never reach the check that names what is wrong with it."""
         out: list[str] = []
         takes_value = {s for a in self._actions if a.nargs is None for s in a.option_strings}
+        # A switch takes its value only as --flag=false, as kube-proxy's flag parser has it:
+        # alone it is --flag=true, and the word after it is not its value.
+        switches = {s for a in self._actions if a.nargs == "?" for s in a.option_strings}
         it = iter(args)
         for arg in it:
+            if arg in switches:
+                out.append(f"{arg}=true")
+                continue
             if arg in takes_value:
                 value = next(it, None)
                 if (
@@ -88,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--cleanup",
-        action="store_true",
+        **_switch(),
         help="Remove every rule and chain uproxy installs (any backend) and exit",
     )
     parser.add_argument(
@@ -99,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--init-only",
-        action="store_true",
+        **_switch(),
         help="Raise the node's conntrack settings (the conntrack flags) and exit: for a "
         "privileged init container, so that uproxy itself needs no write access to /proc/sys",
     )
@@ -110,8 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
         help_text = f"{f.metadata['help']} (default: {default_text(f) or 'unset'})"
         kwargs: dict[str, Any] = {"dest": f.name, "help": help_text}
         if f.metadata["kind"] == "bool":
-            kwargs["action"] = "store_const"
-            kwargs["const"] = "true"
+            kwargs.update(_switch(convert=False))  # ``convert`` names the flag in its error
         else:
             kwargs["metavar"] = (
                 f.metadata["choices"] and "{" + ",".join(f.metadata["choices"]) + "}"
@@ -119,6 +125,20 @@ def build_parser() -> argparse.ArgumentParser:
         # klog spells the verbosity flag both ways: -v 2 and --v=2.
         parser.add_argument(flag, *(["--v"] if flag == "-v" else []), **kwargs)
     return parser
+
+
+def _switch(*, convert: bool = True) -> dict[str, Any]:
+    """A true/false flag: ``--flag``, ``--flag=true`` or ``--flag=false`` (and the other
+    spellings Go's strconv.ParseBool takes), as kube-proxy's flags are; a flag can so turn
+    off what --config turned on."""
+    return {"nargs": "?", "metavar": "true|false", **({"type": _bool_arg} if convert else {})}
+
+
+def _bool_arg(text: str) -> bool:
+    try:
+        return parse_bool(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _metavar(kind: str) -> str:
@@ -148,9 +168,12 @@ def parse_settings(argv: Sequence[str]) -> tuple[Settings, argparse.Namespace]:
             setattr(settings, f.name, convert(f, getattr(ns, f.name)))
             given.add(f.name)
             from_file.pop(f.name, None)
-    if settings.laptop and "healthz_bind_address" not in given:
+    laptop = settings.rules == "none" or (settings.laptop and not ns_writes_config(ns))
+    if laptop and "healthz_bind_address" not in given:
         # kube-proxy's 0.0.0.0 is for the kubelet and load balancers to reach; a laptop
-        # proxy listens on loopback only, /healthz included.
+        # proxy listens on loopback only, /healthz included. Not in a configuration written
+        # by a user who is not root with no --rules (a laptop because of who runs it): the
+        # node that loads the file would listen on loopback, and its probes would fail.
         settings.healthz_bind_address = LAPTOP_HEALTHZ
     try:
         validate(settings)
@@ -168,6 +191,10 @@ def parse_settings(argv: Sequence[str]) -> tuple[Settings, argparse.Namespace]:
                 extra=kv(ignored=",".join(ignored)),
             )
     return settings, ns
+
+
+def ns_writes_config(ns: argparse.Namespace) -> bool:
+    return bool(getattr(ns, "write_config_to", None))
 
 
 _FLAG_ERROR = re.compile(r"(?:invalid )?(--[a-z0-9-]+): (.*)")

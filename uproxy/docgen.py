@@ -118,8 +118,12 @@ def configuration_md() -> str:
         "",
         "uproxy takes its settings from three places, later ones winning: the defaults below, "
         f"the `--config FILE` (a `{KIND}`, `{API_VERSION}`), and flags given explicitly on the "
-        "command line. A bad value stops uproxy at start with one line naming the flag or field "
-        "and what it expects.",
+        "command line. (kube-proxy differs here: once it is given `--config`, it ignores the "
+        "flags the file has fields for, `--hostname-override` aside. Flags a DaemonSet kept "
+        "beside its file take effect in uproxy.) A bad value stops uproxy at start with one "
+        "line naming the flag or field and what it expects. A boolean flag is written "
+        "`--flag`, `--flag=true` or `--flag=false`, as kube-proxy takes it, so a flag can turn "
+        "off what the file turns on.",
         "",
         "## Settings",
         "",

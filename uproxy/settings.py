@@ -599,6 +599,20 @@ def _parse_cidrs(value: Any, *, primary: bool) -> tuple[str, ...]:
     return tuple(out)
 
 
+_BOOL_WORDS = {
+    **dict.fromkeys(("1", "t", "T", "TRUE", "true", "True"), True),
+    **dict.fromkeys(("0", "f", "F", "FALSE", "false", "False"), False),
+}
+
+
+def parse_bool(value: Any) -> bool:
+    """A flag's true or false, spelt as Go's strconv.ParseBool (kube-proxy's flags) takes it."""
+    out = _BOOL_WORDS.get(value) if isinstance(value, str) else None
+    if out is None:
+        raise ValueError(f"expected true or false, got {value!r}")
+    return out
+
+
 def convert(f: Any, value: Any) -> Any:
     """Parse one raw value (a flag's string, or a config file's YAML value) for field ``f``."""
     kind = f.metadata["kind"]
@@ -617,11 +631,7 @@ def convert(f: Any, value: Any) -> Any:
             except (TypeError, ValueError):
                 raise ValueError(f"expected an integer, got {value!r}") from None
         elif kind == "bool":
-            if isinstance(value, str) and value.lower() in ("true", "false"):
-                value = value.lower() == "true"
-            if not isinstance(value, bool):
-                raise ValueError(f"expected true or false, got {value!r}")
-            out = value
+            out = value if isinstance(value, bool) else parse_bool(value)
         elif kind == "mark":
             out = _parse_mark(value)
         elif kind == "cidrs":

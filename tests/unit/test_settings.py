@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import subprocess
 import sys
+import tempfile
 from dataclasses import fields
 from pathlib import Path
 
@@ -643,3 +645,84 @@ def test_zero_values_names_only_fields_whose_zero_is_unset(tmp_path: Path) -> No
     cfg = config_file(tmp_path, "uproxy:\n  zeroValues: [oomScoreAdj]\n", name="c.yaml")
     with pytest.raises(SettingsError, match=r"uproxy.zeroValues: 'oomScoreAdj' is not one of"):
         parse_settings(["--config", str(cfg)])
+
+
+@pytest.mark.root  # to run as another user
+def test_a_configuration_written_by_a_user_who_is_not_root_means_what_it_does_for_root() -> None:
+    """Without --rules, a user who is not root runs a laptop proxy (/healthz on loopback);
+    a configuration that user writes is for a node. It said 127.0.0.1:10256, and a node
+    that loaded it failed its kubelet probes on the pod IP."""
+    with tempfile.TemporaryDirectory() as scratch:
+        os.chmod(scratch, 0o777)
+        _written_as_nobody(Path(scratch) / "written.yaml")
+
+
+def _written_as_nobody(out: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "uproxy.cli", f"--write-config-to={out}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        user=65534,
+        group=65534,
+        extra_groups=[],
+    )
+    assert done.returncode == 0, done.stderr
+    assert "healthzBindAddress: 0.0.0.0:10256\n" in out.read_text()
+    # An explicit --rules none is a laptop configuration wherever it is written.
+    done = subprocess.run(
+        [sys.executable, "-m", "uproxy.cli", "--rules=none", f"--write-config-to={out}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        user=65534,
+        group=65534,
+        extra_groups=[],
+    )
+    assert done.returncode == 0, done.stderr
+    assert "healthzBindAddress: 127.0.0.1:10256\n" in out.read_text()
+
+
+@pytest.mark.parametrize(
+    ("argv", "on"),
+    [
+        (["--cleanup-on-exit"], True),
+        (["--cleanup-on-exit=true"], True),
+        (["--cleanup-on-exit=True"], True),
+        (["--cleanup-on-exit=1"], True),
+        (["--cleanup-on-exit=false"], False),
+        (["--cleanup-on-exit=F"], False),
+        (["--cleanup-on-exit=0"], False),
+    ],
+)
+def test_switches_take_kube_proxys_spellings_and_turn_off_what_the_file_turns_on(
+    tmp_path: Path, argv: list[str], on: bool
+) -> None:
+    """kube-proxy's flags take --flag, --flag=true and --flag=false: a DaemonSet that says
+    --bind-address-hard-fail=true failed with "ignored explicit argument", and nothing on
+    the command line could turn off a file's cleanupOnExit: true."""
+    config = config_file(tmp_path, "uproxy:\n  cleanupOnExit: true\n")
+    assert parse_settings([f"--config={config}", *argv])[0].cleanup_on_exit is on
+    assert parse_settings(["--bind-address-hard-fail=true"])[0].bind_address_hard_fail
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--cleanup-on-exit=yes"], "invalid --cleanup-on-exit: expected true or false, got 'yes'"),
+        (["--cleanup-on-exit", "false"], "unrecognized arguments: false (see uproxy --help)"),
+        (
+            ["--cleanup=maybe"],
+            "argument --cleanup: expected true or false, got 'maybe' (see uproxy --help)",
+        ),
+    ],
+)
+def test_a_switch_with_a_value_it_cannot_take_is_one_line(argv: list[str], said: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "uproxy.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [f"uproxy: error: {said}"]
