@@ -194,6 +194,7 @@ class ApiServerDouble:
         self._held: dict[str, asyncio.Event] = {}
         self._broken_lists: dict[str, list[tuple[int, bytes, dict[str, str]]]] = {}
         self._swallowing: set[str] = set()  # kinds whose new watches get no answer
+        self._cutting: set[str] = set()  # kinds whose new watches end at once, empty
         self._swallowed: dict[str, int] = {}
         self._runner: web.AppRunner | None = None
         self._dir: Path | None = None
@@ -433,9 +434,15 @@ class ApiServerDouble:
         pooled connection, a stuck load balancer), until ``answer_watches``."""
         self._swallowing.add(str(kind))
 
+    def cut_watches(self, kind: str) -> None:
+        """End new watches of ``kind`` at once with an empty 200, until ``answer_watches``:
+        what a proxy or load balancer in the way that closes streams does."""
+        self._cutting.add(str(kind))
+
     def answer_watches(self, kind: str) -> None:
         """Answer new watches of ``kind`` again (those swallowed stay unanswered)."""
         self._swallowing.discard(str(kind))
+        self._cutting.discard(str(kind))
 
     def swallowed(self, kind: str) -> int:
         """Watches of ``kind`` left unanswered so far."""
@@ -563,6 +570,8 @@ class ApiServerDouble:
         if kind in self._swallowing:
             self._swallowed[kind] = self._swallowed.get(kind, 0) + 1
             await asyncio.Event().wait()  # until the client gives up (or the server stops)
+        if kind in self._cutting:
+            return web.Response(status=200, content_type="application/json")
         q = request.query
         res = _RESOURCES[kind]
         rv_text = q.get("resourceVersion", "")

@@ -15,6 +15,7 @@ import json
 import logging
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 from typing import cast
@@ -348,6 +349,34 @@ async def test_a_watch_never_answered_is_given_up_and_retried(
     await wait_for(lambda: names(tracker) == {"a", "b"}, timeout=5)
     failed = [r.kv for r in caplog.records if r.getMessage() == "Watch failed; retrying"]  # type: ignore[attr-defined]
     assert any(kv["resource"] == "Service" and "Timeout" in kv["error"] for kv in failed), failed
+
+
+async def test_watches_that_end_at_once_with_nothing_are_retried_with_a_backoff(
+    apiserver: ApiServerDouble,
+    start_source: SourceFactory,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Something in the way (a proxy, a load balancer) ends every watch at once with an
+    empty 200: each one was opened again at once, ~650 requests a second per resource, with
+    no line. client-go counts it a failure ("very short watch") and backs off; so does this."""
+    apiserver.create(SVC, service("a"))
+    tracker, _ = await start_source(backoff_max_s=0.4)
+    await wait_for(lambda: tracker.synced and apiserver.open_watches(SVC) == 1)
+    apiserver.cut_watches(SVC)
+    watches = apiserver.watch_count(SVC)
+    apiserver.end_watches()
+    await wait_for(lambda: apiserver.watch_count(SVC) >= watches + 3, timeout=5)
+    started = time.monotonic()
+    counted = apiserver.watch_count(SVC)
+    await wait_for(lambda: apiserver.watch_count(SVC) >= counted + 3, timeout=5)
+    # Three more watches took at least two waits of the capped backoff's lower half.
+    assert time.monotonic() - started >= 0.4
+    said = [r for r in caplog.records if r.getMessage().startswith("Watch ended at once")]
+    assert said and said[0].levelname == "WARNING"
+    apiserver.answer_watches(SVC)
+    apiserver.create(SVC, service("b"))
+    await wait_for(lambda: names(tracker) == {"a", "b"}, timeout=5)
+    assert apiserver.list_count(SVC) == 1  # re-watched from its version, never relisted
 
 
 BAD_LINES = {

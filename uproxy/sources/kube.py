@@ -86,6 +86,10 @@ TOKEN_FILE_PERIOD_S = 60.0  # a kubeconfig's tokenFile is read again at least th
 EXEC_CREDENTIAL_MARGIN_S = 60.0  # an exec plugin's token is replaced this long before expiry
 WATCH_HEADERS_TIMEOUT_S = 30.0  # a watch's answer, before its stream (see ``_watch``)
 WATCH_STEADY_S = 10.0  # a watch open this long counts as a success for the backoff
+# A watch that ends within this long having delivered nothing failed, as client-go's reflector
+# counts it ("very short watch"): something between here and the server (a proxy, a load
+# balancer) closes streams at once, and reopening at once was ~650 requests a second.
+WATCH_SHORT_S = 1.0
 # The server ends each watch after a random 5-10 minutes (client-go's reflector does the
 # same) so that watches of many nodes do not all reconnect at once after an outage.
 WATCH_TIMEOUT_RANGE_S = (300.0, 600.0)
@@ -660,6 +664,16 @@ class KubeSource:
             if progressed:
                 gone_in_a_row = 0
                 gone_backoff.reset()
+            elif (lasted := loop.time() - opened) < WATCH_SHORT_S:
+                delay = backoff.next_delay()
+                log.warning(
+                    "Watch ended at once with nothing delivered; retrying",
+                    extra=kv(
+                        resource=feed.name, lasted_s=round(lasted, 3), retry_s=round(delay, 2)
+                    ),
+                )
+                await asyncio.sleep(delay)
+                continue
             # A watch that delivered, or stayed open a while (a quiet resource), worked: the
             # next failure starts the backoff over (client-go resets it likewise).
             if progressed or loop.time() - opened >= WATCH_STEADY_S:
