@@ -136,8 +136,7 @@ def render_config(settings: Settings) -> str:
 
 def _config_value(kind: str, value: Any, path: str) -> Any:
     if kind == "duration":
-        text = format_duration(value)
-        return text if parse_duration(text) == value else f"{value!r}s"
+        return _duration_text(value)
     if kind == "cidrs" and path != "nodePortAddresses":
         return ",".join(value)  # a string in KubeProxyConfiguration (clusterCIDR)
     if kind == "cidrs":
@@ -145,6 +144,20 @@ def _config_value(kind: str, value: Any, path: str) -> Any:
     if kind == "mark":
         return f"{value:#x}"
     return value
+
+
+def _duration_text(seconds: float) -> str:
+    """A duration as a Go duration string that reads back as exactly ``seconds``: the short
+    form when it does, else the number of one unit (``50us`` is not ``4.99...e-05s``, which
+    no duration parser reads)."""
+    units = (("s", 1.0), ("ms", 1e-3), ("us", 1e-6), ("ns", 1e-9))
+    candidates = [format_duration(seconds)]
+    candidates += [f"{round(seconds / size)}{unit}" for unit, size in units]
+    candidates += [f"{seconds / size:.9f}".rstrip("0").rstrip(".") + unit for unit, size in units]
+    for text in candidates:
+        if parse_duration(text) == seconds:
+            return text
+    return candidates[-1]  # to the nanosecond's thousandth: as near as the file can say
 
 
 def write_config(path: str, settings: Settings) -> None:

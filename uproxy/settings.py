@@ -623,6 +623,8 @@ def convert(f: Any, value: Any) -> Any:
             if isinstance(value, bool):
                 raise ValueError("expected a duration like 250ms, 30s or 15m")
             out = float(value) if isinstance(value, (int, float)) else parse_duration(str(value))
+            if not math.isfinite(out):  # .nan passed every range check (NaN compares false)
+                raise ValueError(f"expected a duration like 250ms, 30s or 15m, got {value!r}")
         elif kind == "int":
             try:
                 if isinstance(value, bool) or not isinstance(value, (int, str)):

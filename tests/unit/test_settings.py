@@ -726,3 +726,26 @@ def test_a_switch_with_a_value_it_cannot_take_is_one_line(argv: list[str], said:
     )
     assert done.returncode == 2
     assert done.stderr.splitlines() == [f"uproxy: error: {said}"]
+
+
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf"])
+def test_a_duration_that_is_not_a_number_is_refused_with_one_line(
+    tmp_path: Path, value: str
+) -> None:
+    """NaN passed every range check (it compares false with anything): a UDP flow timeout of
+    .nan started, and flows would never have expired."""
+    config = config_file(tmp_path, f"udpIdleTimeout: {value}\n")
+    with pytest.raises(SettingsError, match=r"udpIdleTimeout: expected a duration"):
+        parse_settings([f"--config={config}"])
+
+
+@pytest.mark.parametrize("flag", ["50us", "0.0005s", "1ns", "370ns", "123.456789s", "1h30m"])
+def test_a_written_duration_reads_back_as_the_same(tmp_path: Path, flag: str) -> None:
+    """``--udp-timeout 50us`` was written as ``4.9999999999999996e-05s``, which no duration
+    parser reads: the written file failed to load."""
+    out = tmp_path / "out.yaml"
+    expected = parse_settings([f"--udp-timeout={flag}"])[0].udp_timeout
+    from uproxy.cli import main
+
+    assert main([f"--udp-timeout={flag}", f"--write-config-to={out}"]) == 0
+    assert parse_settings([f"--config={out}"])[0].udp_timeout == expected
