@@ -47,6 +47,19 @@ async def test_failure_reports_first_line() -> None:
         await command.run(["sh", "-c", "echo boom >&2; echo more >&2; exit 3"])
 
 
+async def test_a_program_that_exits_before_reading_its_input_says_why() -> None:
+    """The error was uvloop's "unable to perform operation on <WriteUnixTransport
+    closed=True>; the handler is closed", the program's own line lost."""
+    rules = "*filter\n" + "-A INPUT -j ACCEPT\n" * 100_000  # more than a pipe holds
+    with pytest.raises(RulesError, match=r"^sh failed: Error: injected failure$"):
+        await command.write(["sh", "-c", "echo 'Error: injected failure' >&2; exit 1"], stdin=rules)
+
+
+async def test_a_program_killed_by_a_signal_is_named_by_it() -> None:
+    with pytest.raises(RulesError, match=r"^sh failed: killed by SIGSEGV$"):
+        await command.run(["sh", "-c", "kill -SEGV $$"])
+
+
 async def test_permission_denied_says_how_to_fix() -> None:
     with pytest.raises(RulesError, match="permission denied; run as root or with CAP_NET_ADMIN"):
         await command.run(["sh", "-c", "echo 'Permission denied (you must be root)' >&2; exit 4"])

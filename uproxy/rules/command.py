@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -42,7 +43,14 @@ class Completed:
     def message(self) -> str:
         """The first line of the program's complaint, for a one-line error."""
         text = (self.stderr or self.stdout).strip()
-        return text.splitlines()[0] if text else f"exit code {self.returncode}"
+        if text:
+            return text.splitlines()[0]
+        if self.returncode < 0:  # asyncio's way of saying a signal ended it
+            try:
+                return f"killed by {signal.Signals(-self.returncode).name}"
+            except ValueError:
+                return f"killed by signal {-self.returncode}"
+        return f"exit code {self.returncode}"
 
 
 CAP_NET_ADMIN = 12  # linux/capability.h
@@ -138,7 +146,7 @@ async def run(
         # Not asyncio.wait_for, which on Python 3.11 can lose the caller's cancellation (a
         # stop) when the command ends in the same turn (see ``runner``).
         async with asyncio.timeout(timeout_s):
-            out, err = await proc.communicate(stdin.encode() if stdin is not None else None)
+            out, err = await _communicate(proc, stdin.encode() if stdin is not None else None)
     except TimeoutError:
         proc.kill()
         await proc.wait()
@@ -159,3 +167,30 @@ async def run(
             )
             raise RulesError(f"{program} failed: {done.message}")
     return done
+
+
+async def _communicate(proc: asyncio.subprocess.Process, data: bytes | None) -> tuple[bytes, bytes]:
+    """``proc.communicate``, but a program that exits before reading all of ``data`` is
+    not an error of its own: its exit status and stderr say why. (uvloop raises a
+    RuntimeError, "the handler is closed", for the write, which was the only line a sync
+    failure gave, the program's own message lost.)"""
+
+    async def feed() -> None:
+        if proc.stdin is None:
+            return
+        try:
+            if data:
+                proc.stdin.write(data)
+                await proc.stdin.drain()
+        except (ConnectionError, RuntimeError):
+            pass  # it stopped reading: it has exited, or is about to
+        finally:
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                proc.stdin.close()
+
+    async def read(stream: asyncio.StreamReader | None) -> bytes:
+        return await stream.read() if stream is not None else b""
+
+    _, out, err = await asyncio.gather(feed(), read(proc.stdout), read(proc.stderr))
+    await proc.wait()
+    return out, err
