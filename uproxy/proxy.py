@@ -678,6 +678,7 @@ class Proxy:
             self._queue_sync()
 
     async def _check_rules(self) -> None:
+        failing: str | None = None  # the check's own error, said once until it changes
         while True:
             await asyncio.sleep(RULES_CHECK_INTERVAL_S)
             if self.rules is None or self.syncer is None or not self.tracker.synced:
@@ -691,8 +692,16 @@ class Proxy:
             try:
                 ok = await self.rules.check()
             except Exception as e:
-                log.error("Rules check failed", extra=kv(err=e))
-                ok = False
+                # The check could not look (out of fds, a program that crashed): that says
+                # nothing about the rules, and a resync forced every second would override
+                # the syncs' own back-off. The periodic sync goes on.
+                level = logging.ERROR if str(e) != failing else V2
+                log.log(level, "Rules check failed", extra=kv(err=e))
+                failing = str(e)
+                continue
+            if failing is not None:
+                log.info("Rules check works again")
+                failing = None
             if not ok:
                 log.info("Rules missing or changed by someone else, resyncing")
                 self.syncer.force_rules_sync()

@@ -36,8 +36,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
+import resource
 import signal
 import socket
 import sys
@@ -88,6 +90,15 @@ READY_TIMEOUT_S = 30.0  # a worker that does not answer by then is killed and re
 # are milliseconds long; a worker at work moves its count many times a second.
 STUCK_S = 10.0
 WATCHDOG_INTERVAL_S = 1.0
+# File descriptors the control process keeps free of proxy ports (each port holds one or one
+# per worker here): reading the services file, running rules programs, answering health
+# checks and scrapes, starting a worker. Out of fds, it had wedged until restarted: the file
+# that removed the services could not be read, and every rules sync failed.
+CONTROL_FD_RESERVE = 100
+_RESERVE_REASON = (
+    f"Too many open files: the last {CONTROL_FD_RESERVE} are kept for uproxy's own work; "
+    "raise the open-file limit (ulimit -n)"
+)
 RESTART_BACKOFF_S = (0.0, 0.1, 0.5, 1.0, 5.0)  # after 0, 1, 2... deaths in a row
 CRASH_LOOP_WINDOW_S = 60.0  # a worker that lived longer than this starts the count afresh
 
@@ -117,6 +128,10 @@ def interpreter_flags() -> list[str]:
     worker started as a fresh interpreter runs as its control process does and reads the
     same compiled bytecode (the image runs both with docstrings stripped: see Dockerfile)."""
     return ["-" + "O" * sys.flags.optimize] if sys.flags.optimize else []
+
+
+def _fd_limit() -> int:
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
 def _own_process_group() -> None:
@@ -424,6 +439,10 @@ class WorkerPool:
         key = (name, traffic, family)
         listener = _Listener(name.protocol, host, port, steered)
         listener.socks = self._bind(listener, port)
+        # fds are handed out lowest first: every one below this socket's is in use.
+        if listener.socks[-1].fileno() >= _fd_limit() - CONTROL_FD_RESERVE:
+            listener.close()
+            raise OSError(errno.EMFILE, _RESERVE_REASON)
         bound_host, listener.port = listener.socks[0].getsockname()[:2]
         bound_host = sys.intern(bound_host)  # one address for thousands of listeners
         try:

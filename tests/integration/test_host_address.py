@@ -184,3 +184,35 @@ async def test_an_address_of_bind_address_is_the_operators_and_stays(
     checks = rules.checks
     await wait_for(lambda: rules.checks >= checks + 3, message="three passes of the check loop")
     assert host.reads == 0 and rules.hosts == []
+
+
+class FailingCheckRules(RecordingRules):
+    """Its check cannot look for a while (the process out of fds), then can again."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+
+    async def check(self) -> bool:
+        await super().check()
+        if self.checks <= self.failures:
+            raise OSError(24, "Too many open files")
+        return True
+
+
+async def test_a_rules_check_that_cannot_look_is_one_line_and_forces_no_resync(
+    host: Host, started: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A check that failed to run said "Rules check failed" every second, then "Rules missing
+    or changed by someone else, resyncing" (it knew nothing of the rules), and forced a sync
+    every second, past the syncs' own back-off."""
+    caplog.set_level(logging.INFO, logger="uproxy.proxy")
+    rules = FailingCheckRules(failures=10)
+    await started(rules)
+    syncs = sum(kind == "sync" for kind, _ in rules.events)
+    await wait_for(lambda: rules.checks > 12, message="the check working again")
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+    assert said.count("Rules check failed") == 1
+    assert "Rules missing or changed by someone else, resyncing" not in said
+    assert "Rules check works again" in said
+    assert sum(kind == "sync" for kind, _ in rules.events) == syncs

@@ -843,6 +843,48 @@ async def test_a_replacement_that_cannot_start_is_tried_again_and_the_node_is_un
     assert set(names) <= {"b1", "b2", "b3"}
 
 
+async def test_proxy_ports_leave_the_control_process_fds_for_its_own_work(
+    tmp_path: Path,
+    backends: list[NamedBackend],
+    proxies: list[Proxy],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Out of fds, the control process had wedged until a restart: proxy ports took every
+    fd, and the services file that removed them could not be read ("Too many open files"),
+    nor could any rules program run. It now keeps the last fds for itself: the ports that do
+    not fit are retried, and the file that shrinks the set is read."""
+    path = tmp_path / "services.yaml"
+    proxy = await serving_web(path, backends, proxies)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    in_use = len(os.listdir("/proc/self/fd")) - 1
+    resource.setrlimit(
+        resource.RLIMIT_NOFILE, (in_use + workers_module.CONTROL_FD_RESERVE + 6, hard)
+    )
+    try:
+        many = [
+            service(f"s{i}", ports=[{"name": "http", "port": 80, "protocol": "TCP"}])
+            for i in range(150)
+        ]
+        path.write_text(path.read_text() + "---\n" + yaml.safe_dump_all(many))
+        await wait_for(
+            lambda: any(
+                r.getMessage() == "Cannot open proxy port, will retry" for r in caplog.records
+            ),
+            timeout=10,
+            message="a port that did not fit",
+        )
+        await asyncio.sleep(0.2)  # the rest of the sync: whatever else it opens, or cannot
+        opened = [p for p in proxy.syncer.ports.values() if p.cluster is not None]
+        assert 1 < len(opened) < 151
+        services_file(path, backends)  # back to the one service: the file is read
+        await wait_for(lambda: len(proxy.syncer.ports) == 1, timeout=10)
+        said = [r for r in caplog.records if r.getMessage() == "Cannot open proxy port, will retry"]
+        assert "are kept for uproxy" in str(said[0].kv)  # type: ignore[attr-defined]
+        assert await greet("127.0.0.1", proxy_port(proxy)) in {"b1", "b2", "b3"}
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 async def test_a_replacement_that_dies_before_it_is_ready_is_replaced_at_once(
     tmp_path: Path, backends: list[NamedBackend], proxies: list[Proxy]
 ) -> None:
