@@ -17,7 +17,7 @@ import asyncio
 import hashlib
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import yaml
@@ -92,7 +92,9 @@ def _zero(value: Any) -> bool:
     if not isinstance(value, str):
         return False
     if not value.strip():
-        return True
+        # "" only, as Go's defaulting compares: white space alone is a value, and a wrong
+        # one (hostnameOverride: "  " fell back to the host's name without a word).
+        return value == ""
     try:
         return parse_duration(value) == 0
     except ValueError:
@@ -259,7 +261,7 @@ def apply_config(
     by_path = {f.metadata["config"]: f for f in setting_fields() if f.metadata["config"]}
     groups = {"linux"} | {p.rsplit(".", 1)[0] for p in by_path if "." in p}
     groups |= {g.rsplit(".", 1)[0] for g in groups if "." in g}
-    for path, value in _flatten(doc):
+    for path, value in _flatten(doc, frozenset(by_path)):
         if path in ("apiVersion", "kind", "mode", ZERO_VALUES):
             continue
         canonical = _canonical(path)
@@ -307,12 +309,17 @@ def _zero_values(doc: Mapping[str, Any], source: str) -> set[str]:
     return {_canonical(v) for v in value}
 
 
-def _flatten(doc: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+def _flatten(
+    doc: Mapping[str, Any], fields: Collection[str], prefix: str = ""
+) -> list[tuple[str, Any]]:
+    """(path, value) of every field; a mapping where a field is (``configSyncPeriod: {a:
+    1}``) is that field's value, refused as the wrong type, not a block of unknown fields."""
     out: list[tuple[str, Any]] = []
     for key, value in doc.items():
         path = f"{prefix}{key}"
-        if isinstance(value, Mapping) and path not in NOT_APPLICABLE and value:
-            out.extend(_flatten(value, path + "."))
+        leaf = _canonical(path) in fields
+        if isinstance(value, Mapping) and not leaf and path not in NOT_APPLICABLE and value:
+            out.extend(_flatten(value, fields, path + "."))
         else:
             out.append((path, value))
     return out

@@ -26,23 +26,32 @@ _DEFAULT_EPHEMERAL = range(32768, 61000)  # Linux's default ip_local_port_range
 
 
 def parse_port_range(text: str) -> range | None:
-    """The range, or None for 'no range of its own'. Raises ValueError."""
+    """The range, or None for 'no range of its own'. Raises ValueError.
+
+    As kube-proxy's ``net.PortRange``: ``begin-end``, ``begin+offset``, or one port (``0``:
+    no range, as ``0-0``)."""
     text = text.strip()
     if not text:
         return None
     if "+" in text:
         base, _, offset = text.partition("+")
-        begin, end = int(base), int(base) + int(offset)
+        begin, end = _port_number(base, text), _port_number(base, text) + _port_number(offset, text)
     elif "-" in text:
         a, _, b = text.partition("-")
-        begin, end = int(a), int(b)
+        begin, end = _port_number(a, text), _port_number(b, text)
     else:
-        raise ValueError(f"expected BEGIN-END or BEGIN+OFFSET, got {text!r}")
+        begin = end = _port_number(text, text)
     if begin == 0 and end == 0:
         return None
     if not 1 <= begin <= end <= 65535:
         raise ValueError(f"ports must satisfy 1 <= begin <= end <= 65535, got {text!r}")
     return range(begin, end + 1)
+
+
+def _port_number(part: str, text: str) -> int:
+    if not part.strip().isdigit():
+        raise ValueError(f"expected BEGIN-END, BEGIN+OFFSET or one port, got {text!r}")
+    return int(part)
 
 
 def ephemeral_ports(

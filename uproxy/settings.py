@@ -104,8 +104,9 @@ class Settings:
         kind="ip",
         help="The address proxy ports listen on, which limits uproxy to it and its IP family; "
         "default: 0.0.0.0 and :: (each family the node has an address of), or 127.0.0.1 and "
-        "::1 with --rules none. 0.0.0.0 or :: (kubeadm writes 0.0.0.0) only puts its family "
-        "first, as kube-proxy reads it as the primary family: both are served",
+        "::1 with --rules none. On a node, 0.0.0.0 or :: (kubeadm writes 0.0.0.0) only puts "
+        "its family first, as kube-proxy reads it as the primary family: both are served; "
+        "with --rules none every address is one address, and its family the one served",
     )
     proxy_port_range: str = opt(
         "",
@@ -534,6 +535,8 @@ def parse_hostport(text: str) -> tuple[str, int] | None:
         raise ValueError(f"expected HOST:PORT, got {text!r}")
     host = host.strip("[]") or "0.0.0.0"
     ipaddress.ip_address(host)
+    if not port.isdigit():
+        raise ValueError(f"expected HOST:PORT with a port number, got {text!r}")
     p = int(port)
     if not 0 <= p <= 65535:
         raise ValueError(f"port out of range in {text!r}")

@@ -42,8 +42,15 @@ def test_port_ranges() -> None:
     assert parse_port_range("0-0") is None
     assert parse_port_range("30000-30002") == range(30000, 30003)
     assert parse_port_range("30000+2") == range(30000, 30003)
-    for bad in ("5-1", "0-10", "70000-70001", "abc"):
-        with pytest.raises(ValueError):
+    # One port, and 0 for none, as kube-proxy's net.PortRange reads them.
+    assert parse_port_range("30000") == range(30000, 30001)
+    assert parse_port_range("0") is None
+    for bad in ("5-1", "0-10", "70000-70001", "70000"):
+        with pytest.raises(ValueError, match="ports must satisfy"):
+            parse_port_range(bad)
+    # Python's "invalid literal for int() with base 10" said nothing of what is expected.
+    for bad in ("abc", "30000+abc", "a-b", "-5", "1-", "+3"):
+        with pytest.raises(ValueError, match="expected BEGIN-END, BEGIN\\+OFFSET or one port"):
             parse_port_range(bad)
 
 
@@ -200,6 +207,10 @@ def test_settings_as_flags_parse_back_and_start_a_worker() -> None:
         (["--conntrack-min", "-1"], "--conntrack-min: must be 0 or more"),
         (["--oom-score-adj", "1001"], "--oom-score-adj: must be -1000 to 1000"),
         (["--metrics-bind-address", "127.0.0.1:70000"], "--metrics-bind-address: port out of"),
+        (
+            ["--healthz-bind-address", "1.2.3.4:abc"],
+            "--healthz-bind-address: expected HOST:PORT with a port number, got '1.2.3.4:abc'$",
+        ),
         (["--nodeport-addresses", "10.0.0.0/33"], "--nodeport-addresses: not a CIDR"),
         (["--nodeport-addresses", ","], "--nodeport-addresses: an empty entry"),
         (["--workers", "300"], "--workers: must be 0 to 256, got 300"),
@@ -314,6 +325,11 @@ def test_config_file_and_flag_precedence(tmp_path: Path, caplog: pytest.LogCaptu
         ("uproxy: [1, 2]", r"c\.yaml: uproxy: expected a mapping, got \[1, 2\]$"),
         ("linux:\n  conntrack: x", r"c\.yaml: linux\.conntrack: expected a mapping"),
         ("kind: Pod", "KubeProxyConfiguration"),
+        # A mapping where a field is: the wrong type, not a block of unknown fields.
+        ("configSyncPeriod: {a: 1}", r"c\.yaml: configSyncPeriod: not a duration"),
+        ("uproxy:\n  workers: {n: 2}", r"c\.yaml: uproxy\.workers: expected an integer"),
+        # White space alone is not "unset" (Go compares with ""): kube-proxy refuses it.
+        ('hostnameOverride: "   "', r"c\.yaml: hostnameOverride: only white space$"),
     ],
 )
 def test_config_wrong_type_fails_with_one_line(tmp_path: Path, patch: str, needle: str) -> None:
