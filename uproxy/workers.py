@@ -99,6 +99,7 @@ _RESERVE_REASON = (
     f"Too many open files: the last {CONTROL_FD_RESERVE} are kept for uproxy's own work; "
     "raise the open-file limit (ulimit -n)"
 )
+ABORT_WAIT_S = 1.0  # a second stop signal: how long the workers get to reset and exit
 RESTART_BACKOFF_S = (0.0, 0.1, 0.5, 1.0, 5.0)  # after 0, 1, 2... deaths in a row
 CRASH_LOOP_WINDOW_S = 60.0  # a worker that lived longer than this starts the count afresh
 
@@ -128,6 +129,16 @@ def interpreter_flags() -> list[str]:
     worker started as a fresh interpreter runs as its control process does and reads the
     same compiled bytecode (the image runs both with docstrings stripped: see Dockerfile)."""
     return ["-" + "O" * sys.flags.optimize] if sys.flags.optimize else []
+
+
+def _exited(pid: int) -> bool:
+    """Whether the child ``pid`` has exited: a zombie, or gone (not reaped here: the loop's
+    own watcher reaps it, when the control process goes on)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except (OSError, IndexError):
+        return True
 
 
 def _fd_limit() -> int:
@@ -406,13 +417,24 @@ class WorkerPool:
             self._loads = None
 
     def kill_now(self) -> None:
-        """A second stop signal: no draining, no waiting."""
+        """A second stop signal: no draining. Each worker resets its connections and exits
+        (SIGUSR1), so clients see their connections cut, not ended (a FIN, as the kernel
+        closes a killed process's sockets, passes a reply cut short for a whole one); one
+        that has not exited within ``ABORT_WAIT_S`` is killed."""
         self._stopping = True
         if self._watchdog is not None:
             self._watchdog.cancel()
         self._close_held()
-        for w in self._workers.values():
-            _signal(w.process, signal.SIGKILL)
+        workers = [w for w in self._workers.values() if w.process.returncode is None]
+        for w in workers:
+            _signal(w.process, signal.SIGUSR1)
+        deadline = time.monotonic() + ABORT_WAIT_S
+        for w in workers:
+            while not _exited(w.process.pid):
+                if time.monotonic() >= deadline:
+                    _signal(w.process, signal.SIGKILL)
+                    break
+                time.sleep(0.01)  # the control process exits right after: nothing else runs
 
     def _close_held(self) -> None:
         """Let go of every listening socket: once the workers close theirs (stopping), the

@@ -885,6 +885,34 @@ async def test_proxy_ports_leave_the_control_process_fds_for_its_own_work(
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
+async def test_a_second_stop_signal_resets_every_connection_rather_than_ending_it(
+    tmp_path: Path, backends: list[NamedBackend], proxies: list[Proxy]
+) -> None:
+    """A second stop signal ends uproxy at once. Its workers were killed, and the kernel
+    closed their sockets with a FIN: a client reading a reply took what it had for the
+    whole of it (39,920,128 of 100,000,000 bytes, then a clean end of stream). Now each
+    worker resets its connections and exits."""
+    proxy = await serving_web(tmp_path / "services.yaml", backends, proxies)
+    pool = proxy.workers
+    assert pool is not None
+    streams = await asyncio.gather(*(_Stream.open(proxy_port(proxy)) for _ in range(6)))
+    for stream in streams:
+        stream.send(1000)
+        await stream.writer.drain()
+    pool.kill_now()
+    for stream in streams:
+        with pytest.raises(ConnectionResetError):
+            while await asyncio.wait_for(stream.reader.read(1 << 16), 5):
+                pass  # the echo of what was sent, then the reset
+        stream.writer.close()
+    assert all(not os.path.exists(f"/proc/{pid}") or _zombie(pid) for pid in pool.pids)
+
+
+def _zombie(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+
+
 async def test_a_replacement_that_dies_before_it_is_ready_is_replaced_at_once(
     tmp_path: Path, backends: list[NamedBackend], proxies: list[Proxy]
 ) -> None:

@@ -12,10 +12,13 @@ socket (see ``messages.OpenListener``). A listener uses the balancer of its own 
 IPv6 proxy port never dials an IPv4 endpoint.
 
 Signals: SIGTERM drains (listeners close at once, established connections get up to the
-drain timeout, all listeners in parallel), then the worker exits. The control process decides
-how the workers stop: a worker runs in a process group of its own (in the control process's
-session), so Ctrl-C in a terminal, which signals the foreground group, reaches only the
-control process, from the worker's first instant; SIGINT is ignored too. When the control
+drain timeout, all listeners in parallel), then the worker exits. SIGUSR1 (a second stop
+signal to the control process) resets every connection at once and exits: killed instead,
+the kernel would close them with a FIN, and a client would read a reply cut short as whole.
+The control process decides how the workers stop: a worker runs in a process group of its
+own (in the control process's session), so Ctrl-C in a terminal, which signals the
+foreground group, reaches only the control process, from the worker's first instant; SIGINT
+is ignored too. When the control
 process goes away (the channel closes, or the parent-death signal the kernel sends), the
 worker drains and exits too: it must not keep serving ports on its own, nor hold them
 against the next control process.
@@ -152,6 +155,7 @@ class Worker:
         # Closed (no longer accepting) but maybe still relaying: a stop drains them too.
         self.closing: list[TcpListener | UdpListener] = []
         self._stop = asyncio.Event()
+        self._aborting = False  # SIGUSR1: reset everything, no drain
         self._burst = 0  # the weight of the messages since the channel was last quiet
         self._burst_seen = 0  # ... as of the last quiet check
         self._bulk = False
@@ -164,6 +168,7 @@ class Worker:
     async def run(self) -> int:
         self._loop = loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self._stop.set)
+        loop.add_signal_handler(signal.SIGUSR1, self._abort)
         # The fd limit this process started with (the control process raised it before):
         # read once for every listener, not once per port.
         FD_RESERVE.refresh_limit()
@@ -182,8 +187,14 @@ class Worker:
         await self._drain()
         return 0
 
+    def _abort(self) -> None:
+        self._aborting = True
+        self._stop.set()
+
     async def _drain(self) -> None:
         timeout = self.config.settings.drain_timeout_s if self.config is not None else 1.0
+        if self._aborting:
+            timeout = 0.0  # every connection reset now
         listeners = [*self.listeners.values(), *self.closing]
         self.listeners.clear()
         self.closing.clear()
