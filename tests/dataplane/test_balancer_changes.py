@@ -355,6 +355,42 @@ def test_a_change_that_turns_hints_on_forgets_the_affinity_to_endpoints_left_out
     assert b.pick("1.1.1.1", Traffic.CLUSTER) == mine
 
 
+@pytest.mark.parametrize("how", ["change", "update"])
+def test_clients_stay_with_an_endpoint_whose_hints_or_conditions_changed(how: str) -> None:
+    """The EndpointSlice controller hints every endpoint for the zone (no endpoint moved, the
+    pool the same addresses), then a rollout marks them all terminating (still the pool: no
+    ready one is left). Affinity and a failing endpoint's ejection are the address's: they
+    were dropped with the old ``Endpoint`` objects, and four clients in six moved pods."""
+    clock = FakeClock()
+    b = Balancer(NAME, settings=SETTINGS, clock=clock, rng=random.Random(10))
+    port = ServicePort(name=NAME, port=80, affinity_timeout_s=600)
+    eps = big(6)
+    b.update(port, eps)
+    failing = eps[0]
+    b.dial_failed("10.9.1.1", failing)  # left out for a while: nobody is pinned to it
+    assert b._failing is not None and failing in b._failing
+    clients = [f"10.9.0.{i}" for i in range(12)]
+    pinned = {c: b.pick(c, Traffic.CLUSTER) for c in clients}
+    assert failing not in pinned.values() and len(set(pinned.values())) == 5
+    for edit in (
+        {"zone": "z0", "zone_hints": ("z0",)},
+        {"ready": False, "serving": True, "terminating": True},
+    ):
+        now = [dataclasses.replace(ep, **edit) for ep in eps]
+        if how == "change":
+            b.change(tuple(now), ())
+        else:
+            b.update(port, now, "z0")
+        assert set(b.endpoints(Traffic.CLUSTER)) == set(now)
+        got = {c: b.pick(c, Traffic.CLUSTER) for c in clients}
+        assert {c: ep.address for c, ep in got.items() if ep} == {
+            c: ep.address for c, ep in pinned.items() if ep
+        }
+        assert b._failing is not None
+        assert [ep.address for ep in b._failing] == [failing.address]
+        eps = now
+
+
 def test_a_change_that_turns_the_choice_takes_the_pool_kept_for_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

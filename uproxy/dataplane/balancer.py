@@ -44,7 +44,7 @@ import logging
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Container, Sequence
+from collections.abc import Callable, Collection, Container, Iterable, Mapping, Sequence
 
 from uproxy.dataplane import series
 from uproxy.dataplane.settings import DataplaneSettings
@@ -69,6 +69,23 @@ _RANDOM = LbAlgorithm.RANDOM
 _SCAN_MEMBERS = 8
 _NO_IPS: frozenset[str] = frozenset()  # shared: an empty frozenset is 216 bytes too
 _NO_ENDPOINTS: frozenset[Endpoint] = frozenset()
+
+
+def _addresses(endpoints: Iterable[Endpoint]) -> dict[tuple[str, int], Endpoint]:
+    return {(ep.ip, ep.port): ep for ep in endpoints}
+
+
+def _by_address(
+    failing: Mapping[Endpoint, _Failing], current: Mapping[tuple[str, int], Endpoint]
+) -> dict[Endpoint, _Failing]:
+    """The failing endpoints still there, each as it is now (its conditions or hints may have
+    changed: its failures are its address's)."""
+    out: dict[Endpoint, _Failing] = {}
+    for ep, state in failing.items():
+        now = current.get((ep.ip, ep.port))
+        if now is not None:
+            out[now] = state
+    return out
 
 
 class _Pool:
@@ -425,9 +442,7 @@ class Balancer:
         # (LocalReadyEndpoints): one pod serving two ports is one endpoint.
         self._local_ips = frozenset(e.ip for e in eps if e.ready and e.node_name == node) or _NO_IPS
         if self._failing is not None:
-            current = frozenset(eps)
-            failing = {ep: f for ep, f in self._failing.items() if ep in current}
-            self._failing = failing or None
+            self._failing = _by_address(self._failing, _addresses(eps)) or None
         self._affinity_then_watchers()
 
     def adopt(self, other: Balancer) -> list[object]:
@@ -457,18 +472,7 @@ class Balancer:
         self._external = other._external
         self._local_ips = other._local_ips
         if self._failing is not None:
-            index = self._index
-            if index is not None:  # built by the steps' changes: a lookup per failing one
-                by_address = index.by_address
-                failing = {
-                    ep: f
-                    for ep, f in self._failing.items()
-                    if by_address.get((ep.ip, ep.port)) == ep
-                }
-            else:
-                current = frozenset(self._every())
-                failing = {ep: f for ep, f in self._failing.items() if ep in current}
-            self._failing = failing or None
+            self._failing = _by_address(self._failing, self._addresses()) or None
         self._affinity_then_watchers()
         return held
 
@@ -513,7 +517,7 @@ class Balancer:
         elif self._affinity is None:
             self._affinity = OrderedDict()
         else:
-            self._forget_stale_affinity(self._affinity)
+            self._forget_stale_affinity(self._affinity, self._addresses)
         for watcher in self._watchers:
             watcher()
 
@@ -591,7 +595,10 @@ class Balancer:
         if self._failing is not None:
             failing = self._failing
             for ep in gone:
-                failing.pop(ep, None)
+                state = failing.pop(ep, None)
+                now = by_address.get((ep.ip, ep.port))
+                if state is not None and now is not None:
+                    failing[now] = state  # the same endpoint, its conditions or hints changed
             if not failing:
                 self._failing = None
         if gone or choice != choice_before or touched_local:
@@ -599,7 +606,7 @@ class Balancer:
             # unless they turn the choice or change this node's): a UDP listener's check
             # of its flows is linear in them, and a big change comes in parts.
             if self._affinity:
-                self._forget_stale_affinity(self._affinity)
+                self._forget_stale_affinity(self._affinity, lambda: by_address)
             for watcher in self._watchers:
                 watcher()
 
@@ -612,14 +619,35 @@ class Balancer:
         members = frozenset(selected)
         return pool if pool.holds_exactly(members) else self._new_pool(selected, members)
 
-    def _forget_stale_affinity(self, table: OrderedDict[str, tuple[Endpoint, float]]) -> None:
-        """Drop the clients whose endpoint neither pool holds any more."""
+    def _forget_stale_affinity(
+        self,
+        table: OrderedDict[str, tuple[Endpoint, float]],
+        addresses: Callable[[], Mapping[tuple[str, int], Endpoint]],
+    ) -> None:
+        """Drop the clients whose endpoint neither pool holds any more. A client stays with
+        an endpoint whose conditions or topology hints changed (a new ``Endpoint``, unequal,
+        at the same address) while a pool holds it: affinity is to the address, as
+        kube-proxy's is, and a hint the EndpointSlice controller added to every endpoint
+        moved most clients of the service to other pods."""
         in_cluster, in_external = self._cluster.members, self._external.members
         stale = [
             ip for ip, (ep, _) in table.items() if ep not in in_cluster and ep not in in_external
         ]
+        if not stale:
+            return
+        current = addresses()  # made once, and only when some client's endpoint changed
         for ip in stale:
-            del table[ip]
+            ep, used = table[ip]
+            now = current.get((ep.ip, ep.port))
+            if now is not None and (now in in_cluster or now in in_external):
+                table[ip] = (now, used)
+            else:
+                del table[ip]
+
+    def _addresses(self) -> Mapping[tuple[str, int], Endpoint]:
+        """Every endpoint by its address."""
+        index = self._index
+        return index.by_address if index is not None else _addresses(self._every())
 
     def watch(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` after each update that changed the endpoints or their choice

@@ -18,10 +18,9 @@ the kernel would close them with a FIN, and a client would read a reply cut shor
 The control process decides how the workers stop: a worker runs in a process group of its
 own (in the control process's session), so Ctrl-C in a terminal, which signals the
 foreground group, reaches only the control process, from the worker's first instant; SIGINT
-is ignored too. When the control
-process goes away (the channel closes, or the parent-death signal the kernel sends), the
-worker drains and exits too: it must not keep serving ports on its own, nor hold them
-against the next control process.
+is ignored too. When the control process goes away (the channel closes, or the parent-death
+signal the kernel sends), the worker drains and exits too: it must not keep serving ports on
+its own, nor hold them against the next control process.
 """
 
 from __future__ import annotations
