@@ -312,6 +312,7 @@ class Syncer:
         # The last run's proxy ports (``rules.previous``): by service address, and those
         # held out of this run's choice until the first rules sync is in.
         self._last_run: Mapping[tuple[str, str, int], int] = {}
+        self._last_runs_busy = 0  # of those, still bound by another process at this start
         self._held_back: set[tuple[Protocol, IPFamily, int]] = set()
         self._rows: dict[ServicePortName, TableRow] = {}
         self._nodeport_errors: dict[tuple[ServicePortName, IPFamily], str] = {}
@@ -784,6 +785,7 @@ class Syncer:
         self, spn: ServicePortName, pp: ProxiedPort, fp: FamilyPort, traffic: Traffic
     ) -> Listener | None:
         alloc = self._allocator(spn.protocol, fp.family)
+        before: int | None = None  # the port the last run's rules lead to, if any
         if self.laptop and traffic is Traffic.CLUSTER:
             # The service's own port, unless another of our listeners has it (that bind
             # would fail: a group's first socket binds without SO_REUSEPORT). Otherwise a
@@ -816,6 +818,8 @@ class Syncer:
                 )
             except OSError as e:
                 last = e
+                if port == before and e.errno == errno.EADDRINUSE:
+                    self._last_runs_busy += 1  # still held: its workers draining, most likely
                 if e.errno in (errno.EADDRINUSE, errno.EACCES):
                     continue
                 break
@@ -887,6 +891,13 @@ class Syncer:
         return None
 
     def _release_last_runs_ports(self) -> None:
+        if self._last_runs_busy:
+            log.info(
+                "Some of the last run's proxy ports are still held (its workers draining): "
+                "those services have new ones, and the rules lead there now",
+                extra=kv(held=self._last_runs_busy),
+            )
+            self._last_runs_busy = 0
         for protocol, family, port in self._held_back:
             self._allocator(protocol, family).release(port)
         self._held_back.clear()

@@ -605,6 +605,30 @@ async def test_a_start_takes_the_last_runs_ports_back_and_leaves_the_others_alon
     assert s3 is not None and s3.port == 40051
 
 
+async def test_a_last_runs_port_still_held_is_said_and_another_one_taken(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The last run's workers still drain and hold its ports (its control process was
+    killed): the start said only "Reusing the last run's proxy ports", and opened others."""
+    tracker = Tracker()
+    tracker.replace(Kind.SERVICE, [service(f"s{i}", cluster_ip=f"10.96.0.{i}") for i in range(2)])
+    tracker.replace(Kind.ENDPOINT_SLICE, [])
+    rules = RecordingRules()
+    rules.previous_ports = {("10.96.0.0", "tcp", 80): 40050, ("10.96.0.1", "tcp", 80): 40051}
+    syncer = node_syncer(tracker, rules, "40050-40053")
+    factory = syncer._open
+    assert isinstance(factory, Factory)
+    factory.taken.add(40050)
+    caplog.set_level(logging.INFO, logger="uproxy.syncer")
+    await syncer.sync()
+    ports = {name: syncer.ports[spn(name)].cluster for name in ("s0", "s1")}
+    assert ports["s1"] is not None and ports["s1"].port == 40051  # its own, free
+    assert ports["s0"] is not None and ports["s0"].port in (40052, 40053)
+    said = {r.getMessage(): getattr(r, "kv", None) for r in caplog.records}
+    held = "Some of the last run's proxy ports are still held (its workers draining): "
+    assert said[held + "those services have new ones, and the rules lead there now"] == {"held": 1}
+
+
 @pytest.mark.parametrize("via", ["node port", "externalIP", "LoadBalancer IP"])
 async def test_a_start_gives_an_external_listener_its_last_port_back(via: str) -> None:
     # A Local policy: external traffic has a listener of its own, which the last run's node
