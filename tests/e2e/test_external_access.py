@@ -90,6 +90,7 @@ def web_elements(web: int) -> dict[str, list[str]]:
         "external-ips": [f"{EXTERNAL_IP} . tcp . 80 {c} : {web}"],
         "node-ports": [f"tcp . {WEB_NODE_PORT} {c} : {web}"],
         "node-port-proxy-ports": [f"tcp . {web} {c}"],
+        "proxy-ports": [f"tcp . {web} {c}"],
     }
 
 
@@ -303,6 +304,7 @@ def local_nft(node_ip: str, c_port: int, e_port: int, pods: str) -> str:
         "external-ips": [f"{EXTERNAL_IP} . tcp . 80 {c} : {e_port}"],
         "node-ports": [f"tcp . {LOCAL_NODE_PORT} {c} : {e_port}"],
         "node-port-proxy-ports": [f"tcp . {c_port} {c}", f"tcp . {e_port} {c}"],
+        "proxy-ports": [f"tcp . {c_port} {c}", f"tcp . {e_port} {c}"],
         "short-circuit-lb-ips": [f"{LB_IP} . tcp . 80 {c} : {c_port}"],
         "short-circuit-external-ips": [f"{EXTERNAL_IP} . tcp . 80 {c} : {c_port}"],
         "short-circuit-node-ports": [f"tcp . {LOCAL_NODE_PORT} {c} : {c_port}"],

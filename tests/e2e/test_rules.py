@@ -335,7 +335,7 @@ def test_flushed_nat_table_is_repaired_within_5s(
 NFT_CHAINS = """\
 chain portals-firewall {
 type filter hook prerouting priority dstnat - 10; policy accept;
-ip daddr . meta l4proto . th dport @firewalled-lb-ips ip daddr . meta l4proto . th dport . ip saddr != @lb-source-ranges drop
+ct state new ip daddr . meta l4proto . th dport @firewalled-lb-ips ip daddr . meta l4proto . th dport . ip saddr != @lb-source-ranges drop
 }
 chain portals-container {
 type nat hook prerouting priority dstnat - 1; policy accept;
@@ -365,13 +365,17 @@ NPfib daddr type local meta l4proto { tcp, udp } dnat to NODE_IP:meta l4proto . 
 }
 chain node-ports-filter {
 type filter hook input priority filter; policy accept;
-ct state new meta l4proto . th dport @node-port-proxy-ports accept
+ct state new ct status dnat meta l4proto . th dport @node-port-proxy-ports accept
 }
 chain no-endpoints {
 type filter hook input priority filter - 1; policy accept;
 ct state new meta l4proto . th dport @rejected-proxy-ports reject with tcp reset
 ct state new meta l4proto . th dport @rejected-proxy-ports reject
 ct state new meta l4proto . th dport @dropped-proxy-ports drop
+}
+chain proxy-ports-direct {
+type filter hook input priority filter - 2; policy accept;
+ct state new ct status & dnat != dnat fib saddr type != local meta l4proto . th dport @proxy-ports drop
 }
 """
 PODS_RULES = """\
@@ -417,8 +421,10 @@ def expected_nft(
     external: list[str] = []
     node_ports: list[str] = []
     proxy_ports: list[str] = []
+    all_ports: list[str] = []
     if dns_port is not None and not v6:
         cluster.append(f'{DNS_IP} . udp . 53 comment "default/dns:dns" : {dns_port}')
+        all_ports.append(f'udp . {dns_port} comment "default/dns:dns"')
     if web is not None:
         c = 'comment "default/web:http"'
         cluster.append(f"{WEB_IP6 if v6 else WEB_IP} . tcp . 80 {c} : {web}")
@@ -427,11 +433,13 @@ def expected_nft(
         external.append(f"{EXTERNAL_IP6 if v6 else EXTERNAL_IP} . tcp . 80 {c} : {web}")
         node_ports.append(f"tcp . {WEB_NODE_PORT} {c} : {web}")
         proxy_ports.append(f"tcp . {web} {c}")
+        all_ports.append(f"tcp . {web} {c}")
     elements = {
         "cluster-ips": cluster,
         "external-ips": external,
         "node-ports": node_ports,
         "node-port-proxy-ports": proxy_ports,
+        "proxy-ports": all_ports,
         "rejected-proxy-ports": list(rejected),
     }
     return nft_listing(elements, nft_chains(node_ip, family=family), family=family)
@@ -442,6 +450,7 @@ STORES = (
     ("map", "external-ips", ADDR_MAP),
     ("map", "node-ports", PORT_MAP),
     ("set", "node-port-proxy-ports", "inet_proto . inet_service"),
+    ("set", "proxy-ports", "inet_proto . inet_service"),
     ("map", "short-circuit-lb-ips", ADDR_MAP),
     ("map", "short-circuit-external-ips", ADDR_MAP),
     ("map", "short-circuit-node-ports", PORT_MAP),

@@ -61,6 +61,10 @@ set node-port-proxy-ports {
 type inet_proto . inet_service
 elements = { tcp . 0 comment "uproxy sentinel (not a service)", tcp . 40002 comment "default/web:http", udp . 40003 comment "kube-system/dns:dns" }
 }
+set proxy-ports {
+type inet_proto . inet_service
+elements = { tcp . 0 comment "uproxy sentinel (not a service)", tcp . 40001 comment "default/web:http", tcp . 40002 comment "default/web:http", udp . 40003 comment "kube-system/dns:dns" }
+}
 map short-circuit-lb-ips {
 type ipv4_addr . inet_proto . inet_service : inet_service
 elements = { 0.0.0.0 . tcp . 0 comment "uproxy sentinel (not a service)" : 0 }
@@ -92,7 +96,7 @@ elements = { tcp . 0 comment "uproxy sentinel (not a service)" }
 }
 chain portals-firewall {
 type filter hook prerouting priority dstnat - 10; policy accept;
-ip daddr . meta l4proto . th dport @firewalled-lb-ips ip daddr . meta l4proto . th dport . ip saddr != @lb-source-ranges drop
+ct state new ip daddr . meta l4proto . th dport @firewalled-lb-ips ip daddr . meta l4proto . th dport . ip saddr != @lb-source-ranges drop
 }
 chain portals-container {
 type nat hook prerouting priority dstnat - 1; policy accept;
@@ -120,13 +124,17 @@ fib daddr type local meta l4proto { tcp, udp } dnat to 10.200.3.1:meta l4proto .
 }
 chain node-ports-filter {
 type filter hook input priority filter; policy accept;
-ct state new meta l4proto . th dport @node-port-proxy-ports accept
+ct state new ct status dnat meta l4proto . th dport @node-port-proxy-ports accept
 }
 chain no-endpoints {
 type filter hook input priority filter - 1; policy accept;
 ct state new meta l4proto . th dport @rejected-proxy-ports reject with tcp reset
 ct state new meta l4proto . th dport @rejected-proxy-ports reject
 ct state new meta l4proto . th dport @dropped-proxy-ports drop
+}
+chain proxy-ports-direct {
+type filter hook input priority filter - 2; policy accept;
+ct state new ct status & dnat != dnat fib saddr type != local meta l4proto . th dport @proxy-ports drop
 }
 chain synced-by {
 return comment "uproxy ID commit N"
@@ -260,7 +268,7 @@ def test_updates_touch_only_the_changed_elements(topo: Topology) -> None:
     full, update = mon.transactions()  # and nothing for the third sync
     assert full[:3] == ["add table ip uproxy", "delete table ip uproxy", "add table ip uproxy"]
     adds = [line for line in full if line.startswith("add element")]
-    assert sum("uproxy sentinel" not in line for line in adds) == 8  # and the sentinels
+    assert sum("uproxy sentinel" not in line for line in adds) == 11  # and the sentinels
     masked = (re.sub(r"handle [0-9]+$", "handle H", STAMP.sub(STAMP_MASKED, x)) for x in update)
     assert sorted(masked) == sorted(
         [
@@ -273,6 +281,8 @@ def test_updates_touch_only_the_changed_elements(topo: Topology) -> None:
             'delete element ip uproxy node-port-proxy-ports { udp . 40003 comment "kube-system/dns:dns" }',
             'add element ip uproxy cluster-ips { 10.96.0.11 . tcp . 8080 comment "default/web:http" : 40001 }',
             'add element ip uproxy cluster-ips { 10.96.0.53 . udp . 53 comment "kube-system/dns:dns" : 40007 }',
+            'delete element ip uproxy proxy-ports { udp . 40003 comment "kube-system/dns:dns" }',
+            'add element ip uproxy proxy-ports { udp . 40007 comment "kube-system/dns:dns" }',
         ]
     )
 

@@ -128,6 +128,10 @@ set node-port-proxy-ports {
 type inet_proto . inet_service
 elements = { tcp . 0 comment "uproxy sentinel (not a service)", tcp . 40001 comment "default/web:http", tcp . 40002 comment "default/web:http" }
 }
+set proxy-ports {
+type inet_proto . inet_service
+elements = { tcp . 0 comment "uproxy sentinel (not a service)", tcp . 40001 comment "default/web:http", tcp . 40002 comment "default/web:http", udp . 40003 comment "kube-system/dns:dns" }
+}
 map short-circuit-lb-ips {
 type ipv4_addr . inet_proto . inet_service : inet_service
 elements = { 0.0.0.0 . tcp . 0 comment "uproxy sentinel (not a service)" : 0, 198.51.100.9 . tcp . 80 comment "default/web:http" : 40001 }
@@ -159,7 +163,7 @@ elements = { tcp . 0 comment "uproxy sentinel (not a service)" }
 }
 chain portals-firewall {
 type filter hook prerouting priority dstnat - 10; policy accept;
-ip daddr . meta l4proto . th dport @firewalled-lb-ips ip daddr . meta l4proto . th dport . ip saddr != @lb-source-ranges drop
+ct state new ip daddr . meta l4proto . th dport @firewalled-lb-ips ip daddr . meta l4proto . th dport . ip saddr != @lb-source-ranges drop
 }
 chain portals-container {
 type nat hook prerouting priority dstnat - 1; policy accept;
@@ -191,13 +195,17 @@ ip daddr { 10.200.2.1, 10.200.3.0/24 } fib daddr type local meta l4proto { tcp, 
 }
 chain node-ports-filter {
 type filter hook input priority filter; policy accept;
-ct state new meta l4proto . th dport @node-port-proxy-ports accept
+ct state new ct status dnat meta l4proto . th dport @node-port-proxy-ports accept
 }
 chain no-endpoints {
 type filter hook input priority filter - 1; policy accept;
 ct state new meta l4proto . th dport @rejected-proxy-ports reject with tcp reset
 ct state new meta l4proto . th dport @rejected-proxy-ports reject
 ct state new meta l4proto . th dport @dropped-proxy-ports drop
+}
+chain proxy-ports-direct {
+type filter hook input priority filter - 2; policy accept;
+ct state new ct status & dnat != dnat fib saddr type != local meta l4proto . th dport @proxy-ports drop
 }
 chain synced-by {
 return comment "uproxy ID commit N"

@@ -24,6 +24,7 @@ from uproxy.rules.nftables import (
     LB_SOURCE_RANGES,
     NODE_PORT_PROXY_PORTS,
     NODE_PORTS,
+    PROXY_PORTS,
     REJECTED_PROXY_PORTS,
     SENTINEL_COMMENT,
     SHORT_CIRCUIT_EXTERNAL_IPS,
@@ -70,6 +71,13 @@ table ip uproxy {
 		elements = { tcp . 0 comment "uproxy sentinel (not a service)",
 			tcp . 40002 comment "default/web:http" }
 	}
+	set proxy-ports {
+		type inet_proto . inet_service
+		elements = { tcp . 0 comment "uproxy sentinel (not a service)",
+			tcp . 40001 comment "default/web:http",
+			tcp . 40002 comment "default/web:http",
+			udp . 40003 comment "kube-system/dns" }
+	}
 	map short-circuit-lb-ips {
 		type ipv4_addr . inet_proto . inet_service : inet_service
 		elements = { 0.0.0.0 . tcp . 0 comment "uproxy sentinel (not a service)" : 0 }
@@ -101,7 +109,7 @@ table ip uproxy {
 	}
 	chain portals-firewall {
 		type filter hook prerouting priority -110; policy accept;
-		ip daddr . meta l4proto . th dport @firewalled-lb-ips ip daddr . meta l4proto . th dport . ip saddr != @lb-source-ranges drop
+		ct state new ip daddr . meta l4proto . th dport @firewalled-lb-ips ip daddr . meta l4proto . th dport . ip saddr != @lb-source-ranges drop
 	}
 	chain portals-container {
 		type nat hook prerouting priority -101; policy accept;
@@ -129,13 +137,17 @@ table ip uproxy {
 	}
 	chain node-ports-filter {
 		type filter hook input priority 0; policy accept;
-		ct state new meta l4proto . th dport @node-port-proxy-ports accept
+		ct state new ct status dnat meta l4proto . th dport @node-port-proxy-ports accept
 	}
 	chain no-endpoints {
 		type filter hook input priority -1; policy accept;
 		ct state new meta l4proto . th dport @rejected-proxy-ports meta l4proto tcp reject with tcp reset
 		ct state new meta l4proto . th dport @rejected-proxy-ports reject
 		ct state new meta l4proto . th dport @dropped-proxy-ports drop
+	}
+	chain proxy-ports-direct {
+		type filter hook input priority -2; policy accept;
+		ct state new ct status & dnat != dnat fib saddr type != local meta l4proto . th dport @proxy-ports drop
 	}
 	chain synced-by {
 		return comment "uproxy test commit 1"
@@ -301,8 +313,10 @@ def test_diff_touches_only_what_changed() -> None:
         "delete element ip uproxy cluster-ips { 10.96.0.53 . udp . 53 }\n"
         "delete element ip uproxy node-port-proxy-ports { tcp . 40002 }\n"
         "delete element ip uproxy node-ports { tcp . 30080 }\n"
+        "delete element ip uproxy proxy-ports { udp . 40003 }\n"
         'add element ip uproxy cluster-ips { 10.96.0.11 . tcp . 8080 comment "default/web:http"'
         ' : 40001, 10.96.0.53 . udp . 53 comment "kube-system/dns" : 40007 }\n'
+        'add element ip uproxy proxy-ports { udp . 40007 comment "kube-system/dns" }\n'
     )
     assert diff(after, after) == ({}, {})
     assert render_delta(V4, {}, {}) == ""
@@ -409,8 +423,9 @@ def test_layout_skeleton_matches_its_own_listing_shape() -> None:
         "node-ports-host": 3,
         "node-ports-filter": 1,
         "no-endpoints": 3,
+        "proxy-ports-direct": 1,
     }
-    assert len(layout.skeleton().stores) == 11
+    assert len(layout.skeleton().stores) == 12
 
 
 # ----- the backend, with nft replaced by a recorder ------------------------------------------
@@ -512,7 +527,10 @@ async def test_first_sync_is_full_then_only_changes_then_nothing(nft: FakeNft) -
     # ... but the first quiet check's look at the rules as loaded (``_learn_rules``).
     assert len(nft.calls) == 2 and nft.calls[1][0][:3] == ["nft", "-t", "-j"]
     await b.sync(PORTALS[:-1])
-    delta = "delete element ip uproxy cluster-ips { 10.96.0.53 . udp . 53 }\n"
+    delta = (
+        "delete element ip uproxy cluster-ips { 10.96.0.53 . udp . 53 }\n"
+        "delete element ip uproxy proxy-ports { udp . 40003 }\n"
+    )
     assert nft.loads()[1:] == [stamped(delta, 2)]
     assert len(nft.calls) == 3 and b.full_loads == 1
 
@@ -587,7 +605,7 @@ async def test_sentinels_asked_of_nft_when_netlink_cannot_tell(nft: FakeNft, gon
     assert argv == ["nft", "-t", "-f", "-"]
     assert stdin is not None
     assert stdin.splitlines()[0] == "get element ip uproxy cluster-ips { 0.0.0.0 . tcp . 0 }"
-    assert len(stdin.splitlines()) == 11  # one sentinel per map or set
+    assert len(stdin.splitlines()) == 12  # one sentinel per map or set
 
 
 async def test_a_rule_replaced_in_place_is_damage(nft: FakeNft) -> None:
@@ -702,6 +720,52 @@ def test_local_policy_and_source_ranges_fill_their_maps_and_sets() -> None:
     assert text == (
         "add element ip uproxy lb-source-ranges "
         '{ 198.51.100.9 . tcp . 80 . 10.0.0.0/8 comment "default/web:http" }\n'
+    )
+
+
+def test_proxy_ports_hold_every_port_a_portal_leads_to() -> None:
+    # Cluster, external and node-port proxy ports, a Local policy's cluster port included;
+    # a refusal adds none (its port is one a portal leads to anyway).
+    other = ServicePortName("default", "other", "http", Protocol.TCP)
+    alone = Portal(other, PortalKind.LB_INGRESS, "198.51.100.10", 80, 40011, 0, ("10.0.0.0/8",))
+    found = elements([*SPLIT, *REFUSALS, alone])
+    assert found[PROXY_PORTS] == {
+        ("tcp", 40001): Element(("tcp", 40001), None, "default/web:http"),
+        ("tcp", 40002): Element(("tcp", 40002), None, "default/web:http"),
+        ("tcp", 40011): Element(("tcp", 40011), None, "default/other:http"),
+    }
+    assert set(elements(PORTALS)[PROXY_PORTS]) == {("tcp", 40001), ("tcp", 40002), ("udp", 40003)}
+
+
+@pytest.mark.parametrize(
+    ("family", "host", "listen", "daddr"),
+    [
+        (V4, HOST_IP, "0.0.0.0", ""),
+        (V4, HOST_IP, "192.168.7.9", "ip daddr 192.168.7.9 "),
+        (IPV6, "fd00::1", "::", ""),
+        (IPV6, "fd00::1", "fd00::9", "ip6 daddr fd00::9 "),
+    ],
+)
+def test_direct_connections_to_proxy_ports_are_dropped(
+    family: nftables.Family, host: str, listen: str, daddr: str
+) -> None:
+    # New connections no portal translated, from anywhere but the node itself; only
+    # translated ones are accepted for node ports; source ranges check new connections only.
+    chains = {c.name: c for c in Layout(family, host_ip=host, listen_ip=listen).chains}
+    direct = chains["proxy-ports-direct"]
+    assert (direct.type, direct.hook, direct.priority) == ("filter", "input", -2)
+    assert direct.priority < chains["no-endpoints"].priority  # dropped, not reset
+    assert direct.rules == (
+        "ct state new ct status & dnat != dnat fib saddr type != local "
+        f"{daddr}meta l4proto . th dport @proxy-ports drop",
+    )
+    assert chains["node-ports-filter"].rules == (
+        "ct state new ct status dnat meta l4proto . th dport @node-port-proxy-ports accept",
+    )
+    saddr = family.saddr
+    key = f"{family.daddr} . meta l4proto . th dport"
+    assert chains["portals-firewall"].rules == (
+        f"ct state new {key} @firewalled-lb-ips {key} . {saddr} != @lb-source-ranges drop",
     )
 
 

@@ -19,6 +19,7 @@ The IPv4 table (the IPv6 one has ``ipv6_addr`` and ``ip6 daddr/saddr`` where thi
       map external-ips  the same type (externalIPs -> the external proxy port)
       map node-ports    inet_proto . inet_service : inet_service (node port -> proxy port)
       set node-port-proxy-ports  inet_proto . inet_service (the proxy ports of node ports)
+      set proxy-ports   inet_proto . inet_service (every proxy port a portal leads to)
       map short-circuit-lb-ips, short-circuit-external-ips, short-circuit-node-ports
                         the same types as above: where traffic from the cluster goes instead,
                         for externalTrafficPolicy: Local (the cluster proxy port)
@@ -34,6 +35,7 @@ The IPv4 table (the IPv6 one has ``ipv6_addr`` and ``ip6 daddr/saddr`` where thi
       chain node-ports-host       nat output, priority -99; uproxy's dials return first
       chain node-ports-filter     filter input, priority filter
       chain no-endpoints          filter input, priority filter - 1
+      chain proxy-ports-direct    filter input, priority filter - 2
       chain synced-by             no hook: its rule's comment stamps uproxy's last commit
     }
 
@@ -56,11 +58,13 @@ node ports apply to local destinations only, and externalIPs get kube-proxy's th
   rules exclude the same packets. Without br_netfilter iptables' match is true for every packet
   (no bridge information), while this one still excludes traffic from a bridge: pods on a
   bridge then reach an externalIP only when it is a local address (the second rule).
-- **Source ranges.** ``portals-firewall`` drops packets to a LoadBalancer IP and port of
-  ``firewalled-lb-ips`` whose (address, port, source) is not in ``lb-source-ranges``, before
+- **Source ranges.** ``portals-firewall`` drops new connections to a LoadBalancer IP and port
+  of ``firewalled-lb-ips`` whose (address, port, source) is not in ``lb-source-ranges``, before
   any NAT and in prerouting only: pods and other hosts are checked, the node itself (output)
   never is. A ``drop`` is final in nftables, whichever table says it. One lookup in an
-  interval set of concatenations, whatever the number of services and ranges.
+  interval set of concatenations, whatever the number of services and ranges. New
+  connections only, as the iptables backends jump to ``KUBE-PORTALS-FIREWALL``: a change of
+  the ranges turns new clients away and leaves established connections be.
 - **Traffic from the cluster** (``externalTrafficPolicy: Local``). The ``short-circuit-*``
   maps hold the cluster proxy port of such a service's externalIPs, LoadBalancer IPs and node
   ports. The host chains look them up before the usual maps, so the node's own traffic always
@@ -73,11 +77,21 @@ node ports apply to local destinations only, and externalIPs get kube-proxy's th
   Local policies' drops do (see ``portals``: the iptables backends' ``KUBE-PORTALS-REJECT``).
 - **Node-port addresses.** With ``--nodeport-addresses`` the node-port rules also match
   ``ip daddr`` in its CIDRs (besides being local), evaluated per packet.
+- **Direct connections.** Every proxy port listens on every address (REDIRECT rewrites the
+  destination to the incoming interface's address), so without a rule a client could connect
+  to ``NODE_IP:PROXY_PORT`` itself and be served past every check the portals make (source
+  ranges, ``--nodeport-addresses``, a Local policy's scope, a ClusterIP reached from outside).
+  ``proxy-ports-direct`` drops new connections to the ports of ``proxy-ports`` that no portal
+  translated (``ct status & dnat != dnat``: REDIRECT and DNAT both set it) and that do not come
+  from one of the node's own addresses (``fib saddr type != local``), as kube-proxy's own modes
+  expose no such port. The node's processes may still dial a proxy port directly.
 - **The filter accept.** ``node-ports-filter`` accepts new connections to the proxy ports of
-  node ports, like ``KUBE-NODEPORT-NON-LOCAL``. But in nft an ``accept`` only ends its own
-  chain: a drop in another table's input chain (an nft firewall, or iptables' INPUT) still
-  drops the packet, whereas iptables' rule, first in iptables' own INPUT, wins over the rules
-  after it. Behind a default-deny firewall, allow the proxy port range there.
+  node ports that a portal translated (``ct status dnat``), like ``KUBE-NODEPORT-NON-LOCAL``:
+  never a direct connection. But in nft an ``accept`` only ends its own chain: a drop in
+  another table's input chain (an nft firewall, or iptables' INPUT) still drops the packet,
+  whereas iptables' rule, first in iptables' own INPUT, wins over the rules after it. Behind
+  a default-deny nft firewall, accept there the new connections to the proxy port range that
+  conntrack marks as translated (``ct status dnat``); direct ones are dropped here anyway.
 
 Syncs are incremental: the backend remembers the elements it installed and a sync emits only
 ``delete element`` / ``add element`` for what changed (a changed value or comment is a delete
@@ -171,6 +185,7 @@ CLUSTER_IPS = "cluster-ips"
 EXTERNAL_IPS = "external-ips"
 NODE_PORTS = "node-ports"
 NODE_PORT_PROXY_PORTS = "node-port-proxy-ports"
+PROXY_PORTS = "proxy-ports"
 SHORT_CIRCUIT_LB_IPS = "short-circuit-lb-ips"
 SHORT_CIRCUIT_EXTERNAL_IPS = "short-circuit-external-ips"
 SHORT_CIRCUIT_NODE_PORTS = "short-circuit-node-ports"
@@ -183,6 +198,7 @@ STORE_NAMES = (
     EXTERNAL_IPS,
     NODE_PORTS,
     NODE_PORT_PROXY_PORTS,
+    PROXY_PORTS,
     SHORT_CIRCUIT_LB_IPS,
     SHORT_CIRCUIT_EXTERNAL_IPS,
     SHORT_CIRCUIT_NODE_PORTS,
@@ -196,6 +212,8 @@ FIREWALL_PRIORITY = -110  # before any NAT (dstnat - 10, as kube-proxy's firewal
 PORTALS_PRIORITY = -101  # before nat chains at the usual dstnat priority (-100)
 NODE_PORTS_PRIORITY = -99  # after them
 FILTER_PRIORITY = 0
+DIRECT_PRIORITY = FILTER_PRIORITY - 2  # before no-endpoints: a direct connection gets no RST
+DIRECT_CHAIN = "proxy-ports-direct"
 
 
 @dataclass(frozen=True, slots=True)
@@ -349,6 +367,7 @@ class Layout:
             Store("map", EXTERNAL_IPS, f"{addr} : inet_service"),
             Store("map", NODE_PORTS, f"{port} : inet_service"),
             Store("set", NODE_PORT_PROXY_PORTS, port),
+            Store("set", PROXY_PORTS, port),
             Store("map", SHORT_CIRCUIT_LB_IPS, f"{addr} : inet_service"),
             Store("map", SHORT_CIRCUIT_EXTERNAL_IPS, f"{addr} : inet_service"),
             Store("map", SHORT_CIRCUIT_NODE_PORTS, f"{port} : inet_service"),
@@ -416,7 +435,7 @@ def _pod_rules(
 def _chains(
     family: Family, container: str, host: str, dial_mark: int, m: _Matches
 ) -> tuple[Chain, ...]:
-    """The seven chains; ``container``/``host`` are the translation up to the port map."""
+    """The eight chains; ``container``/``host`` are the translation up to the port map."""
     l4 = "meta l4proto { tcp, udp }"
     local = "fib daddr type local"
     key = f"{family.daddr} . meta l4proto . th dport"
@@ -431,7 +450,8 @@ def _chains(
     nat, prerouting, output, np = "nat", "prerouting", "output", m.nodeports
     return (
         Chain("portals-firewall", "filter", prerouting, FIREWALL_PRIORITY, (
-            f"{key} @{FIREWALLED_LB_IPS} {key} . {family.saddr} != @{LB_SOURCE_RANGES} drop",
+            f"ct state new {key} @{FIREWALLED_LB_IPS} "
+            f"{key} . {family.saddr} != @{LB_SOURCE_RANGES} drop",
         )),
         Chain("portals-container", nat, prerouting, PORTALS_PRIORITY, (
             *pods,
@@ -456,13 +476,17 @@ def _chains(
             f"{np}{local} {l4} {host}{by_port} @{NODE_PORTS}",
         )),
         Chain("node-ports-filter", "filter", "input", FILTER_PRIORITY, (
-            f"ct state new meta l4proto . th dport @{NODE_PORT_PROXY_PORTS} accept",
+            f"ct state new ct status dnat meta l4proto . th dport @{NODE_PORT_PROXY_PORTS} accept",
         )),
         Chain("no-endpoints", "filter", "input", FILTER_PRIORITY - 1, (
             f"ct state new {m.listen}meta l4proto . th dport @{REJECTED_PROXY_PORTS} "
             "meta l4proto tcp reject with tcp reset",
             f"ct state new {m.listen}meta l4proto . th dport @{REJECTED_PROXY_PORTS} reject",
             f"ct state new {m.listen}meta l4proto . th dport @{DROPPED_PROXY_PORTS} drop",
+        )),
+        Chain(DIRECT_CHAIN, "filter", "input", DIRECT_PRIORITY, (
+            f"ct state new ct status & dnat != dnat fib saddr type != local "
+            f"{m.listen}meta l4proto . th dport @{PROXY_PORTS} drop",
         )),
     )  # fmt: skip
 
@@ -487,6 +511,7 @@ def portal_elements(portal: Portal, family: Family) -> tuple[tuple[str, Element]
     external = portal.kind is PortalKind.EXTERNAL_IP
     key = (family.address(portal.ip), proto, portal.port)
     out = [(EXTERNAL_IPS if external else CLUSTER_IPS, Element(key, portal.proxy_port, comment))]
+    out += _proxy_port_elements(portal, proto, comment)
     if portal.short_circuit:
         name = SHORT_CIRCUIT_EXTERNAL_IPS if external else SHORT_CIRCUIT_LB_IPS
         out.append((name, Element(key, portal.cluster_proxy_port, comment)))
@@ -498,12 +523,22 @@ def portal_elements(portal: Portal, family: Family) -> tuple[tuple[str, Element]
     return tuple(out)
 
 
+def _proxy_port_elements(portal: Portal, proto: str, comment: str) -> list[tuple[str, Element]]:
+    """The ``proxy-ports`` elements of a portal: every proxy port it leads to, which nothing
+    may reach but through a portal (``proxy-ports-direct``)."""
+    ports = [portal.proxy_port]
+    if portal.short_circuit:
+        ports.append(portal.cluster_proxy_port)
+    return [(PROXY_PORTS, Element((proto, port), None, comment)) for port in ports]
+
+
 def _node_port_elements(
     portal: Portal, proto: str, comment: str
 ) -> tuple[tuple[str, Element], ...]:
     out = [
         (NODE_PORTS, Element((proto, portal.port), portal.proxy_port, comment)),
         (NODE_PORT_PROXY_PORTS, Element((proto, portal.proxy_port), None, comment)),
+        *_proxy_port_elements(portal, proto, comment),
     ]
     if portal.short_circuit:
         cluster = portal.cluster_proxy_port
