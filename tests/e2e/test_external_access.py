@@ -46,6 +46,7 @@ from tests.e2e.test_rules import (
     MARK_RETURN,
     NODEPORTS_JUMP,
     comparable,
+    direct,
     dropped,
     expected_tables,
     nft_chains,
@@ -287,10 +288,12 @@ def local_tables(node_ip: str, c_port: int, e_port: int, pods: tuple[str, str] |
     nat["KUBE-NODEPORT-CONTAINER"] = [*node_ports, f"{c} --dport {LOCAL_NODE_PORT} {external}"]
     nat["KUBE-NODEPORT-HOST"] = [MARK_RETURN, f"{c} --dport {LOCAL_NODE_PORT} {dnat}"]
     filt["KUBE-NODEPORT-NON-LOCAL"] = [
-        f"{c} --dport {port} -m state --state NEW -j ACCEPT" for port in (e_port, c_port)
+        f"{c} --dport {port} -m state --state NEW -m conntrack --ctstate DNAT -j ACCEPT"
+        for port in (e_port, c_port)
     ]
     # Endpoints, none on this node: the external proxy port drops new connections.
     filt["KUBE-PORTALS-REJECT"] = [dropped(LOCAL, e_port)]
+    filt["KUBE-PORTALS-DIRECT"] = [direct("tcp", c_port, e_port)]
     return tables
 
 

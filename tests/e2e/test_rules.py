@@ -72,6 +72,11 @@ FIREWALL_JUMP = (
     "-m conntrack --ctstate NEW -m comment --comment "
     '"drop LoadBalancer traffic from outside its loadBalancerSourceRanges" -j KUBE-PORTALS-FIREWALL'
 )
+DIRECT_JUMP = (
+    "-m conntrack --ctstate NEW -m conntrack ! --ctstate DNAT -m addrtype ! --src-type LOCAL "
+    '-m comment --comment "drop new connections to proxy ports that no portal translated" '
+    "-j KUBE-PORTALS-DIRECT"
+)
 REJECT_JUMP = (
     "-m conntrack --ctstate NEW -m comment --comment "
     '"turn away new connections to proxy ports without endpoints" -j KUBE-PORTALS-REJECT'
@@ -93,6 +98,15 @@ def dropped(service: str, port: int, *, proto: str = "tcp") -> str:
     return (
         f'-p {proto} -m comment --comment "{service} has no local endpoints" -m {proto} '
         f"--dport {port} -j DROP"
+    )
+
+
+def direct(proto: str, *ports: int) -> str:
+    """The filter rule dropping new connections straight to these proxy ports (no portal
+    translated them): one per protocol here, with few ports."""
+    return (
+        f'-p {proto} -m comment --comment "proxy ports are reached through the portals only" '
+        f"-m multiport --dports {','.join(map(str, sorted(ports)))} -j DROP"
     )
 
 
@@ -127,10 +141,12 @@ def expected_tables(
     np_container: list[str] = []
     np_host: list[str] = [MARK_RETURN]
     non_local: list[str] = []
+    drops: list[str] = []
     if dns_port is not None and not v6:
         m = f'-d {DNS_IP}/32 -p udp -m comment --comment "default/dns:dns" -m udp --dport 53'
         container.append(f"{m} -j REDIRECT --to-ports {dns_port}")
         host.append(f"{m} -j DNAT --to-destination {node_ip}:{dns_port}")
+        drops.append(direct("udp", dns_port))
     if web is not None:
         c = '-p tcp -m comment --comment "default/web:http" -m tcp'
         redirect = f"-j REDIRECT --to-ports {web}"
@@ -149,7 +165,10 @@ def expected_tables(
             host.append(f"-d {LB_IP}/32 {c} --dport 80 {dnat}")
         np_container.append(f"{c} --dport {WEB_NODE_PORT} {redirect}")
         np_host.append(f"{c} --dport {WEB_NODE_PORT} {dnat}")
-        non_local.append(f"{c} --dport {web} -m state --state NEW -j ACCEPT")
+        non_local.append(
+            f"{c} --dport {web} -m state --state NEW -m conntrack --ctstate DNAT -j ACCEPT"
+        )
+        drops.insert(0, direct("tcp", web))
     policy = ["policy ACCEPT"]
     return {
         "nat": {
@@ -173,6 +192,7 @@ def expected_tables(
         "filter": {
             "INPUT": [
                 *policy,
+                DIRECT_JUMP,
                 FIREWALL_JUMP,
                 REJECT_JUMP,
                 NON_LOCAL_JUMP.format(chain="KUBE-NODEPORT-NON-LOCAL"),
@@ -182,6 +202,7 @@ def expected_tables(
             "KUBE-NODEPORT-NON-LOCAL": non_local,
             "KUBE-PORTALS-FIREWALL": [],
             "KUBE-PORTALS-REJECT": list(refusals),
+            "KUBE-PORTALS-DIRECT": drops,
         },
     }
 

@@ -38,8 +38,10 @@ def test_small_changes_are_edited_in_place(topo: Topology, backend: str, mode: s
         ops += [{"op": "attr", "name": "restores"}, {"op": "verify"}]
     results = run_ops(topo, backend, mode, ops)
     # Rules edited so far: none (the first sync writes everything), then the added portal's
-    # two (container and host), then those two and the ClusterIP's two, then two again.
-    assert results[1::4] == [0, 2, 6, 8]
+    # two (container and host), then those two and the ClusterIP's two, then two again; and
+    # each time the direct drops of the proxy ports that came or went (a rule replaced is a
+    # deletion and an insertion): 2, then 4 (two groups), then 2.
+    assert results[1::4] == [0, 2 + 2, 6 + 4, 8 + 6]
     assert results[2::4] == [1, 2, 3, 4]  # one restore per sync
     assert results[3::4] == [True] * len(steps)
     assert_installed(before, save(topo, mode), [*many_portals(1000), *moved], topo.node_ip)
@@ -63,7 +65,9 @@ def test_a_rule_deleted_by_someone_else_is_rewritten(
     ops = [sync_op(PORTALS), delete, *check, sync_op(PORTALS[1:])]
     ops += [{"op": "attr", "name": "edits"}, {"op": "verify"}]
     results = run_ops(topo, backend, mode, ops)
-    assert results[-2:] == [0, True]
+    # The nat table rewritten; the filter table, as uproxy left it, edited: the direct drop
+    # holding the ClusterIP's proxy port (nothing else leads to it) replaced by one without.
+    assert results[-2:] == [2, True]
     assert not checked or results[2] is True
     assert_installed(before, save(topo, mode), PORTALS[1:], topo.node_ip)
 
@@ -86,11 +90,13 @@ def test_many_edits_go_in_several_commits_in_nft_mode(
     after = (1, 5, 10)  # where each sync's counters start
     commits, edits, restores = ([results[i + k] for i in after] for k in range(3))
     assert results[8] is True and results[13] is True
-    assert edits[1] - edits[0] == 400 and edits[2] == edits[1]
+    # 400 in the nat chains, 572 in the direct drops (286 groups of proxy ports replaced:
+    # 100 ports gone from a run of consecutive ones, 100 come, every 50th, from 40,000 on).
+    assert edits[1] - edits[0] == 400 + 572 and edits[2] == edits[1]
     assert (restores[1] - restores[0], restores[2] - restores[1]) == (1, 0)
     # nft: 99 services a commit (4 edits in chains of 5,000 and a few rules weigh just over
-    # 20,000), so 2 commits; filter's rules did not change.
-    assert commits[1] - commits[0] == (2 if mode == "nft" else 1)
+    # 20,000), so 2 commits, and one for the filter table's direct drops.
+    assert commits[1] - commits[0] == (3 if mode == "nft" else 2)
     assert commits[2] == commits[1]
     assert_installed(before, save(topo, mode), [*many_portals(5000, 100), *PORTALS], topo.node_ip)
 
@@ -110,8 +116,10 @@ def test_after_a_foreign_commit_chains_that_read_back_as_ours_are_edited(
     ops += [{**sync_op(PORTALS[1:]), "many": 1000}, *counters, {"op": "verify"}, foreign]
     ops += [{**sync_op(PORTALS[1:]), "many": 1000}, *counters, {"op": "verify"}]
     results = run_ops(topo, backend, mode, ops)
-    assert results[3:6] == [2, 2, True]  # the ClusterIP's two rules deleted, one restore
-    assert results[8:11] == [2, 2, True]  # nothing written
+    # The ClusterIP's two rules deleted, and the direct drop of its proxy port replaced by
+    # one without it (a deletion and an insertion): one restore.
+    assert results[3:6] == [2 + 2, 2, True]
+    assert results[8:11] == [2 + 2, 2, True]  # nothing written
     after = save(topo, mode)
     assert after.count("-A FORWARD -j ACCEPT") == 2
     assert_installed(
@@ -206,7 +214,9 @@ def test_what_a_stopped_live_rewrite_left_is_removed(
     ops: list[dict[str, Any]] = [big, leave, {**big, "moved": 1000}, {"op": "verify"}]
     ops += [leave_old, big, {"op": "verify"}, {"op": "attr", "name": "edits"}]
     results = run_ops(topo, backend, mode, ops)
-    assert results[3] is True and results[6] is True and results[7] == 0  # rewrites
+    # Rewrites of the nat chains; the filter table, as uproxy left it, has the direct drops
+    # of the 1,000 proxy ports moved back edited in (a short chain).
+    assert results[3] is True and results[6] is True and results[7] == 311
     assert_installed(before, save(topo, mode), [*many_portals(2000), *PORTALS], topo.node_ip)
     run_ops(topo, backend, mode, [leave, {"op": "cleanup"}])
     assert strip_save(save(topo, mode)) == strip_save(before)

@@ -129,7 +129,14 @@ def test_edits_touch_only_what_changed() -> None:
     edits = edit_payload(old, new, lines=builder.lines, delete_by_spec=False, max_edits=64)
     assert edits is not None
     # svc-000 leaves both nat portal chains (after the host chain's dial-mark RETURN) and
-    # svc-050a comes in after svc-050, in sorted order: one table, four rules.
+    # svc-050a comes in after svc-050, in sorted order: four rules. In the filter table the
+    # group of direct drops that held svc-000's proxy port loses it, and the last group
+    # takes svc-050a's: two rules replaced where they stand (the last TCP one is the ninth),
+    # the other sixteen kept.
+    direct = new.rules_in_chain("KUBE-PORTALS-DIRECT")
+    assert len(direct) == len(old.rules_in_chain("KUBE-PORTALS-DIRECT")) == 18
+    assert direct[0].dports is not None and direct[0].dports.startswith("20020,")
+    assert direct[8].dports is not None and direct[8].dports.endswith(",29999")
     assert edits.payload.splitlines() == [
         "*nat",
         "-D KUBE-PORTALS-CONTAINER 1",
@@ -138,8 +145,14 @@ def test_edits_touch_only_what_changed() -> None:
         "-D KUBE-PORTALS-HOST 2",
         "-I KUBE-PORTALS-HOST 52 " + builder.lines[new.rules[251]][len("-A KUBE-PORTALS-HOST ") :],
         "COMMIT",
+        "*filter",
+        "-D KUBE-PORTALS-DIRECT 9",
+        "-D KUBE-PORTALS-DIRECT 1",
+        "-I KUBE-PORTALS-DIRECT 1 " + builder.lines[direct[0]][len("-A KUBE-PORTALS-DIRECT ") :],
+        "-I KUBE-PORTALS-DIRECT 9 " + builder.lines[direct[8]][len("-A KUBE-PORTALS-DIRECT ") :],
+        "COMMIT",
     ]
-    assert (edits.commits, edits.count) == (1, 4)
+    assert (edits.commits, edits.count) == (2, 8)
     assert "10.99.0.1/32" in edits.payload
 
 

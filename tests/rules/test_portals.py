@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from uproxy.model import IPFamily, Protocol, ServicePortName
@@ -11,9 +13,11 @@ from uproxy.rules.portals import (
     CHAINS,
     FILTER,
     NAT,
+    RuleBuilder,
     RuleSet,
     Source,
     build_rules,
+    direct_groups,
     insert_positions,
     mark_match,
     quote,
@@ -71,11 +75,15 @@ EXPECTED_FILTER = """\
 :KUBE-NODEPORT-NON-LOCAL - [0:0]
 :KUBE-PORTALS-FIREWALL - [0:0]
 :KUBE-PORTALS-REJECT - [0:0]
--I INPUT 1 -m conntrack --ctstate NEW -m comment --comment "drop LoadBalancer traffic from outside its loadBalancerSourceRanges" -j KUBE-PORTALS-FIREWALL
+:KUBE-PORTALS-DIRECT - [0:0]
+-I INPUT 1 -m conntrack --ctstate NEW -m conntrack ! --ctstate DNAT -m addrtype ! --src-type LOCAL -m comment --comment "drop new connections to proxy ports that no portal translated" -j KUBE-PORTALS-DIRECT
+-I INPUT 2 -m conntrack --ctstate NEW -m comment --comment "drop LoadBalancer traffic from outside its loadBalancerSourceRanges" -j KUBE-PORTALS-FIREWALL
 -I FORWARD 1 -m conntrack --ctstate NEW -m comment --comment "drop LoadBalancer traffic from outside its loadBalancerSourceRanges" -j KUBE-PORTALS-FIREWALL
--I INPUT 2 -m conntrack --ctstate NEW -m comment --comment "turn away new connections to proxy ports without endpoints" -j KUBE-PORTALS-REJECT
--I INPUT 3 -m comment --comment "Ensure that non-local NodePort traffic can flow" -j KUBE-NODEPORT-NON-LOCAL
--A KUBE-NODEPORT-NON-LOCAL -p tcp -m comment --comment "default/web:http" -m tcp --dport 40002 -m state --state NEW -j ACCEPT
+-I INPUT 3 -m conntrack --ctstate NEW -m comment --comment "turn away new connections to proxy ports without endpoints" -j KUBE-PORTALS-REJECT
+-I INPUT 4 -m comment --comment "Ensure that non-local NodePort traffic can flow" -j KUBE-NODEPORT-NON-LOCAL
+-A KUBE-NODEPORT-NON-LOCAL -p tcp -m comment --comment "default/web:http" -m tcp --dport 40002 -m state --state NEW -m conntrack --ctstate DNAT -j ACCEPT
+-A KUBE-PORTALS-DIRECT -p tcp -m comment --comment "proxy ports are reached through the portals only" -m multiport --dports 40001,40002 -j DROP
+-A KUBE-PORTALS-DIRECT -p udp -m comment --comment "proxy ports are reached through the portals only" -m multiport --dports 40003 -j DROP
 COMMIT
 """
 
@@ -281,6 +289,9 @@ def test_listen_address_uses_dnat_from_containers() -> None:
         " -m tcp --dport 80 -j DNAT --to-destination 192.168.7.2:40001",
         '-A KUBE-PORTALS-HOST -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http"'
         " -m tcp --dport 80 -j DNAT --to-destination 192.168.7.2:40001",
+        # Straight to the proxy port: only on the listen address, the one it is bound to.
+        "-A KUBE-PORTALS-DIRECT -d 192.168.7.2/32 -p tcp -m comment --comment "
+        '"proxy ports are reached through the portals only" -m multiport --dports 40001 -j DROP',
     ]
 
 
@@ -498,10 +509,14 @@ def test_jumps_inserted_together_keep_their_order() -> None:
         1,
         2,
         3,
+        4,
     ]
     # Only the last missing: it goes on top (the others are somewhere in the chain already).
-    assert insert_positions(ruleset.jumps, inputs[2:]) == [(inputs[2], 1)]
-    assert insert_positions(ruleset.jumps, inputs[1:]) == [(inputs[1], 1), (inputs[2], 2)]
+    assert insert_positions(ruleset.jumps, inputs[3:]) == [(inputs[3], 1)]
+    assert insert_positions(ruleset.jumps, inputs[2:]) == [(inputs[2], 1), (inputs[3], 2)]
+    # The direct drop is the first jump: installed alone (an upgrade), it still is.
+    assert inputs[0].target == "KUBE-PORTALS-DIRECT"
+    assert insert_positions(ruleset.jumps, inputs[:1]) == [(inputs[0], 1)]
 
 
 def test_cidrs_of_every_address_narrow_nothing() -> None:
@@ -585,3 +600,90 @@ def test_portals_split_by_family() -> None:
     assert split[IPFamily.V6] == frozenset(SIX)
     given = frozenset(PORTALS)
     assert split_by_family(given, [IPFamily.V4])[IPFamily.V4] is given  # one family: no copy
+
+
+# ----- KUBE-PORTALS-DIRECT ----------------------------------------------------------------------
+
+DIRECT_COMMENT = '-m comment --comment "proxy ports are reached through the portals only"'
+
+
+def test_direct_connections_to_every_proxy_port_are_dropped() -> None:
+    # Every proxy port a portal leads to (a Local policy's cluster port too), per protocol;
+    # a refusal adds none. Only new connections no portal translated, not from the node.
+    ruleset = build_rules([*SPLIT, *PORTALS, *REFUSALS], host_ip=HOST_IP)
+    assert ruleset.save_lines(FILTER)["KUBE-PORTALS-DIRECT"] == [
+        f"-A KUBE-PORTALS-DIRECT -p tcp {DIRECT_COMMENT} -m multiport --dports 40001,40002 -j DROP",
+        f"-A KUBE-PORTALS-DIRECT -p udp {DIRECT_COMMENT} -m multiport --dports 40003 -j DROP",
+    ]
+    direct = [j for j in ruleset.jumps if j.target == "KUBE-PORTALS-DIRECT"]
+    assert [j.save_line() for j in direct] == [
+        "-A INPUT -m conntrack --ctstate NEW -m conntrack ! --ctstate DNAT "
+        "-m addrtype ! --src-type LOCAL -m comment --comment "
+        '"drop new connections to proxy ports that no portal translated" -j KUBE-PORTALS-DIRECT'
+    ]
+    # The node-port accept takes translated connections only, never a direct one.
+    assert ruleset.save_lines(FILTER)["KUBE-NODEPORT-NON-LOCAL"][0].endswith(
+        "-m state --state NEW -m conntrack --ctstate DNAT -j ACCEPT"
+    )
+    assert build_rules(REFUSALS, host_ip=HOST_IP).save_lines(FILTER)["KUBE-PORTALS-DIRECT"] == []
+    # IPv6: the same chain in ip6tables.
+    six = build_rules(SIX, host_ip=HOST6).save_lines(FILTER)["KUBE-PORTALS-DIRECT"]
+    assert six == [
+        f"-A KUBE-PORTALS-DIRECT -p tcp {DIRECT_COMMENT} -m multiport --dports 40011,40012 -j DROP"
+    ]
+
+
+def test_direct_drops_hold_fifteen_ports_at_most() -> None:
+    # 10,000 proxy ports of one protocol, spread over the kernel's ephemeral range: ~820
+    # rules, in port order, each port once (consecutive ports: fewer).
+    spn = ServicePortName("ns", "many", "p", Protocol.TCP)
+    ports = random.Random(7).sample(range(32768, 61000), 10_000)
+    portals = [
+        Portal(spn, PortalKind.CLUSTER_IP, f"10.96.{i // 250}.{i % 250 + 1}", 80, p)
+        for i, p in enumerate(ports)
+    ]
+    rules = build_rules(portals, host_ip=HOST_IP).rules_in_chain("KUBE-PORTALS-DIRECT")
+    groups = [[int(p) for p in (r.dports or "").split(",")] for r in rules]
+    assert 667 <= len(rules) <= 850
+    assert all(1 <= len(g) <= 15 for g in groups)
+    assert [p for g in groups for p in g] == sorted(ports)
+    assert 667 <= len(direct_groups(range(40000, 50000))) <= 720
+
+
+def test_groups_are_the_ports_own_and_mostly_stay() -> None:
+    # A pure function of the ports (a restart builds the same rules), whose groups mostly
+    # survive a port coming or going: a new service edits a few rules, not every one after it.
+    rng = random.Random(3)
+    ports = set(rng.sample(range(32768, 61000), 3000))
+    groups = direct_groups(ports)
+    assert direct_groups(sorted(ports, reverse=True)) == groups
+    free = sorted(set(range(32768, 61000)) - ports)
+    changed = []
+    for _ in range(100):
+        port = rng.choice(free)
+        changed.append(len(set(direct_groups(ports | {port})) - set(groups)))
+        port = rng.choice(sorted(ports))
+        changed.append(len(set(direct_groups(ports - {port})) - set(groups)))
+    assert sum(changed) / len(changed) <= 4 and max(changed) <= 32
+    assert direct_groups([]) == []
+    assert direct_groups([5, 3, 4]) == [(3, 4, 5)]
+
+
+def test_a_new_service_edits_a_few_direct_drops() -> None:
+    spn = ServicePortName("ns", "many", "p", Protocol.TCP)
+    ports = random.Random(3).sample(range(30000, 40000), 3000)
+    portals = [
+        Portal(spn, PortalKind.CLUSTER_IP, f"10.96.{i // 250}.{i % 250 + 1}", 80, p)
+        for i, p in enumerate(ports)
+    ]
+    builder = RuleBuilder(host_ip=HOST_IP)
+    before = builder.build(portals)
+    added = Portal(spn, PortalKind.CLUSTER_IP, "10.97.0.1", 80, 45000)
+    after = builder.build([*portals[1:], added])
+    old = before.rules_in_chain("KUBE-PORTALS-DIRECT")
+    new = after.rules_in_chain("KUBE-PORTALS-DIRECT")
+    kept = {id(r) for r in old} & {id(r) for r in new}  # the edits tell rules by identity
+    assert len(old) - len(kept) <= 8 and len(new) - len(kept) <= 8
+    assert new[-1].dports is not None and new[-1].dports.endswith(",45000")
+    # The very rules a new builder (a restart) makes.
+    assert RuleBuilder(host_ip=HOST_IP).build([*portals[1:], added]) == after

@@ -33,12 +33,12 @@ def installed_text() -> str:
     return (
         "*filter\n:INPUT ACCEPT [0:0]\n:FORWARD DROP [0:0]\n:OUTPUT ACCEPT [0:0]\n:OTHER - [0:0]\n"
         ":KUBE-NODEPORT-NON-LOCAL - [0:0]\n:KUBE-PORTALS-FIREWALL - [0:0]\n"
-        ":KUBE-PORTALS-REJECT - [0:0]\n"
+        ":KUBE-PORTALS-REJECT - [0:0]\n:KUBE-PORTALS-DIRECT - [0:0]\n"
         + "\n".join(filt["INPUT"])
         + "\n-A INPUT -j OTHER\n"
         + "\n".join(filt["FORWARD"])
         + "\n"
-        + "\n".join(filt["KUBE-NODEPORT-NON-LOCAL"])
+        + "\n".join(filt["KUBE-NODEPORT-NON-LOCAL"] + filt["KUBE-PORTALS-DIRECT"])
         + "\nCOMMIT\n*nat\n:PREROUTING ACCEPT [0:0]\n:INPUT ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\n"
         ":POSTROUTING ACCEPT [0:0]\n"
         + "".join(f":{c} - [0:0]\n" for c in ruleset.chains[NAT])
@@ -85,8 +85,9 @@ def test_cleanup_payload_removes_only_ours() -> None:
     assert payload is not None
     assert "OTHER" not in payload
     assert "MASQUERADE" not in payload
-    assert payload.count("\n-D ") == 8  # four nat jumps, four filter jumps
-    assert payload.count("\n-X ") == 7
+    assert payload.count("\n-D ") == 9  # four nat jumps, five filter jumps
+    assert payload.count("\n-X ") == 8
+    assert "\n-X KUBE-PORTALS-DIRECT\n" in payload
     assert "-D INPUT -m comment" in payload
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 from uproxy.rules.portals import (
     CHAINS,
+    PORTALS_DIRECT,
     STAGED_NEW,
     STAGED_OLD,
     STAGING_CHAINS,
@@ -205,7 +206,10 @@ def edit_payload(
     """The edits from ``old`` (what uproxy's chains hold, in their order) to ``new``; None
     when a rewrite is the way: the jumps or chains differ, more than ``max_edits`` rules
     would change, or a rule both keep stands in another order (never with portal-sorted
-    sets, checked anyway).
+    sets, checked anyway). The direct drops (``KUBE-PORTALS-DIRECT``) do not count toward
+    ``max_edits``: a port coming or going replaces a rule or two of that short chain (about
+    a twelfth of the portal chains' length), as it does a rule or two of the portal chains,
+    and they would otherwise turn half the changes a rewrite would pay off for into rewrites.
 
     Rules are told apart by identity: the builder hands back the very objects of the portals
     that did not change, so sets of ``id()`` compare 10,000 rules in a few milliseconds
@@ -235,7 +239,7 @@ def edit_payload(
         return None
     before, after = old.by_chain(), new.by_chain()
     payload: list[str] = []
-    commits = count = 0
+    commits = count = capped = 0
     for table in (t for t in TABLES if t in tables):
         merged: dict[str, list[tuple[PortalRule, int]]] = {}
         weights: dict[str, int] = {}  # per service port (comment), in chain order
@@ -250,9 +254,10 @@ def edit_payload(
             for rule, state in rules:
                 if state != _KEPT:
                     count += 1
+                    capped += chain != PORTALS_DIRECT
                     weights[rule.comment] = weights.get(rule.comment, 0) + weight
             merged[chain] = rules
-        if count > max_edits:
+        if capped > max_edits:
             return None
         for group in _groups(weights, commit_cost):
             body: list[str] = []

@@ -190,12 +190,16 @@ class _Worker:
         r.create_match("comment").parse("comment", rule.comment)
         if rule.protocol is not None and rule.dport is not None:
             r.create_match(rule.protocol).parse("dport", str(rule.dport))
+        if rule.dports is not None:
+            r.create_match("multiport").parse("dports", rule.dports)
         if rule.not_physdev_in:
             r.create_match("physdev").parse("physdev-is-in", "!")
         if rule.dst_local:
             r.create_match("addrtype").parse("dst-type", "LOCAL")
         if rule.state_new:
             r.create_match("state").parse("state", "NEW")
+        if rule.dnat:
+            r.create_match("conntrack").parse("ctstate", "DNAT")
         target = r.create_target(rule.target)
         if rule.to_ports is not None:
             target.parse("to-ports", rule.to_ports)
@@ -211,8 +215,12 @@ class _Worker:
             r.dst = jump.dst
         if jump.ct_new:
             r.create_match("conntrack").ctstate = "NEW"
+        if jump.not_dnat:
+            r.create_match("conntrack").ctstate = "!DNAT"
         if jump.dst_local:
             r.create_match("addrtype").dst_type = "LOCAL"
+        if jump.src_not_local:
+            r.create_match("addrtype").src_type = "!LOCAL"
         r.create_match("comment").comment = jump.comment
         r.create_target(jump.target)
         return r
