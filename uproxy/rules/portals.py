@@ -27,10 +27,9 @@ operators' habits carry over:
   ranges, ``--nodeport-addresses``, a Local policy's scope, a ClusterIP reached from outside.
   kube-proxy's own modes expose no such port. One rule per protocol and group of up to 15
   proxy ports (``-m multiport --dports``; ``direct_groups`` mostly keeps the groups when a
-  port comes or goes, so a new service edits a few rules): 10,000 proxy ports are ~700-820
-  rules. Portal
-  traffic never enters the chain; every new connection from another host to one of the
-  node's own ports (ssh, the kubelet) walks it.
+  port comes or goes, so a new service edits a few rules): 10,000 proxy ports are ~700-830
+  rules. Portal traffic never enters the chain; every new connection from another host to
+  one of the node's own ports (ssh, the kubelet) walks it.
 - filter ``KUBE-PORTALS-FIREWALL`` (from INPUT and FORWARD, new connections only): enforces
   ``loadBalancerSourceRanges``, as kube-proxy's ``KUBE-PROXY-FIREWALL`` does (that name is
   kube-proxy's own, and both may run on one node). A LoadBalancer IP with source ranges is
