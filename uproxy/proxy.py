@@ -20,7 +20,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, Collection, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -176,13 +176,19 @@ class Proxy:
         self._no_host_ip: set[str] = set()  # host addresses gone, with no other one (said)
         self.synced = asyncio.Event()
         self._prepare: asyncio.Task[None] | None = None
+        self._node_taken = True  # False while a predecessor holds the node (``start``)
 
     # ----- lifecycle -----
 
-    async def start(self) -> None:
+    async def start(self, gate: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Start every part. ``gate``: awaited before anything that touches the node (ports,
+        rules, the HTTP servers), once the workers run and the services are listed: a
+        predecessor that still drains holds the node until it exits."""
         limit = raise_nofile_limit()
         log.log(V2, "File descriptor limit", extra=kv(nofile=limit))
-        await self._start_http()
+        self._node_taken = gate is None
+        if gate is None:
+            await self._start_http()
         window = self.dataplane.busy_poll_s
         if window > 0:
             workers = self.workers.count if self.workers is not None else 0
@@ -208,7 +214,8 @@ class Proxy:
                     f"uproxy.dataplane.worker): {e.strerror or e}"
                 ) from None
         # While the sources list (the first sync takes the backend's lock after it).
-        self._prepare = asyncio.create_task(self.rules.prepare(), name="rules-prepare")
+        if gate is None:
+            self._prepare = asyncio.create_task(self.rules.prepare(), name="rules-prepare")
         # The workers import their modules meanwhile: a start no longer waits for them and
         # then for the API server, one after the other.
         await self._start_sources()
@@ -217,6 +224,13 @@ class Proxy:
                 await self.workers.ready()
             except RuntimeError as e:
                 raise StartupError(f"cannot start the data-plane workers: {e}") from None
+        if gate is not None:
+            log.info("Ready to take over the node once the uproxy before this one exits")
+            await gate()
+            self._node_taken = True
+            # The predecessor's rules as it left them (the ports they lead to are taken back).
+            self._prepare = asyncio.create_task(self.rules.prepare(), name="rules-prepare")
+            await self._start_http()
         self._spawn("sync-runner", self.runner.loop())
         if not self.settings.laptop:
             self._spawn("rules-check", self._check_rules())
@@ -282,7 +296,9 @@ class Proxy:
         await asyncio.gather(self.healthchecks.close(), *(s.close() for s in servers))
         # A normal shutdown only: one for a changed --config (or a failure) is a restart, and
         # removing the rules then would cut every service until the next start.
-        if self.settings.cleanup_on_exit and self.failure is None:
+        # Never a node this process did not take: stopped while its predecessor drained, the
+        # rules are the predecessor's, and its successor's to take over.
+        if self.settings.cleanup_on_exit and self.failure is None and self._node_taken:
             try:
                 await self.rules.cleanup()
             except RulesError as exc:

@@ -8,6 +8,7 @@ import logging
 import os
 import socket
 import sys
+from collections.abc import Awaitable, Callable
 
 from uproxy import heap
 from uproxy.log import kv
@@ -43,11 +44,13 @@ def set_up_node(settings: Settings) -> None:
 CLAIM_GRACE_S = 5.0
 
 
-async def claim_node(settings: Settings, name: str | None = None) -> socket.socket:
+async def claim_node(
+    settings: Settings, name: str | None = None, *, wait: bool = True
+) -> socket.socket:
     """This network namespace, for this process's rules and ports (``nodesetup``). One
     uproxy that still holds it may be draining (a restart that overlaps its predecessor's
     stop): it is waited for, up to its drain (or this one's, if longer) and a few seconds,
-    then that is an error."""
+    then that is an error. Without ``wait``, ``NamespaceTaken`` at once."""
     from uproxy.nodesetup import (
         NAMESPACE_LOCK,
         NamespaceTaken,
@@ -62,6 +65,8 @@ async def claim_node(settings: Settings, name: str | None = None) -> socket.sock
         try:
             held = claim_network_namespace(name or NAMESPACE_LOCK)
         except NamespaceTaken as e:
+            if not wait:
+                raise
             if e.drain_s is not None and not said:
                 give_up = max(give_up, loop.time() + e.drain_s + CLAIM_GRACE_S)
             if loop.time() >= give_up:
@@ -119,13 +124,28 @@ def print_table(rows: list[TableRow]) -> None:
 
 
 async def run_proxy(settings: Settings) -> int:
+    held: list[socket.socket] = []  # the namespace, for the process's life
+    gate: Callable[[], Awaitable[None]] | None = None
     if not settings.laptop:
+        from uproxy.nodesetup import NamespaceTaken
+
         try:
-            held = await claim_node(settings)  # noqa: F841 - held for the process's life
+            held.append(await claim_node(settings, wait=False))
+        except NamespaceTaken:
+            # A predecessor still drains (a rollout's restart): this one starts its workers
+            # and lists the services meanwhile, and only its ports, rules and HTTP servers
+            # wait for the namespace. Waited for first, the whole start (1.75 s measured)
+            # came after the predecessor's exit, every service port refused until then.
+            async def gate() -> None:
+                try:
+                    held.append(await claim_node(settings))
+                except Exception as e:
+                    raise StartupError(str(e)) from None
+
         except Exception as e:
             print(f"uproxy: error: {e}", file=sys.stderr)
             return 1
-        set_up_node(settings)
+        set_up_node(settings)  # the OOM score first, which the workers inherit
     try:
         proxy = Proxy(settings, on_table=print_table if settings.laptop else None)
     except StartupError as e:
@@ -134,7 +154,7 @@ async def run_proxy(settings: Settings) -> int:
     # Handled from here on: a stop signal while uproxy starts (a rollout, a node draining)
     # stops it the same way, with its line, instead of the default action killing it.
     install_signal_handlers(proxy.on_signal)
-    starting = asyncio.ensure_future(proxy.start())
+    starting = asyncio.ensure_future(proxy.start(gate))
     stopped = asyncio.ensure_future(proxy.wait())
     try:
         await asyncio.wait((starting, stopped), return_when=asyncio.FIRST_COMPLETED)
