@@ -820,6 +820,7 @@ class Syncer:
                 last = e
                 if port == before and e.errno == errno.EADDRINUSE:
                     self._last_runs_busy += 1  # still held: its workers draining, most likely
+                    before = None  # once: the allocator may offer the port again
                 if e.errno in (errno.EADDRINUSE, errno.EACCES):
                     continue
                 break
