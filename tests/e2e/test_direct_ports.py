@@ -19,12 +19,14 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.cluster import Cluster
-from tests.e2e.conftest import StartProc, StartUproxy
-from tests.e2e.harness import ServicesFile, connect_times_out, curl, slice_endpoint
+from tests.e2e.conftest import DUAL_STACK, StartProc, StartUproxy
+from tests.e2e.harness import ServicesFile, connect_times_out, curl, slice_endpoint, url
 from tests.e2e.manifests import (
     LB_IP,
+    WEB_IP6,
     WEB_NODE_PORT,
     backend_argv,
+    dual_web,
     lb_web,
     web_service,
     web_slice,
@@ -144,3 +146,30 @@ def test_default_deny_lets_in_node_ports_not_their_proxy_ports(
     assert connect_times_out(topo, topo.outside, f"http://{topo.node_ip}:{web}/")
     assert connect_times_out(topo, net.node_b, f"http://{topo.node_ip}:{web}/")
     assert answered(net, net.node_b, node_port, tmp_path) <= {"web-1", "web-2"}
+
+
+@pytest.mark.parametrize("net", [DUAL_STACK], indirect=True)
+@pytest.mark.parametrize("rules", ["auto", "nftables"], ids=["restore", "nftables"])
+def test_an_ipv6_proxy_port_answers_through_the_portals_only(
+    net: Cluster,
+    services: ServicesFile,
+    start_proc: StartProc,
+    start_uproxy: StartUproxy,
+    tmp_path: Path,
+    rules: str,
+) -> None:
+    """The same in the IPv6 family (ip6tables, the ip6 table): its proxy port answers a pod
+    through the IPv6 ClusterIP and the node itself, never a client straight to it."""
+    topo = net.topo
+    start_proc(topo.backend, backend_argv(net), ready_line=True)
+    services.put(*dual_web(net))
+    services.write()
+    proxy = start_uproxy(rules, extra=PORT_RANGE)
+    proxy.wait_synced()
+    port = proxy.proxy_ports(ipv6=True)[(WEB, "cluster")]
+    backends6 = {"web6-1", "web6-2"}
+    assert answered(net, topo.pod, url(WEB_IP6), tmp_path) <= backends6
+    direct = url(topo.node_ip6, port)
+    assert connect_times_out(topo, topo.outside, direct), direct
+    assert connect_times_out(topo, topo.pod, direct), direct
+    assert answered(net, topo.node, direct, tmp_path) <= backends6
