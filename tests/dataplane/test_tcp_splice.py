@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import os
 import socket
@@ -22,7 +23,7 @@ from tests.dataplane.conftest import (
     relay_state,
     wait_until,
 )
-from tests.dataplane.test_tcp import relay as echo_relay
+from tests.dataplane.test_tcp import _ReplyThenReset, relay as echo_relay
 from tests.dataplane.test_tcp_limits import ChildFactory, proxy_child  # noqa: F401
 from uproxy import metrics
 from uproxy.dataplane import fdreserve, relay, splice
@@ -666,3 +667,39 @@ async def test_a_spliced_direction_copies_again_once_its_bulk_is_over(
             assert listener.active == 1  # the pair goes on
     finally:
         writer.close()
+
+
+async def test_what_a_spliced_direction_holds_when_its_endpoint_resets_reaches_the_client(
+    tcp_listener: ListenerFactory, pipes: list[int]
+) -> None:
+    """An endpoint sends 4 MiB and resets while its client has read nothing yet: a direct
+    client reads the 4 MiB, then the reset. Spliced, the pair was reset at once, the pipe's
+    bytes and the client socket's queue with it (113,152 of 5,000,000 bytes in the repro)."""
+    server = _ReplyThenReset(4 << 20, abort=True)
+    loop = asyncio.get_running_loop()
+    endpoint = Endpoint("127.0.0.1", server.port, NODE)
+    listener = await tcp_listener(make_balancer(TCP_NAME, [endpoint], settings=SPLICE))
+    try:
+        client = socket.socket()
+        client.setblocking(False)
+        with client:
+            await loop.sock_connect(client, ("127.0.0.1", listener.port))
+            await loop.sock_sendall(client, b"GET")
+            await wait_until(functools.partial(server.reset_past, 0), what="the reset")
+            assert pipes, "the reply was not spliced"
+            got = bytearray()
+            reset = False
+            deadline = loop.time() + 20
+            while loop.time() < deadline:
+                try:
+                    chunk = await asyncio.wait_for(loop.sock_recv(client, 1 << 20), 5)
+                except ConnectionResetError:
+                    reset = True
+                    break
+                if not chunk:
+                    break
+                got += chunk
+            assert (len(got), digest(bytes(got))) == (len(server.payload), digest(server.payload))
+            assert reset, "the end was not a reset"
+    finally:
+        server.close()

@@ -876,8 +876,20 @@ class Connection(_Side):
         held = bytearray()
         if dead.out is not None:
             held += dead.out
-        if dead.pipe is not None and dead.pipe.held:
-            return False  # spliced bytes in a pipe: not worth the copy back, reset
+        pipe = dead.pipe
+        if pipe is not None and pipe.held:
+            # Spliced bytes wait in the pipe (a direction holds them there or in ``out``,
+            # never both): read back, they go first. Reset at once, a slow reader lost the
+            # pipe's megabyte and its socket's queue, which a direct connection delivers.
+            try:
+                while pipe.held:
+                    chunk = os.read(pipe.r, pipe.held)
+                    if not chunk:
+                        break
+                    held += chunk
+                    pipe.held -= len(chunk)
+            except OSError:
+                return False
         view = dead.poller.buffer
         while len(held) < _SALVAGE_MAX:
             try:
