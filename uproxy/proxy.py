@@ -34,6 +34,7 @@ from uproxy.httpserver import HttpServer
 from uproxy.log import V2, V3, kv
 from uproxy.metrics_server import MetricsServer
 from uproxy.model import IPFamily, ServicePortName
+from uproxy.portrange import ephemeral_ports
 from uproxy.rules import command
 from uproxy.rules.base import RulesBackend, RulesError
 from uproxy.rules.nodeports import NodePortReservations
@@ -328,6 +329,7 @@ class Proxy:
                 dial_mark=self._dial_mark(),
                 nodeport_cidrs=self.nodeport_addresses.cidrs,
                 local=self.local_traffic,
+                proxy_ports=_proxy_port_bounds(s),
             )
         except RulesError as e:
             raise StartupError(str(e)) from None
@@ -722,6 +724,12 @@ class Proxy:
                 log.info("Rules missing or changed by someone else, resyncing")
                 self.syncer.force_rules_sync()
                 self._queue_sync()
+
+
+def _proxy_port_bounds(s: Settings) -> tuple[int, int]:
+    """The lowest and highest port proxy ports are taken from (``portrange``)."""
+    ports = s.port_range if s.port_range is not None else ephemeral_ports()
+    return min(ports), max(ports)
 
 
 def install_signal_handlers(stop: Callable[[int], None]) -> None:

@@ -72,7 +72,9 @@ FIREWALL_JUMP = (
     "-m conntrack --ctstate NEW -m comment --comment "
     '"drop LoadBalancer traffic from outside its loadBalancerSourceRanges" -j KUBE-PORTALS-FIREWALL'
 )
+# One per protocol, for the proxy port range only (--proxy-port-range here).
 DIRECT_JUMP = (
+    "-p {proto} -m {proto} --dport 40000:40019 "
     "-m conntrack --ctstate NEW -m conntrack ! --ctstate DNAT -m addrtype ! --src-type LOCAL "
     '-m comment --comment "drop new connections to proxy ports that no portal translated" '
     "-j KUBE-PORTALS-DIRECT"
@@ -192,7 +194,8 @@ def expected_tables(
         "filter": {
             "INPUT": [
                 *policy,
-                DIRECT_JUMP,
+                DIRECT_JUMP.format(proto="tcp"),
+                DIRECT_JUMP.format(proto="udp"),
                 FIREWALL_JUMP,
                 REJECT_JUMP,
                 NON_LOCAL_JUMP.format(chain="KUBE-NODEPORT-NON-LOCAL"),

@@ -77,6 +77,7 @@ def make_backend(
     dial_mark: int = 0,
     nodeport_cidrs: Collection[str] = (),
     local: LocalTraffic = NO_LOCAL_TRAFFIC,
+    proxy_ports: tuple[int, int] | None = None,
 ) -> RulesBackend:
     """The backend for ``--rules NAME``; RulesError naming the choices for an unknown one.
 
@@ -87,7 +88,9 @@ def make_backend(
     ``dial_mark`` is the packet mark on uproxy's own dials (``--dial-mark``): the host portal
     chains return on it first thing. 0: no such rule. ``nodeport_cidrs`` limit node ports to
     local addresses in them (``--nodeport-addresses``; empty: every local address);
-    ``local`` tells traffic from pods apart (``--detect-local-mode``).
+    ``local`` tells traffic from pods apart (``--detect-local-mode``); ``proxy_ports`` is
+    the range proxy ports are taken from (the iptables backends' direct-drop jump matches
+    only it).
     """
     from uproxy.rules.leftovers import leftover_ports, remove_leftovers
 
@@ -103,6 +106,7 @@ def make_backend(
             listen_ip=listen_ip,
             dial_mark=dial_mark,
             nodeport_cidrs=nodeport_cidrs,
+            proxy_ports=proxy_ports,
             local=local,
             leftovers=remove_leftovers,
             leftover_ports=leftover_ports,

@@ -28,8 +28,10 @@ operators' habits carry over:
   kube-proxy's own modes expose no such port. One rule per protocol and group of up to 15
   proxy ports (``-m multiport --dports``; ``direct_groups`` mostly keeps the groups when a
   port comes or goes, so a new service edits a few rules): 10,000 proxy ports are ~700-830
-  rules. Portal traffic never enters the chain; every new connection from another host to
-  one of the node's own ports (ssh, the kubelet) walks it.
+  rules. Portal traffic never enters the chain, nor (one jump per protocol, for the range
+  proxy ports are taken from) a new connection to the node's own services below that range
+  (ssh, the kubelet): a walk of it cost those 18 % of their connection rate at 10,000
+  services.
 - filter ``KUBE-PORTALS-FIREWALL`` (from INPUT and FORWARD, new connections only): enforces
   ``loadBalancerSourceRanges``, as kube-proxy's ``KUBE-PROXY-FIREWALL`` does (that name is
   kube-proxy's own, and both may run on one node). A LoadBalancer IP with source ranges is
@@ -166,12 +168,18 @@ class JumpRule:
     ct_new: bool = False  # new connections only
     not_dnat: bool = False  # connections no portal translated (REDIRECT or DNAT) only
     src_not_local: bool = False  # from anywhere but the node's own addresses
+    protocol: str | None = None  # with ``dports``: "tcp" | "udp"
+    dports: str | None = None  # "LOW:HIGH": destination ports in that range only
 
     def spec(self) -> str:
         """The rule's arguments after ``-A CHAIN``, exactly as iptables-save prints them."""
         parts: list[str] = []
         if self.dst is not None:
             parts.append(f"-d {self.dst}")
+        if self.protocol is not None:
+            parts.append(f"-p {self.protocol}")
+            if self.dports is not None:
+                parts.append(f"-m {self.protocol} --dport {self.dports}")
         if self.ct_new:
             parts.append("-m conntrack --ctstate NEW")
         if self.not_dnat:
@@ -267,10 +275,22 @@ def dial_mark_rules(mark: int) -> tuple[PortalRule, ...]:
     )
 
 
-def make_jumps(nodeport_cidrs: Collection[str] = ()) -> tuple[JumpRule, ...]:
+def make_jumps(
+    nodeport_cidrs: Collection[str] = (), proxy_ports: tuple[int, int] | None = None
+) -> tuple[JumpRule, ...]:
     """The jumps into uproxy's chains, in the order they stand in each built-in chain; the
-    node-port jumps once per CIDR (none given: one jump for every local address)."""
+    node-port jumps once per CIDR (none given: one jump for every local address).
+    ``proxy_ports``: the range uproxy takes its proxy ports from (``--proxy-port-range``, or
+    the kernel's ephemeral ports), when known: the jump to ``KUBE-PORTALS-DIRECT`` is then
+    one per protocol for that range only, so that a new connection to the node's own
+    services (ssh, the kubelet, below the ephemeral range) never walks the chain. Measured
+    at 10,000 services (iptables-nft): 5,924 new connections/s to a node's own port with
+    the walk, 7,197 without it."""
     cidrs: tuple[str | None, ...] = tuple(nodeport_cidrs) or (None,)
+    direct: tuple[tuple[str | None, str | None], ...] = ((None, None),)
+    if proxy_ports is not None:
+        dports = f"{proxy_ports[0]}:{proxy_ports[1]}"
+        direct = (("tcp", dports), ("udp", dports))
     return (
         JumpRule(NAT, "PREROUTING", CONTAINER_PORTALS, _PORTALS_COMMENT),
         JumpRule(NAT, "OUTPUT", HOST_PORTALS, _PORTALS_COMMENT),
@@ -281,14 +301,19 @@ def make_jumps(nodeport_cidrs: Collection[str] = ()) -> tuple[JumpRule, ...]:
         ),
         # First in INPUT: before anybody's accept (a default-deny firewall's "allow the proxy
         # port range", say), a connection straight to a proxy port is dropped.
-        JumpRule(
-            FILTER,
-            "INPUT",
-            PORTALS_DIRECT,
-            _DIRECT_COMMENT,
-            ct_new=True,
-            not_dnat=True,
-            src_not_local=True,
+        *(
+            JumpRule(
+                FILTER,
+                "INPUT",
+                PORTALS_DIRECT,
+                _DIRECT_COMMENT,
+                ct_new=True,
+                not_dnat=True,
+                src_not_local=True,
+                protocol=protocol,
+                dports=dports,
+            )
+            for protocol, dports in direct
         ),
         *(
             JumpRule(FILTER, chain, PORTALS_FIREWALL, _FIREWALL_COMMENT, ct_new=True)
@@ -724,6 +749,7 @@ class RuleBuilder:
         dial_mark: int = 0,
         nodeport_cidrs: Collection[str] = (),
         local: LocalTraffic = NO_LOCAL_TRAFFIC,
+        proxy_ports: tuple[int, int] | None = None,
     ) -> None:
         check_host_ip(host_ip)
         self.family = ip_family(host_ip)
@@ -741,7 +767,8 @@ class RuleBuilder:
             "icmp6-port-unreachable" if self.family is IPFamily.V6 else "icmp-port-unreachable",
         )
         self._mark_rules = dial_mark_rules(dial_mark)
-        self.jumps = make_jumps(tuple(str(n) for n in narrowing(nodeport_cidrs, version)))
+        cidrs = tuple(str(n) for n in narrowing(nodeport_cidrs, version))
+        self.jumps = make_jumps(cidrs, proxy_ports)
         self._by_portal: dict[Portal, tuple[PortalRule, ...]] = {}
         self._last: tuple[frozenset[Portal], RuleSet] | None = None
         self.lines: dict[PortalRule, str] = {}

@@ -213,6 +213,10 @@ class _Worker:
         r = self.rule_class()
         if jump.dst is not None:
             r.dst = jump.dst
+        if jump.protocol is not None:
+            r.protocol = jump.protocol
+            if jump.dports is not None:
+                r.create_match(jump.protocol).dport = jump.dports
         if jump.ct_new:
             r.create_match("conntrack").ctstate = "NEW"
         if jump.not_dnat:
@@ -405,6 +409,7 @@ class IptcBackend:
         listen_ip: str | Sequence[str] = ANY_IPV4,
         dial_mark: int = 0,
         nodeport_cidrs: Collection[str] = (),
+        proxy_ports: tuple[int, int] | None = None,
         local: LocalTraffic = NO_LOCAL_TRAFFIC,
         watch: Watch | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -418,6 +423,7 @@ class IptcBackend:
         self._options: dict[str, Any] = {
             "dial_mark": dial_mark,
             "nodeport_cidrs": tuple(nodeport_cidrs),
+            "proxy_ports": proxy_ports,
         }
         try:
             self._stacks = {s.family: s for s in stacks(host_ip, listen_ip)}

@@ -292,6 +292,7 @@ class RestoreBackend:
         listen_ip: str | Sequence[str] = ANY_IPV4,
         dial_mark: int = 0,
         nodeport_cidrs: Collection[str] = (),
+        proxy_ports: tuple[int, int] | None = None,
         local: LocalTraffic = NO_LOCAL_TRAFFIC,
         watch_factory: Callable[[str], Watch] | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -303,6 +304,7 @@ class RestoreBackend:
         self._options: dict[str, Any] = {
             "dial_mark": dial_mark,
             "nodeport_cidrs": tuple(nodeport_cidrs),
+            "proxy_ports": proxy_ports,
         }
         self._families = {
             stack.family: _Family(stack, _builder(stack, self._options, local))
