@@ -171,13 +171,29 @@ def write_config(path: str, settings: Settings) -> None:
         raise SettingsError(f"--write-config-to {path}: {e.strerror or e}") from None
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """``yaml.safe_load``, refusing a key given twice in one mapping, as kube-proxy's strict
+    decoding of its configuration does: PyYAML kept the last one without a word."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} appears twice", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def load_config(path: str, settings: Settings, given: dict[str, str] | None = None) -> Settings:
     """Apply the file's values to ``settings``; raises SettingsError with one clear line.
     ``given`` collects the names of the settings the file sets, each with its field there."""
     try:
         with open(path, "rb") as f:
             data = f.read()
-        doc = yaml.safe_load(data.decode("utf-8"))
+        doc = yaml.load(data.decode("utf-8"), Loader=_StrictLoader)
     except OSError as e:
         raise SettingsError(f"--config {path}: {e.strerror or e}") from None
     except UnicodeDecodeError:

@@ -328,6 +328,9 @@ def test_config_file_and_flag_precedence(tmp_path: Path, caplog: pytest.LogCaptu
         # A mapping where a field is: the wrong type, not a block of unknown fields.
         ("configSyncPeriod: {a: 1}", r"c\.yaml: configSyncPeriod: not a duration"),
         ("uproxy:\n  workers: {n: 2}", r"c\.yaml: uproxy\.workers: expected an integer"),
+        # A key given twice: kube-proxy's strict decoding refuses it; the last one was kept.
+        ("udpIdleTimeout: 1s\nudpIdleTimeout: 2s", r"line 4: .*'udpIdleTimeout' appears twice$"),
+        ("uproxy:\n  workers: 1\n  workers: 2", r"line 5: .*'workers' appears twice$"),
         # White space alone is not "unset" (Go compares with ""): kube-proxy refuses it.
         ('hostnameOverride: "   "', r"c\.yaml: hostnameOverride: only white space$"),
     ],
