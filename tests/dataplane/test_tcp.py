@@ -520,6 +520,22 @@ class _ReplyThenReset:
         self.sock.close()
 
 
+async def read_to_the_end(client: socket.socket, within_s: float) -> tuple[bytes, bool]:
+    """What ``client`` reads until its stream ends (bounded), and whether it ended in a reset."""
+    loop = asyncio.get_running_loop()
+    got = bytearray()
+    deadline = loop.time() + within_s
+    while loop.time() < deadline:
+        try:
+            chunk = await asyncio.wait_for(loop.sock_recv(client, 1 << 20), 5)
+        except ConnectionResetError:
+            return bytes(got), True
+        if not chunk:
+            break
+        got += chunk
+    return bytes(got), False
+
+
 def _outq(sock: socket.socket) -> int:
     raw = fcntl.ioctl(sock.fileno(), 0x5411, b"\0\0\0\0")  # SIOCOUTQ
     value: int = struct.unpack("i", raw)[0]
@@ -549,18 +565,7 @@ async def test_bytes_before_a_reset_reach_the_client_and_then_the_reset(
                 await loop.sock_connect(client, ("127.0.0.1", listener.port))
                 await loop.sock_sendall(client, b"x" * 5000)  # a request the server never reads
                 await wait_until(functools.partial(server.reset_past, attempt), what="reset")
-                got = bytearray()
-                reset = False
-                deadline = loop.time() + 10
-                while loop.time() < deadline:
-                    try:
-                        chunk = await asyncio.wait_for(loop.sock_recv(client, 1 << 20), 5)
-                    except ConnectionResetError:
-                        reset = True
-                        break
-                    if not chunk:
-                        break
-                    got += chunk
+                got, reset = await read_to_the_end(client, 10)
                 assert digest(bytes(got)) == digest(server.payload), f"attempt {attempt}"
                 assert reset, "the end was not a reset"
         await wait_until(lambda: listener.active == 0, what="pairs closed")

@@ -23,7 +23,7 @@ from tests.dataplane.conftest import (
     relay_state,
     wait_until,
 )
-from tests.dataplane.test_tcp import _ReplyThenReset, relay as echo_relay
+from tests.dataplane.test_tcp import _ReplyThenReset, read_to_the_end, relay as echo_relay
 from tests.dataplane.test_tcp_limits import ChildFactory, proxy_child  # noqa: F401
 from uproxy import metrics
 from uproxy.dataplane import fdreserve, relay, splice
@@ -687,19 +687,8 @@ async def test_what_a_spliced_direction_holds_when_its_endpoint_resets_reaches_t
             await loop.sock_sendall(client, b"GET")
             await wait_until(functools.partial(server.reset_past, 0), what="the reset")
             assert pipes, "the reply was not spliced"
-            got = bytearray()
-            reset = False
-            deadline = loop.time() + 20
-            while loop.time() < deadline:
-                try:
-                    chunk = await asyncio.wait_for(loop.sock_recv(client, 1 << 20), 5)
-                except ConnectionResetError:
-                    reset = True
-                    break
-                if not chunk:
-                    break
-                got += chunk
-            assert (len(got), digest(bytes(got))) == (len(server.payload), digest(server.payload))
+            got, reset = await read_to_the_end(client, 20)
+            assert (len(got), digest(got)) == (len(server.payload), digest(server.payload))
             assert reset, "the end was not a reset"
     finally:
         server.close()
