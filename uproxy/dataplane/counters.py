@@ -222,9 +222,15 @@ class SlotWriter:
         except RuntimeError:
             self.compact()
             return
-        self._rewrite = rewrite = _Rewrite(self._epoch + 1, self.live())
-        self._set_header(rewriting=True)
-        loop.call_soon(self._step, rewrite)
+        loop.call_soon(self._step, self._rewriting())
+
+    def _rewriting(self) -> _Rewrite:
+        """The rewrite under way, or a new one (``live`` is set)."""
+        if self._rewrite is None:
+            assert self.live is not None
+            self._rewrite = _Rewrite(self._epoch + 1, self.live())
+            self._set_header(rewriting=True)
+        return self._rewrite
 
     def _step(self, rewrite: _Rewrite) -> None:
         if rewrite is not self._rewrite:
@@ -245,10 +251,7 @@ class SlotWriter:
         if self.live is None:
             self._compact_at = self._room
             return
-        rewrite = self._rewrite
-        if rewrite is None:
-            self._rewrite = rewrite = _Rewrite(self._epoch + 1, self.live())
-            self._set_header(rewriting=True)
+        rewrite = self._rewriting()
         try:
             self._write_pending(rewrite, None)
             self._finish(rewrite)
