@@ -131,6 +131,11 @@ def interpreter_flags() -> list[str]:
     return ["-" + "O" * sys.flags.optimize] if sys.flags.optimize else []
 
 
+def _restart_backoff(deaths: int) -> float:
+    """The wait before a worker's next start, after ``deaths`` in a row (or failed starts)."""
+    return RESTART_BACKOFF_S[min(deaths, len(RESTART_BACKOFF_S) - 1)]
+
+
 def _exited(pid: int) -> bool:
     """Whether the child ``pid`` has exited: a zombie, or gone (not reaped here: the loop's
     own watcher reaps it, when the control process goes on)."""
@@ -880,13 +885,13 @@ class WorkerPool:
         deaths[dead.index] = n + 1
         failures = 0
         while True:
-            await asyncio.sleep(RESTART_BACKOFF_S[min(n + failures, len(RESTART_BACKOFF_S) - 1)])
+            await asyncio.sleep(_restart_backoff(n + failures))
             try:
                 worker = await self._spawn(dead.index)
                 break
             except Exception as exc:  # whatever it is (EMFILE, ENOMEM), a later try may work
                 failures += 1
-                retry_s = RESTART_BACKOFF_S[min(n + failures, len(RESTART_BACKOFF_S) - 1)]
+                retry_s = _restart_backoff(n + failures)
                 fields = kv(worker=dead.index, err=exc, retry_s=retry_s, attempts=failures)
                 if failures == 1:
                     log.error("Cannot start a replacement worker, will retry", extra=fields)
