@@ -648,7 +648,16 @@ async def test_an_exec_credential_is_asked_for_again_before_it_expires(
     apiserver.create(SVC, service("a"))
     client = await make_api_client(kubeconfig=str(kubeconfig), master=None)
     async with following(client) as tracker:
-        await wait_for(lambda: tracker.synced and names(tracker) == {"a"}, timeout=5)
+        # The watches are open before the token is rotated: one asked for with the old
+        # token and answered after the rotation would be a 401 of the test's own making.
+        await wait_for(
+            lambda: (
+                tracker.synced
+                and names(tracker) == {"a"}
+                and all(apiserver.open_watches(k) == 1 for k in (SVC, EPS, "Node"))
+            ),
+            timeout=5,
+        )
         runs = plugin_runs(tmp_path)
         assert runs == 1  # a token an hour from its expiry is not asked for again
         hook = cast(kube._ExecCredential, client.configuration.refresh_api_key_hook)
