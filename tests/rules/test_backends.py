@@ -96,6 +96,24 @@ async def test_a_program_that_hangs_is_killed_and_is_one_line(tmp_path: Path) ->
     assert not Path(f"/proc/{pid}").exists()  # killed and reaped
 
 
+async def test_a_program_whose_caller_is_cancelled_is_killed(tmp_path: Path) -> None:
+    """A stop cancels the sync that runs a rules program: the program goes with it. Left
+    running, a whole load of the nft table committed after the stop's cleanup
+    (--cleanup-on-exit), and the node kept rules to ports nobody listened on."""
+    pid_file = tmp_path / "pid"
+    script = f"echo $$ > {pid_file}; exec sleep 60"
+    task = asyncio.ensure_future(command.write(["sh", "-c", script], stdin="*nat\nCOMMIT\n"))
+    for _ in range(500):
+        if pid_file.exists() and pid_file.read_text().strip():
+            break
+        await asyncio.sleep(0.01)
+    pid = int(pid_file.read_text())
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 10)
+    assert not Path(f"/proc/{pid}").exists()  # killed and reaped before the caller goes on
+
+
 async def test_a_cleanup_refused_everywhere_is_one_line_with_one_hint(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -151,6 +151,15 @@ async def run(
         proc.kill()
         await proc.wait()
         raise RulesError(f"{program} did not finish within {timeout_s:g}s") from None
+    except BaseException:
+        # Cancelled (a stop cancels the sync that runs it): left running, a write committed
+        # after the stop's own cleanup (--cleanup-on-exit) and put back a whole table of
+        # rules that lead to ports nobody listens on any more. A commit is atomic: killed,
+        # it is in or not, and the caller counts it as not written.
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+        raise
     done = Completed(
         tuple(argv),
         proc.returncode or 0,
