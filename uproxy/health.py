@@ -15,7 +15,9 @@ existing probes, cloud load balancer checks and dashboards keep working unchange
   load balancers drain it; ``/livez`` ignores the node, so the kubelet does not restart a
   proxy that is merely on its way out.
 
-The clock is injected (wall-clock seconds, as ``time.time``) so tests can move time.
+A queued sync ages by the monotonic clock, as kube-proxy's Go times do: a step of the wall
+clock (an NTP correction, a VM resumed) is no time a sync waited. The wall clock only gives
+the times the answers report. Both are injected so tests can move time.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class ProxyHealth:
     """
 
     __slots__ = (
+        "_ages",
         "_clock",
         "_last_updated",
         "_missing_workers",
@@ -64,11 +67,20 @@ class ProxyHealth:
         "_timeout_s",
     )
 
-    def __init__(self, *, sync_period_s: float, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        *,
+        sync_period_s: float,
+        clock: Callable[[], float] = time.time,
+        ages: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``clock``: the wall clock the answers report (as ``time.time``); ``ages``: the
+        clock queued syncs age by (as ``time.monotonic``)."""
         if sync_period_s <= 0:
             raise ValueError(f"sync_period_s must be positive, got {sync_period_s}")
         self._timeout_s = 2.0 * sync_period_s
         self._clock = clock
+        self._ages = ages
         self._oldest_queued: float | None = None
         self._last_updated: float | None = None
         self._node_eligible = True
@@ -84,7 +96,7 @@ class ProxyHealth:
 
     @property
     def last_updated(self) -> float | None:
-        """When the last sync finished (clock seconds), or None before the first one."""
+        """When the last sync finished (wall-clock seconds), or None before the first one."""
         return self._last_updated
 
     @property
@@ -94,7 +106,7 @@ class ProxyHealth:
     def queued(self) -> None:
         """A sync was queued; only the oldest one not yet done is remembered."""
         if self._oldest_queued is None:
-            self._oldest_queued = self._clock()
+            self._oldest_queued = self._ages()
 
     def started(self) -> None:
         """A sync is taking every change queued so far; later ones wait for the next sync.
@@ -144,7 +156,7 @@ class ProxyHealth:
 
     def live(self) -> bool:
         """Not stale: no queued sync older than 2 x the sync period (the node is ignored)."""
-        return self._fresh(self._clock())
+        return self._fresh(self._ages())
 
     def healthy(self) -> bool:
         """Serving (see ``serving``) and this node is not being deleted."""
@@ -158,7 +170,7 @@ class ProxyHealth:
         the real time of the last finished sync.
         """
         now = self._clock()
-        ok = self._fresh(now)
+        ok = self._fresh(self._ages())
         eligible = self._node_eligible
         if include_node:
             ok = ok and eligible and not self._stopping and not self._missing_workers

@@ -42,7 +42,7 @@ def expected_body(namespace: str, name: str, count: int, healthy: bool) -> bytes
 
 @pytest.fixture
 def health(clock: FakeClock) -> ProxyHealth:
-    return ProxyHealth(sync_period_s=30.0, clock=clock)
+    return ProxyHealth(sync_period_s=30.0, clock=clock, ages=clock)
 
 
 @pytest.fixture

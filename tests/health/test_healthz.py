@@ -25,7 +25,7 @@ def counter(name: str, code: str) -> float:
 
 @pytest.fixture
 def health(clock: FakeClock) -> ProxyHealth:
-    return ProxyHealth(sync_period_s=SYNC_PERIOD_S, clock=clock)
+    return ProxyHealth(sync_period_s=SYNC_PERIOD_S, clock=clock, ages=clock)
 
 
 @pytest.fixture
@@ -114,6 +114,28 @@ def test_failed_sync_keeps_its_oldest_request(health: ProxyHealth, clock: FakeCl
     assert not health.live()
     health.updated()
     assert health.live()
+
+
+def test_a_wall_clock_step_forward_does_not_age_a_queued_sync(clock: FakeClock) -> None:
+    """An NTP correction or a resumed VM moves the wall clock by minutes or hours at once:
+    counted as time a queued sync waited, /livez said 503 (a restart by the kubelet) and
+    /healthz took the node out of its load balancers, with every sync on time."""
+    health = ProxyHealth(sync_period_s=SYNC_PERIOD_S, clock=clock)
+    health.queued()
+    clock.advance(3600.0)
+    assert health.live() and health.healthy()
+    ok, body = health.report(include_node=False)
+    assert ok and body["currentTime"] == rfc3339(clock.now)  # the answers keep the wall clock
+
+
+def test_a_wall_clock_step_back_does_not_hide_a_hung_sync(clock: FakeClock) -> None:
+    ages = FakeClock(0.0)
+    health = ProxyHealth(sync_period_s=SYNC_PERIOD_S, clock=clock, ages=ages)
+    health.queued()
+    health.started()  # and hangs
+    clock.advance(-3600.0)
+    ages.advance(2 * SYNC_PERIOD_S)
+    assert not health.live()
 
 
 def test_node_eligibility_affects_healthz_only(health: ProxyHealth) -> None:
