@@ -19,7 +19,6 @@ service port stays one ``ServicePortName`` (metrics, logs, the laptop table).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import heapq
 import itertools
@@ -1217,8 +1216,17 @@ async def _forget_unnated(portals: Collection[Portal], before: asyncio.Task[None
     from uproxy.rules.conntrack import clear_udp, clear_udp_node_port
 
     if before is not None:
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await before
+        # Waited for, not awaited: however that batch ended is no reason to skip this one,
+        # but this task's own cancellation (a stop) ends it, and the batches before it.
+        # Awaited inside a suppress, the stop's cancel was taken for that batch's end, and
+        # every conntrack ran anyway.
+        try:
+            await asyncio.wait([before])
+        except asyncio.CancelledError:
+            before.cancel()
+            raise
+        if not before.cancelled():
+            before.exception()  # retrieved: that batch said what failed
     for portal in sorted(portals):
         try:
             if portal.kind is PortalKind.NODE_PORT:

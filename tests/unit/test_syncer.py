@@ -1227,3 +1227,35 @@ async def test_each_port_backs_off_on_its_own() -> None:
     await syncer.sync()
     assert syncer.ports[spn("late")].cluster is not None
     assert syncer.retry_after() == 1024 * RETRY_FIRST_S  # s0 alone again, still backing off
+
+
+async def test_a_cancelled_conntrack_clean_up_stops_even_behind_another(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stop cancels the clean-up of new UDP portals' conntrack entries. One that waited for
+    the batch before it took the cancel for that batch's end and went on to run a conntrack
+    process for every portal of its own, after the stop."""
+    from uproxy.rules import conntrack
+    from uproxy.syncer import _forget_unnated
+
+    cleared: list[tuple[str, int]] = []
+
+    async def clear_udp(ip: str, port: int) -> None:
+        cleared.append((ip, port))
+
+    monkeypatch.setattr(conntrack, "clear_udp", clear_udp)
+    spn = ServicePortName("default", "dns", "dns", Protocol.UDP)
+    portal = Portal(spn, PortalKind.CLUSTER_IP, "10.96.0.10", 53, 40000)
+    before = asyncio.ensure_future(asyncio.sleep(60))  # the batch before, still running
+    task = asyncio.ensure_future(_forget_unnated([portal], before))
+    await asyncio.sleep(0)
+    task.cancel()
+    try:
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 5)
+        assert cleared == []
+        await asyncio.sleep(0)
+        assert before.cancelled()  # the batches before it end with it
+    finally:
+        before.cancel()
+        await asyncio.gather(before, return_exceptions=True)
