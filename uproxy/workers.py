@@ -762,6 +762,17 @@ class WorkerPool:
             theirs.close()
         if self.lowered is not None:
             priority.raise_started(process.pid, self.lowered)
+        try:
+            reader = SlotReader(files)
+        except BaseException:
+            # Started, but this process cannot read its counters (out of memory): it must not
+            # live on untracked, holding its channel open and serving nothing, while the
+            # next try starts another.
+            _signal(process, signal.SIGKILL)
+            await process.wait()
+            ours.close()
+            files.close()
+            raise
         worker: _Worker | None = None
 
         def on_message(message: Message, sock: socket.socket | None) -> None:
@@ -775,7 +786,7 @@ class WorkerPool:
                 worker.ready.set()
 
         channel = Channel(ours, on_message=on_message, on_closed=lambda: None)
-        worker = _Worker(index, process, channel, files, SlotReader(files))
+        worker = _Worker(index, process, channel, files, reader)
         self._replay(worker)
         log.info(
             "Started data-plane worker",

@@ -65,6 +65,26 @@ def totals(name: str) -> dict[tuple[str, ...], float]:
     return {labels: t.value for labels, t in family.series() if t.value}
 
 
+def test_counter_files_that_cannot_all_be_made_leave_no_fd_open(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker's replacement is retried while the control process is out of fds; the
+    first memfd of each try that got only one stayed open for good, one more fd short each
+    time."""
+    made = os.memfd_create
+
+    def second_fails(name: str, flags: int = os.MFD_CLOEXEC) -> int:
+        if name == "uproxy-counter-names":
+            raise OSError(24, "Too many open files")
+        return made(name, flags)
+
+    monkeypatch.setattr(os, "memfd_create", second_fails)
+    before = sorted(os.listdir("/proc/self/fd"))
+    with pytest.raises(OSError, match="Too many open files"):
+        CounterFiles.create()
+    assert sorted(os.listdir("/proc/self/fd")) == before
+
+
 def test_the_control_process_adds_up_live_and_dead_workers_exactly() -> None:
     a, b = CounterFiles.create(), CounterFiles.create()
     try:

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime
+import errno
 import functools
 import hashlib
 import logging
@@ -36,6 +37,7 @@ from tests.factories import endpoint, endpoint_slice, service
 from tests.integration.backends import NamedBackend, NamedDatagramEcho, greet, next_datagram
 from tests.integration.procs import children
 from uproxy import workers as workers_module
+from uproxy.dataplane.counters import SlotReader
 from uproxy.localnet import has_loopback6
 from uproxy.model import Endpoint, IPFamily, Protocol, ServicePortName
 from uproxy.proxy import Proxy
@@ -841,6 +843,34 @@ async def test_a_replacement_that_cannot_start_is_tried_again_and_the_node_is_un
     await wait_for(lambda: all(w.ready.is_set() for w in pool._workers.values()), timeout=10)
     names = await asyncio.gather(*(greet("127.0.0.1", proxy_port(proxy)) for _ in range(8)))
     assert set(names) <= {"b1", "b2", "b3"}
+
+
+async def test_a_replacement_started_but_not_taken_on_is_not_left_running(
+    tmp_path: Path,
+    backends: list[NamedBackend],
+    proxies: list[Proxy],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A replacement's process started, then its counters could not be mapped (out of
+    memory): the process lived on, untracked, its channel held open so it never noticed,
+    and each retry started one more."""
+    proxy = await serving_web(tmp_path / "services.yaml", backends, proxies)
+    pool = proxy.workers
+    assert pool is not None
+    victim = pool.pids[0]
+    real = SlotReader
+    failures = [OSError(errno.ENOMEM, "Cannot allocate memory")] * 2
+
+    def reader(files: Any) -> Any:
+        if failures:
+            raise failures.pop()
+        return real(files)
+
+    monkeypatch.setattr(workers_module, "SlotReader", reader)
+    os.kill(victim, signal.SIGKILL)
+    await wait_for(lambda: not failures and victim not in pool.pids, timeout=10)
+    await wait_for(lambda: all(w.ready.is_set() for w in pool._workers.values()), timeout=10)
+    assert children(os.getpid()) == sorted(pool.pids)
 
 
 async def test_proxy_ports_leave_the_control_process_fds_for_its_own_work(

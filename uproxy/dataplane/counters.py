@@ -75,11 +75,17 @@ class CounterFiles:
 
     @classmethod
     def create(cls, directory_bytes: int = DIRECTORY_BYTES) -> CounterFiles:
-        values = os.memfd_create("uproxy-counters")
-        directory = os.memfd_create("uproxy-counter-names")
-        os.ftruncate(values, SLOTS * 8)
-        os.ftruncate(directory, directory_bytes)
-        return cls(values, directory)
+        made: list[int] = []
+        try:  # out of fds (a worker's replacement, retried): none of them left open
+            made.append(os.memfd_create("uproxy-counters"))
+            made.append(os.memfd_create("uproxy-counter-names"))
+            os.ftruncate(made[0], SLOTS * 8)
+            os.ftruncate(made[1], directory_bytes)
+        except OSError:
+            for fd in made:
+                os.close(fd)
+            raise
+        return cls(*made)
 
     def close(self) -> None:
         for fd in (self.values_fd, self.directory_fd):
