@@ -110,6 +110,8 @@ def test_daemonset_runs_as_a_node_proxy(file: str, name: str) -> None:
     config = yaml.safe_load(find(docs, "ConfigMap", name)["data"]["config.yaml"])
 
     assert pod["hostNetwork"] is True
+    # uproxy is not its container's PID 1: as PID 1 it never reaped orphans (zombies).
+    assert pod["shareProcessNamespace"] is True
     # Where uproxy is the node's proxy, the cluster's DNS service is reached through it: it
     # resolves with the node's resolver (beside kube-proxy, cluster DNS works already).
     beside = file == "beside-kube-proxy.yaml"
