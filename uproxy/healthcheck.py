@@ -26,6 +26,7 @@ import contextlib
 import errno
 import json
 import logging
+import socket
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ from aiohttp import web
 from uproxy.health import ProxyHealth
 from uproxy.httpserver import SHUTDOWN_TIMEOUT_S
 from uproxy.log import V2, V3
+from uproxy.timeslice import TimeSlice
 
 log = logging.getLogger("uproxy.healthcheck")
 
@@ -42,6 +44,7 @@ _Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
 
 _DEFAULT_RETRY_INTERVAL_S = 2.0
 _SHUTDOWN_TIMEOUT_S = SHUTDOWN_TIMEOUT_S  # see there; the servers close together
+_BACKLOG = 128  # aiohttp's, as before these sockets were bound here
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,9 +149,13 @@ class HealthCheckServers:
     # --- opening and closing ---
 
     async def _open_missing(self) -> None:
-        for key, spec in self._desired.items():
+        # Binding here does not wait on anything: thousands of servers (or of retries) held
+        # the loop that answers them, /healthz and the workers for a second in one stretch.
+        ts = TimeSlice()
+        for key, spec in list(self._desired.items()):
             if key not in self._open:
                 await self._open_one(key, spec)
+                await ts.tick()
 
     async def _open_one(self, key: ServiceKey, spec: HealthCheckSpec) -> None:
         service = f"{spec.namespace}/{spec.name}"
@@ -156,20 +163,25 @@ class HealthCheckServers:
             # Validation should have refused it; never let it reach bind() (OverflowError).
             self._report_failure(key, spec, OSError(errno.EINVAL, "invalid port"))
             return
-        server = web.Server(self._make_handler(key), access_log=None)
-        runner = web.ServerRunner(server, shutdown_timeout=_SHUTDOWN_TIMEOUT_S)
-        await runner.setup()
         try:
-            for address in self._addresses:
-                await web.TCPSite(runner, address, spec.port).start()
+            socks = _listen_all(self._addresses, spec.port)
         except OSError as err:
-            # Close whatever did bind, so a retry (or another owner) starts clean.
-            await runner.cleanup()
             self._report_failure(key, spec, err)
             return
-        except BaseException:
+        server = web.Server(self._make_handler(key), access_log=None)
+        runner = web.ServerRunner(server, shutdown_timeout=_SHUTDOWN_TIMEOUT_S)
+        try:
+            await runner.setup()
+            for sock in socks:
+                await web.SockSite(runner, sock).start()
+        except BaseException as exc:
             await runner.cleanup()
-            raise
+            for sock in socks:  # those no site took yet
+                sock.close()
+            if not isinstance(exc, OSError):
+                raise
+            self._report_failure(key, spec, exc)
+            return
         self._open[key] = _Instance(spec, runner)
         if self._reported.pop(key, None) is not None:
             log.info("Opened healthcheck", extra={"kv": {"service": service, "port": spec.port}})
@@ -233,6 +245,47 @@ class HealthCheckServers:
             )
 
         return handle
+
+
+def _listen_all(addresses: Sequence[str], port: int) -> list[socket.socket]:
+    """A listening socket on ``port`` at each address; OSError (all closed again) when one
+    cannot be had: the port is taken, or no fd is left.
+
+    Bound here rather than by ``loop.create_server``, which skips an address whose socket
+    it cannot create (it takes that for an unsupported family): out of fds, a server came up
+    listening nowhere, was reported open, and was never tried again.
+    """
+    socks: list[socket.socket] = []
+    try:
+        for address in addresses:
+            try:
+                socks.append(_listen(address, port))
+            except OSError as e:  # which address, as kube-proxy's "listen tcp ADDRESS: ..."
+                raise OSError(e.errno, f"cannot listen on {address}: {e.strerror or e}") from None
+    except BaseException:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks
+
+
+def _listen(address: str, port: int) -> socket.socket:
+    flags = socket.AI_NUMERICHOST | socket.AI_PASSIVE
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(
+        address, port, type=socket.SOCK_STREAM, flags=flags
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:  # "::" is IPv6 only: "0.0.0.0" has its own socket
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind(sockaddr)
+        sock.listen(_BACKLOG)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def _over_ipv6(request: web.BaseRequest) -> bool:

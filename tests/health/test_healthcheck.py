@@ -6,10 +6,12 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
+import resource
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import aiohttp
 import pytest
@@ -334,6 +336,78 @@ async def test_invalid_port_is_a_failure_not_a_crash(servers: HealthCheckServers
     await servers.sync({KEY: HealthCheckSpec("shop", "web", 70000)})
     assert servers.failures == {KEY: 70000}
     assert servers.ports == {}
+
+
+@contextlib.contextmanager
+def out_of_fds() -> Iterator[None]:
+    """No fd left to this process: the soft limit at the fds in use, every lower one taken."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")), hard))
+    taken: list[int] = []
+    try:
+        with contextlib.suppress(OSError):
+            while True:
+                taken.append(os.dup(0))
+        yield
+    finally:
+        for fd in taken:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+async def test_a_server_that_gets_no_socket_is_a_failure_and_retried(
+    http: aiohttp.ClientSession,
+    health: ProxyHealth,
+    unused_port: int,
+    uproxy_logs: list[logging.LogRecord],
+) -> None:
+    """Out of fds, a server came up listening nowhere (the event loop skips a socket it
+    cannot create), was logged as opened and never tried again: the load balancer found the
+    port refused for as long as the service lived. It is a failure now, retried."""
+    hcs = HealthCheckServers(addresses=["127.0.0.1"], proxy_health=health, retry_interval_s=0.05)
+    other = (("shop", "cart"), HealthCheckSpec("shop", "cart", free_port()))
+    try:
+        await hcs.sync(dict([other]))  # what a first server needs is loaded, as in a proxy
+        with out_of_fds():
+            await hcs.sync(dict([other, (KEY, HealthCheckSpec("shop", "web", unused_port))]))
+        assert hcs.failures == {KEY: unused_port}
+        errors = [r for r in uproxy_logs if r.levelno == logging.ERROR]
+        said = errors[0].kv["err"]  # type: ignore[attr-defined]
+        assert "cannot listen on 127.0.0.1: Too many open files" in said
+        await wait_until(lambda: KEY in hcs.ports, timeout=5.0)
+        assert (await check(http, unused_port))[0] == 503
+    finally:
+        await hcs.close()
+
+
+async def test_opening_many_servers_gives_the_loop_back(servers: HealthCheckServers) -> None:
+    """The loop that opens the servers answers them, /healthz and the workers: bound here,
+    with nothing to wait for, 10,000 servers held it for over a second in one stretch, and
+    each retry of 5,000 that failed for a quarter of one, every 2 s. It gets turns now."""
+    with contextlib.ExitStack() as held:  # 2,000 ports, none twice
+        probes = [held.enter_context(socket.socket()) for _ in range(2000)]
+        for probe in probes:
+            probe.bind(("127.0.0.1", 0))
+        ports = [probe.getsockname()[1] for probe in probes]
+    loop = asyncio.get_running_loop()
+    turns: list[float] = []
+
+    def turn() -> None:
+        turns.append(loop.time())
+        handle[0] = loop.call_soon(turn)
+
+    handle = [loop.call_soon(turn)]
+    turns.append(loop.time())
+    try:
+        await servers.sync(
+            {("shop", f"s{i}"): HealthCheckSpec("shop", f"s{i}", p) for i, p in enumerate(ports)}
+        )
+        turns.append(loop.time())
+    finally:
+        handle[0].cancel()
+    assert len(servers.ports) > len(ports) // 2  # a port another program took meanwhile fails
+    took, during = turns[-1] - turns[0], len(turns) - 2
+    assert during >= took / 0.05, (during, took)  # a turn every 50 ms at least, on average
 
 
 @pytest.mark.skipif(not has_loopback6(), reason="this machine has no IPv6 loopback")
