@@ -36,6 +36,7 @@ from uproxy.health import ProxyHealth
 from uproxy.httpserver import SHUTDOWN_TIMEOUT_S
 from uproxy.log import V2, V3
 from uproxy.timeslice import TimeSlice
+from uproxy.workers import check_fd_reserve
 
 log = logging.getLogger("uproxy.healthcheck")
 
@@ -276,6 +277,9 @@ def _listen(address: str, port: int) -> socket.socket:
     )[0]
     sock = socket.socket(family, kind, proto)
     try:
+        # Thousands of services with their own port must not take the fds the rules
+        # programs and /livez need: out of them, every sync failed and nothing closed one.
+        check_fd_reserve(sock)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if family == socket.AF_INET6:  # "::" is IPv6 only: "0.0.0.0" has its own socket
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)

@@ -91,9 +91,10 @@ READY_TIMEOUT_S = 30.0  # a worker that does not answer by then is killed and re
 STUCK_S = 10.0
 WATCHDOG_INTERVAL_S = 1.0
 # File descriptors the control process keeps free of proxy ports (each port holds one or one
-# per worker here): reading the services file, running rules programs, answering health
-# checks and scrapes, starting a worker. Out of fds, it had wedged until restarted: the file
-# that removed the services could not be read, and every rules sync failed.
+# per worker here) and health-check node ports (one per service and address): reading the
+# services file, running rules programs, answering health checks and scrapes, starting a
+# worker. Out of fds, it had wedged until restarted: the file that removed the services
+# could not be read, and every rules sync failed.
 CONTROL_FD_RESERVE = 100
 _RESERVE_REASON = (
     f"Too many open files: the last {CONTROL_FD_RESERVE} are kept for uproxy's own work; "
@@ -148,6 +149,15 @@ def _exited(pid: int) -> bool:
 
 def _fd_limit() -> int:
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def check_fd_reserve(sock: socket.socket) -> None:
+    """OSError (EMFILE) when ``sock`` took one of the fds the control process keeps for its
+    own work (``CONTROL_FD_RESERVE``): every socket it holds for long checks, proxy ports and
+    health-check node ports alike. fds are handed out lowest first: every one below this
+    socket's is in use."""
+    if sock.fileno() >= _fd_limit() - CONTROL_FD_RESERVE:
+        raise OSError(errno.EMFILE, _RESERVE_REASON)
 
 
 def _own_process_group() -> None:
@@ -466,10 +476,11 @@ class WorkerPool:
         key = (name, traffic, family)
         listener = _Listener(name.protocol, host, port, steered)
         listener.socks = self._bind(listener, port)
-        # fds are handed out lowest first: every one below this socket's is in use.
-        if listener.socks[-1].fileno() >= _fd_limit() - CONTROL_FD_RESERVE:
+        try:
+            check_fd_reserve(listener.socks[-1])
+        except OSError:
             listener.close()
-            raise OSError(errno.EMFILE, _RESERVE_REASON)
+            raise
         bound_host, listener.port = listener.socks[0].getsockname()[:2]
         bound_host = sys.intern(bound_host)  # one address for thousands of listeners
         try:

@@ -20,6 +20,7 @@ from uproxy.health import ProxyHealth
 from uproxy.healthcheck import HealthCheckServers, HealthCheckSpec
 from uproxy.localnet import has_loopback6
 from uproxy.log import V3
+from uproxy.workers import CONTROL_FD_RESERVE
 
 from .helpers import FakeClock, assert_same_bytes, free_port, refused, wait_until
 
@@ -408,6 +409,34 @@ async def test_opening_many_servers_gives_the_loop_back(servers: HealthCheckServ
     assert len(servers.ports) > len(ports) // 2  # a port another program took meanwhile fails
     took, during = turns[-1] - turns[0], len(turns) - 2
     assert during >= took / 0.05, (during, took)  # a turn every 50 ms at least, on average
+
+
+async def test_servers_leave_the_control_process_its_reserve_of_fds(
+    http: aiohttp.ClientSession, health: ProxyHealth, uproxy_logs: list[logging.LogRecord]
+) -> None:
+    """Thousands of services with a health-check node port each took every fd the proxy
+    ports leave the control process: no rules program could run, every sync failed before
+    it could close anything, /livez reset its probes. The servers keep off that reserve
+    too; those that do not fit are retried, and open once fds are free."""
+    hcs = HealthCheckServers(addresses=["127.0.0.1"], proxy_health=health, retry_interval_s=0.05)
+    specs = {("shop", f"s{i}"): HealthCheckSpec("shop", f"s{i}", free_port()) for i in range(8)}
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    in_use = len(os.listdir("/proc/self/fd")) - 1
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (in_use + CONTROL_FD_RESERVE + 3, hard))
+        try:
+            await hcs.sync(specs)
+            assert hcs.failures, "the servers took fds kept for uproxy's own work"
+            assert len(hcs.ports) + len(hcs.failures) == len(specs)
+            said = [r.kv["err"] for r in uproxy_logs if r.levelno == logging.ERROR]  # type: ignore[attr-defined]
+            assert "are kept for uproxy" in said[0]
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        await wait_until(lambda: not hcs.failures, timeout=5.0)
+        for spec in specs.values():
+            assert (await check(http, spec.port))[0] == 503
+    finally:
+        await hcs.close()
 
 
 @pytest.mark.skipif(not has_loopback6(), reason="this machine has no IPv6 loopback")
