@@ -26,14 +26,13 @@ import contextlib
 import errno
 import json
 import logging
-import socket
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from aiohttp import web
 
 from uproxy.health import ProxyHealth
-from uproxy.httpserver import SHUTDOWN_TIMEOUT_S
+from uproxy.httpserver import KEEPALIVE_S, SERVER, SHUTDOWN_TIMEOUT_S, listen_all
 from uproxy.log import V2, V3
 from uproxy.timeslice import TimeSlice
 from uproxy.workers import check_fd_reserve
@@ -45,7 +44,6 @@ _Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
 
 _DEFAULT_RETRY_INTERVAL_S = 2.0
 _SHUTDOWN_TIMEOUT_S = SHUTDOWN_TIMEOUT_S  # see there; the servers close together
-_BACKLOG = 128  # aiohttp's, as before these sockets were bound here
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,11 +163,13 @@ class HealthCheckServers:
             self._report_failure(key, spec, OSError(errno.EINVAL, "invalid port"))
             return
         try:
-            socks = _listen_all(self._addresses, spec.port)
+            # Thousands of services with their own port must not take the fds the rules
+            # programs and /livez need: out of them, every sync failed and nothing closed one.
+            socks = listen_all(self._addresses, spec.port, check=check_fd_reserve)
         except OSError as err:
             self._report_failure(key, spec, err)
             return
-        server = web.Server(self._make_handler(key), access_log=None)
+        server = web.Server(self._make_handler(key), access_log=None, keepalive_timeout=KEEPALIVE_S)
         runner = web.ServerRunner(server, shutdown_timeout=_SHUTDOWN_TIMEOUT_S)
         try:
             await runner.setup()
@@ -240,56 +240,13 @@ class HealthCheckServers:
                 body=body,
                 headers={
                     "Content-Type": "application/json",
+                    "Server": SERVER,
                     "X-Content-Type-Options": "nosniff",
                     "X-Load-Balancing-Endpoint-Weight": str(count),
                 },
             )
 
         return handle
-
-
-def _listen_all(addresses: Sequence[str], port: int) -> list[socket.socket]:
-    """A listening socket on ``port`` at each address; OSError (all closed again) when one
-    cannot be had: the port is taken, or no fd is left.
-
-    Bound here rather than by ``loop.create_server``, which skips an address whose socket
-    it cannot create (it takes that for an unsupported family): out of fds, a server came up
-    listening nowhere, was reported open, and was never tried again.
-    """
-    socks: list[socket.socket] = []
-    try:
-        for address in addresses:
-            try:
-                socks.append(_listen(address, port))
-            except OSError as e:  # which address, as kube-proxy's "listen tcp ADDRESS: ..."
-                raise OSError(e.errno, f"cannot listen on {address}: {e.strerror or e}") from None
-    except BaseException:
-        for sock in socks:
-            sock.close()
-        raise
-    return socks
-
-
-def _listen(address: str, port: int) -> socket.socket:
-    flags = socket.AI_NUMERICHOST | socket.AI_PASSIVE
-    family, kind, proto, _, sockaddr = socket.getaddrinfo(
-        address, port, type=socket.SOCK_STREAM, flags=flags
-    )[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        # Thousands of services with their own port must not take the fds the rules
-        # programs and /livez need: out of them, every sync failed and nothing closed one.
-        check_fd_reserve(sock)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if family == socket.AF_INET6:  # "::" is IPv6 only: "0.0.0.0" has its own socket
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-        sock.bind(sockaddr)
-        sock.listen(_BACKLOG)
-        sock.setblocking(False)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
 
 
 def _over_ipv6(request: web.BaseRequest) -> bool:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
+import os
+import resource
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 
 class FakeClock:
@@ -54,3 +57,20 @@ async def refused(host: str, port: int) -> bool:
     writer.close()
     await writer.wait_closed()
     return False
+
+
+@contextlib.contextmanager
+def out_of_fds() -> Iterator[None]:
+    """No fd left to this process: the soft limit at the fds in use, every lower one taken."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")), hard))
+    taken: list[int] = []
+    try:
+        with contextlib.suppress(OSError):
+            while True:
+                taken.append(os.dup(0))
+        yield
+    finally:
+        for fd in taken:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

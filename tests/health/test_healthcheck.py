@@ -11,7 +11,7 @@ import resource
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 import pytest
@@ -22,7 +22,7 @@ from uproxy.localnet import has_loopback6
 from uproxy.log import V3
 from uproxy.workers import CONTROL_FD_RESERVE
 
-from .helpers import FakeClock, assert_same_bytes, free_port, refused, wait_until
+from .helpers import FakeClock, assert_same_bytes, free_port, out_of_fds, refused, wait_until
 
 KEY = ("shop", "web")
 
@@ -69,6 +69,7 @@ async def check(
         assert resp.headers["Content-Type"] == "application/json"
         assert resp.headers["X-Content-Type-Options"] == "nosniff"
         assert int(resp.headers["Content-Length"]) == len(body)
+        assert resp.headers["Server"] == "uproxy"  # no interpreter or library versions
         return resp.status, body, int(resp.headers["X-Load-Balancing-Endpoint-Weight"])
 
 
@@ -337,23 +338,6 @@ async def test_invalid_port_is_a_failure_not_a_crash(servers: HealthCheckServers
     await servers.sync({KEY: HealthCheckSpec("shop", "web", 70000)})
     assert servers.failures == {KEY: 70000}
     assert servers.ports == {}
-
-
-@contextlib.contextmanager
-def out_of_fds() -> Iterator[None]:
-    """No fd left to this process: the soft limit at the fds in use, every lower one taken."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")), hard))
-    taken: list[int] = []
-    try:
-        with contextlib.suppress(OSError):
-            while True:
-                taken.append(os.dup(0))
-        yield
-    finally:
-        for fd in taken:
-            os.close(fd)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 async def test_a_server_that_gets_no_socket_is_a_failure_and_retried(

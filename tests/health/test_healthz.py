@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import errno
 import json
@@ -12,9 +13,10 @@ import aiohttp
 import pytest
 from prometheus_client import REGISTRY
 
+from uproxy import httpserver
 from uproxy.health import HealthzServer, ProxyHealth, rfc3339
 
-from .helpers import FakeClock, assert_same_bytes, refused
+from .helpers import FakeClock, assert_same_bytes, out_of_fds, refused
 
 SYNC_PERIOD_S = 30.0
 
@@ -42,6 +44,7 @@ async def get(http: aiohttp.ClientSession, srv: HealthzServer, path: str) -> tup
         assert resp.headers["Content-Type"] == "application/json"
         assert resp.headers["X-Content-Type-Options"] == "nosniff"
         assert int(resp.headers["Content-Length"]) == len(body)
+        assert resp.headers["Server"] == "uproxy"  # no interpreter or library versions
         return resp.status, body
 
 
@@ -263,6 +266,7 @@ async def test_other_paths_are_404(http: aiohttp.ClientSession, server: HealthzS
     before = counter("kubeproxy_proxy_healthz_total", "200")
     async with http.get(f"http://127.0.0.1:{server.port}/healthz/extra") as resp:
         assert resp.status == 404
+        assert resp.headers["Server"] == "uproxy"
     assert counter("kubeproxy_proxy_healthz_total", "200") == before
 
 
@@ -290,3 +294,36 @@ async def test_bind_failure_raises_oserror_with_errno(
     assert info.value.errno == errno.EADDRINUSE
     assert srv.port == 0
     await srv.close()
+
+
+async def test_a_server_that_gets_no_socket_raises(health: ProxyHealth) -> None:
+    """Out of fds, the server came up listening nowhere (the event loop skips a socket it
+    cannot create) and said it listened, so nothing retried it: it is an OSError now."""
+    srv = HealthzServer(proxy_health=health, address="127.0.0.1", port=0)
+    with out_of_fds(), pytest.raises(OSError) as info:
+        await srv.start()
+    assert info.value.errno == errno.EMFILE
+    assert srv.port == 0
+    await srv.start()  # with fds again
+    assert srv.port > 0
+    await srv.close()
+
+
+async def test_an_idle_connection_is_closed(
+    health: ProxyHealth, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An idle keep-alive connection held one of the control process's fds for an hour."""
+    monkeypatch.setattr(httpserver, "KEEPALIVE_S", 0.3)
+    srv = HealthzServer(proxy_health=health, address="127.0.0.1", port=0)
+    await srv.start()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+        writer.write(b"GET /livez HTTP/1.1\r\nHost: node\r\n\r\n")
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200")
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        await reader.readexactly(length)
+        assert await asyncio.wait_for(reader.read(), timeout=5.0) == b""  # closed by the server
+        writer.close()
+    finally:
+        await srv.close()
