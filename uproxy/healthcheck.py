@@ -26,6 +26,7 @@ import contextlib
 import errno
 import json
 import logging
+import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -43,6 +44,8 @@ ServiceKey = tuple[str, str]  # (namespace, name)
 _Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
 
 _DEFAULT_RETRY_INTERVAL_S = 2.0
+# Failures every server of a pass meets alike (a port taken is each service's own).
+_SHORTAGES = frozenset((errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM))
 _SHUTDOWN_TIMEOUT_S = SHUTDOWN_TIMEOUT_S  # see there; the servers close together
 
 
@@ -98,6 +101,9 @@ class HealthCheckServers:
         self._counts6: Mapping[ServiceKey, int] = {}
         # The last bind error reported per service, so a retry loop logs it only once.
         self._reported: dict[ServiceKey, tuple[int, int | None]] = {}
+        # Out of fds (or memory), one pass over thousands of services failed each for the
+        # same reason, in thousands of error lines: the first is said, the rest counted.
+        self._short: dict[int, int] | None = None  # errno -> services, during a pass
         self._lock = asyncio.Lock()
         self._retry_task: asyncio.Task[None] | None = None
         self._closed = False
@@ -151,10 +157,20 @@ class HealthCheckServers:
         # Binding here does not wait on anything: thousands of servers (or of retries) held
         # the loop that answers them, /healthz and the workers for a second in one stretch.
         ts = TimeSlice()
-        for key, spec in list(self._desired.items()):
-            if key not in self._open:
-                await self._open_one(key, spec)
-                await ts.tick()
+        self._short = {}
+        try:
+            for key, spec in list(self._desired.items()):
+                if key not in self._open:
+                    await self._open_one(key, spec)
+                    await ts.tick()
+        finally:
+            short, self._short = self._short, None
+        for code, more in short.items():
+            if more:
+                log.error(
+                    "More healthchecks failed to start for the same reason, will retry",
+                    extra={"kv": {"services": more, "err": os.strerror(code)}},
+                )
 
     async def _open_one(self, key: ServiceKey, spec: HealthCheckSpec) -> None:
         service = f"{spec.namespace}/{spec.name}"
@@ -196,6 +212,12 @@ class HealthCheckServers:
             log.log(V3, "Failed to start healthcheck, will retry", extra={"kv": fields})
             return
         self._reported[key] = signature
+        if self._short is not None and err.errno in _SHORTAGES:
+            if err.errno in self._short:  # said for another service in this pass
+                self._short[err.errno] += 1
+                log.log(V3, "Failed to start healthcheck, will retry", extra={"kv": fields})
+                return
+            self._short[err.errno] = 0
         log.error("Failed to start healthcheck, will retry", extra={"kv": fields})
 
     async def _close_one(self, key: ServiceKey) -> None:

@@ -365,6 +365,33 @@ async def test_a_server_that_gets_no_socket_is_a_failure_and_retried(
         await hcs.close()
 
 
+async def test_servers_failing_alike_for_want_of_fds_are_two_lines(
+    health: ProxyHealth, uproxy_logs: list[logging.LogRecord]
+) -> None:
+    """Near the fd limit, 5,067 services each got an error line of its own at start, all
+    saying the same: the first is said, the rest counted in one line."""
+    hcs = HealthCheckServers(addresses=["127.0.0.1"], proxy_health=health, retry_interval_s=60)
+    first = (("shop", "first"), HealthCheckSpec("shop", "first", free_port()))
+    try:
+        await hcs.sync(dict([first]))  # what a first server needs is loaded, as in a proxy
+        wanted = dict([first])
+        wanted.update(
+            {("shop", f"s{i}"): HealthCheckSpec("shop", f"s{i}", free_port()) for i in range(5)}
+        )
+        with out_of_fds():
+            await hcs.sync(wanted)
+        assert len(hcs.failures) == 5
+        errors = [r.getMessage() for r in uproxy_logs if r.levelno == logging.ERROR]
+        assert errors == [
+            "Failed to start healthcheck, will retry",
+            "More healthchecks failed to start for the same reason, will retry",
+        ]
+        summary = [r for r in uproxy_logs if r.levelno == logging.ERROR][1]
+        assert summary.kv == {"services": 4, "err": "Too many open files"}  # type: ignore[attr-defined]
+    finally:
+        await hcs.close()
+
+
 async def test_opening_many_servers_gives_the_loop_back(servers: HealthCheckServers) -> None:
     """The loop that opens the servers answers them, /healthz and the workers: bound here,
     with nothing to wait for, 10,000 servers held it for over a second in one stretch, and
