@@ -304,8 +304,9 @@ class Syncer:
         self._retry_soon = False
         # Listeners opened and closed so far (a sync's "Proxy ports changed" line: its share).
         self._opened = self._closed = 0
-        # UDP portals not yet in the kernel's rules, and the task forgetting the conntrack
-        # entries of those that just got there (``_forget_unnated``).
+        # UDP portals whose conntrack entries go once the next rules write is in: new ones
+        # (entries made before their rule) and removed ones (entries leading to a proxy port
+        # just closed); and the task forgetting them (``_forget_unnated``).
         self._udp_added: set[Portal] = set()
         self._forgetting: asyncio.Task[None] | None = None
         # The last run's proxy ports (``rules.previous``): by service address, and those
@@ -669,12 +670,16 @@ class Syncer:
             for family in IPFamily:
                 self._failed.pop((spn, traffic, family), None)
         self._release_nodeport(spn, pp.port, pp.families)
+        gone = self._portals.get(spn, ())
         self._set_portals(spn, frozenset())
+        if spn.protocol is Protocol.UDP and self.options.clear_conntrack:
+            # Off the sync, once the rules no longer have them (as kube-proxy clears after
+            # its rules): one ``conntrack`` per address here held the sync, and with it
+            # every other change's rules, 61 s for 2,000 UDP services removed at once.
+            self._udp_added.update(gone)
         self._set_refusals(spn, None, None)
         self._note_no_local(spn, None, None)
         metrics.forget_service(str(spn))  # its series go (workers forget theirs on Forget)
-        if spn.protocol is Protocol.UDP and self.options.clear_conntrack:
-            await _clear_conntrack(pp.port, tuple(pp.families))
         if log.isEnabledFor(V2):
             log.log(V2, "Removed service port", extra=kv(service=str(spn)))
 
@@ -1205,13 +1210,15 @@ def _hostport(lst: Listener) -> str:
 
 
 async def _forget_unnated(portals: Collection[Portal], before: asyncio.Task[None] | None) -> None:
-    """Delete the UDP conntrack entries to portals that just reached the rules.
+    """Delete the UDP conntrack entries to portals that just reached the rules, or just
+    left them.
 
     A UDP client that sent to a service address before its rule existed (a service added, an
     address given to it, uproxy restarted onto new proxy ports) has a conntrack entry without
     the translation, or with the old one, and keeps it while it keeps sending: its datagrams
     never reach the proxy port. kube-proxy deletes such entries for services that became
-    active. Off the sync (one ``conntrack`` process per address); after the previous batch.
+    active, and those of services removed. Off the sync (one ``conntrack`` process per
+    address); after the previous batch.
     """
     from uproxy.rules.conntrack import clear_udp, clear_udp_node_port
 
@@ -1236,19 +1243,7 @@ async def _forget_unnated(portals: Collection[Portal], before: asyncio.Task[None
                 await clear_udp(portal.ip, portal.port)
         except RulesError as exc:
             log.warning(
-                "Cannot forget the UDP conntrack entries of a new service address",
+                "Cannot forget the UDP conntrack entries of a service address",
                 extra=kv(service=str(portal.service), port=portal.port, err=exc),
             )
             return  # the next ones would fail the same way (no conntrack, no permission)
-
-
-async def _clear_conntrack(sp: ServicePort, families: tuple[IPFamily, ...]) -> None:
-    """Stale UDP conntrack entries would keep clients on a dead translation."""
-    from uproxy.rules.conntrack import clear_udp, clear_udp_node_port
-
-    for ip in (*sp.cluster_ips, *sp.external_ips, *sp.lb_ingress_ips):
-        if ip_family(ip) in families:
-            await clear_udp(ip, sp.port)
-    if sp.node_port:
-        for family in families:
-            await clear_udp_node_port(sp.node_port, ipv6=family is IPFamily.V6)

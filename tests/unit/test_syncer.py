@@ -1259,3 +1259,51 @@ async def test_a_cancelled_conntrack_clean_up_stops_even_behind_another(
     finally:
         before.cancel()
         await asyncio.gather(before, return_exceptions=True)
+
+
+def udp_service(name: str, ip: str) -> dict[str, Any]:
+    return service(name, cluster_ip=ip, ports=[{"name": "dns", "port": 53, "protocol": "UDP"}])
+
+
+def udp_slice(name: str) -> dict[str, Any]:
+    ports = [{"name": "dns", "port": 53, "protocol": "UDP"}]
+    return endpoint_slice(f"{name}-1", name, endpoints=[endpoint("10.1.0.1")], ports=ports)
+
+
+async def test_removed_udp_services_are_forgotten_in_conntrack_after_the_rules_not_before(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Removing UDP services deletes their conntrack entries once the rules no longer lead to
+    them, off the sync: one ``conntrack`` per address inside the sync held the rules of the
+    whole change (a service added beside 2,000 removed ones waited 61 s for its rule)."""
+    from uproxy.rules import conntrack
+
+    cleared: list[str] = []
+    gate = asyncio.Event()
+
+    async def clear_udp(ip: str, port: int) -> None:
+        await gate.wait()  # as slow as a conntrack process can be
+        cleared.append(ip)
+
+    monkeypatch.setattr(conntrack, "clear_udp", clear_udp)
+    tracker, syncer, _, rules = make(0)
+    syncer.options.clear_conntrack = True
+    olds = [udp_service(f"old{i}", f"10.96.1.{i}") for i in range(3)]
+    tracker.replace(Kind.SERVICE, olds)
+    tracker.replace(Kind.ENDPOINT_SLICE, [udp_slice(f"old{i}") for i in range(3)])
+    await syncer.sync()
+    gate.set()  # the new services' own entries
+    await asyncio.sleep(0)
+    assert syncer._forgetting is not None
+    await syncer._forgetting
+    cleared.clear()
+    gate.clear()
+    tracker.replace(Kind.SERVICE, [udp_service("new", "10.96.2.1")])
+    tracker.replace(Kind.ENDPOINT_SLICE, [udp_slice("new")])
+    async with asyncio.timeout(5):
+        await syncer.sync()  # did not wait for a single deletion
+    assert {p.ip for p in rules.syncs[-1]} == {"10.96.2.1"}
+    assert cleared == []
+    gate.set()
+    await syncer._forgetting
+    assert sorted(cleared) == ["10.96.1.0", "10.96.1.1", "10.96.1.2", "10.96.2.1"]
