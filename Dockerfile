@@ -1,5 +1,5 @@
 # uproxy's node image: the package in a virtual environment on Debian's own Python, plus the
-# Debian tools it runs (iptables-{nft,legacy}-{save,restore}, nft, conntrack).
+# Debian tools it runs (iptables-{nft,legacy}-{save,restore}, nft), and conntrack.
 #
 # The interpreter is Debian 12's python3 (3.11, with Debian's security fixes): the one `make`
 # takes on a Debian 12 host, so the tests and bench/ run the interpreter the node runs. It is
@@ -37,8 +37,8 @@ LABEL org.opencontainers.image.title="uproxy" \
       org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.base.name="docker.io/library/debian:bookworm-slim"
 # python3 (the interpreter the venv was made with), iptables (nft and legacy variants, and the
-# libraries python-iptables loads), nftables (nft, for --rules nftables), conntrack (forgetting
-# stale UDP entries): what uproxy is and the programs it runs.
+# libraries python-iptables loads), nftables (nft, for --rules nftables), conntrack (for whoever
+# debugs the node: uproxy forgets stale UDP entries over netlink): what uproxy is and runs.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 iptables nftables conntrack \

@@ -1217,10 +1217,10 @@ async def _forget_unnated(portals: Collection[Portal], before: asyncio.Task[None
     address given to it, uproxy restarted onto new proxy ports) has a conntrack entry without
     the translation, or with the old one, and keeps it while it keeps sending: its datagrams
     never reach the proxy port. kube-proxy deletes such entries for services that became
-    active, and those of services removed. Off the sync (one ``conntrack`` process per
-    address); after the previous batch.
+    active, and those of services removed. Off the sync, the whole batch at once (one read
+    of the table, ``forget_udp``); after the previous batch.
     """
-    from uproxy.rules.conntrack import clear_udp, clear_udp_node_port
+    from uproxy.rules.conntrack import forget_udp, node_port_target, udp_target
 
     if before is not None:
         # Waited for, not awaited: however that batch ended is no reason to skip this one,
@@ -1234,16 +1234,16 @@ async def _forget_unnated(portals: Collection[Portal], before: asyncio.Task[None
             raise
         if not before.cancelled():
             before.exception()  # retrieved: that batch said what failed
-    for portal in sorted(portals):
-        try:
-            if portal.kind is PortalKind.NODE_PORT:
-                ipv6 = portal.node_family is IPFamily.V6
-                await clear_udp_node_port(portal.port, ipv6=ipv6)
-            elif portal.ip is not None:
-                await clear_udp(portal.ip, portal.port)
-        except RulesError as exc:
-            log.warning(
-                "Cannot forget the UDP conntrack entries of a service address",
-                extra=kv(service=str(portal.service), port=portal.port, err=exc),
-            )
-            return  # the next ones would fail the same way (no conntrack, no permission)
+    targets = set()
+    for portal in portals:
+        if portal.kind is PortalKind.NODE_PORT:
+            targets.add(node_port_target(portal.port, ipv6=portal.node_family is IPFamily.V6))
+        elif portal.ip is not None:
+            targets.add(udp_target(portal.ip, portal.port))
+    try:
+        await forget_udp(targets)
+    except RulesError as exc:
+        log.warning(
+            "Cannot forget the UDP conntrack entries of service addresses",
+            extra=kv(addresses=len(targets), err=exc),
+        )

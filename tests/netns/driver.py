@@ -135,12 +135,20 @@ async def _op(backend: RulesBackend, op: dict[str, Any]) -> Any:
     if kind == "prepare":
         await backend.prepare()
         return None
-    if kind == "clear_udp":
-        await conntrack.clear_udp(op["ip"], op["port"])
+    if kind == "forget_portals":
+        from uproxy.syncer import _forget_unnated
+
+        portals = [portal_from_json(p) for p in op["portals"]] + many_portals(op.get("many", 0))
+        await _forget_unnated(portals, None)
         return None
-    if kind == "clear_udp_node_port":
-        await conntrack.clear_udp_node_port(op["port"], ipv6=op.get("ipv6", False))
-        return None
+    if kind == "forget_udp":
+        targets = [
+            conntrack.udp_target(ip, port)
+            if ip is not None
+            else conntrack.node_port_target(port, ipv6=ipv6)
+            for ip, port, ipv6 in op["targets"]
+        ]
+        return await conntrack.forget_udp(targets)
     if kind == "shell":
         return (await SPAWNS._run(op["argv"], stdin=op.get("stdin"))).stdout
     raise ValueError(f"unknown op {kind}")

@@ -5,12 +5,16 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
+from tests.netns.conftest import DUAL_STACK
+from tests.netns.driver import portal_to_json
 from tests.netns.helpers import run_ops, save, sync_op
-from tests.netns.test_rules import PORTALS
+from tests.netns.test_rules import DNS, PORTALS
 from tests.netns.topology import REPO, Topology
+from uproxy.rules.base import Portal, PortalKind
 
 pytestmark = pytest.mark.root
 
@@ -48,9 +52,12 @@ def test_prepare_probes_the_variant_so_the_first_sync_does_not(topo: Topology) -
     assert "KUBE-PORTALS-CONTAINER" in save(topo, "nft")
 
 
-def conntrack_count(topo: Topology, port: int) -> int:
+def conntrack_count(topo: Topology, port: int, *, ipv6: bool = False) -> int:
+    family = "ipv6" if ipv6 else "ipv4"
     done = subprocess.run(
-        topo.exec_argv(topo.node, "conntrack", "-L", "-p", "udp", "--dport", str(port)),
+        topo.exec_argv(
+            topo.node, "conntrack", "-L", "-f", family, "-p", "udp", "--dport", str(port)
+        ),
         capture_output=True,
         text=True,
         check=False,
@@ -59,25 +66,63 @@ def conntrack_count(topo: Topology, port: int) -> int:
 
 
 def make_udp_flow(topo: Topology, ip: str, port: int) -> None:
+    family = "AF_INET6" if ":" in ip else "AF_INET"
     code = (
-        "import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); "
+        f"import socket; s = socket.socket(socket.{family}, socket.SOCK_DGRAM); "
         f"s.sendto(b'x', ('{ip}', {port}))"
     )
     topo.run(topo.pod, "python3", "-c", code)
 
 
-def test_clear_udp_forgets_only_that_service(topo: Topology) -> None:
+@pytest.mark.parametrize("topo", [DUAL_STACK], indirect=True)
+def test_forgetting_udp_entries_takes_those_of_the_batch_only(topo: Topology) -> None:
     run_ops(topo, "auto", "auto", [sync_op(PORTALS)])  # NAT rules switch conntrack on
+    # and IPv6 conntrack too (a rule that asks for the state)
+    topo.run(topo.node, "ip6tables", "-A", "FORWARD", "-m", "conntrack", "--ctstate", "NEW")
     make_udp_flow(topo, "10.96.0.53", 53)
     make_udp_flow(topo, "10.96.0.54", 53)
+    make_udp_flow(topo, "10.96.0.53", 54)
     make_udp_flow(topo, topo.node_ip, 30053)
-    assert conntrack_count(topo, 53) == 2
-    ops = [{"op": "clear_udp", "ip": "10.96.0.53", "port": 53}]
-    ops += [{"op": "clear_udp", "ip": "10.96.0.53", "port": 53}]  # nothing left: still fine
-    run_ops(topo, "none", "auto", ops)
-    assert conntrack_count(topo, 53) == 1
+    make_udp_flow(topo, "fd00:96::53", 53)
+    make_udp_flow(topo, "fd00:96::54", 53)
+    assert conntrack_count(topo, 53) == 2 and conntrack_count(topo, 53, ipv6=True) == 2
+    batch = [("10.96.0.53", 53, False), ("10.96.9.9", 53, False), ("fd00:96:0::53", 53, True)]
+    forgot = run_ops(topo, "none", "auto", [{"op": "forget_udp", "targets": batch}] * 2)
+    assert forgot == [2, 0]  # nothing left the second time: still fine
+    assert conntrack_count(topo, 53) == 1 and conntrack_count(topo, 53, ipv6=True) == 1
+    assert conntrack_count(topo, 54) == 1  # another port of the same address stays
     assert conntrack_count(topo, 30053) == 1
-    run_ops(topo, "none", "auto", [{"op": "clear_udp_node_port", "port": 30053}])
+    node_port = [{"op": "forget_udp", "targets": [(None, 30053, False)]}]
+    assert run_ops(topo, "none", "auto", node_port) == [1]
+    assert conntrack_count(topo, 30053) == 0
+
+
+@pytest.mark.parametrize("topo", [DUAL_STACK], indirect=True)
+def test_the_syncer_forgets_a_batch_of_udp_addresses_without_a_process_each(
+    topo: Topology,
+) -> None:
+    """A batch is one read of the table, and a delete for each entry found: a ``conntrack``
+    process per address (each walking the whole table) took 40 s for 2,000 new services."""
+    run_ops(topo, "auto", "auto", [sync_op(PORTALS)])
+    topo.run(topo.node, "ip6tables", "-A", "FORWARD", "-m", "conntrack", "--ctstate", "NEW")
+    for ip, port in [("10.96.0.53", 53), ("10.96.0.54", 53), ("10.96.0.53", 54)]:
+        make_udp_flow(topo, ip, port)
+    make_udp_flow(topo, topo.node_ip, 30053)
+    make_udp_flow(topo, "fd00:96::53", 53)
+    make_udp_flow(topo, "fd00:96::54", 53)
+    batch = [
+        Portal(DNS, PortalKind.CLUSTER_IP, "10.96.0.53", 53, 40003),
+        Portal(DNS, PortalKind.CLUSTER_IP, "fd00:96::53", 53, 40003),
+        Portal(DNS, PortalKind.NODE_PORT, None, 30053, 40003),
+    ]
+    ops: list[dict[str, Any]] = [
+        {"op": "forget_portals", "portals": [portal_to_json(p) for p in batch], "many": 500},
+        {"op": "spawns"},
+    ]
+    _, spawned = run_ops(topo, "none", "auto", ops)
+    assert spawned == []
+    assert conntrack_count(topo, 53) == 1 and conntrack_count(topo, 53, ipv6=True) == 1
+    assert conntrack_count(topo, 54) == 1
     assert conntrack_count(topo, 30053) == 0
 
 

@@ -1238,12 +1238,13 @@ async def test_a_cancelled_conntrack_clean_up_stops_even_behind_another(
     from uproxy.rules import conntrack
     from uproxy.syncer import _forget_unnated
 
-    cleared: list[tuple[str, int]] = []
+    cleared: list[conntrack.Target] = []
 
-    async def clear_udp(ip: str, port: int) -> None:
-        cleared.append((ip, port))
+    async def forget_udp(targets: Collection[conntrack.Target]) -> int:
+        cleared.extend(targets)
+        return len(targets)
 
-    monkeypatch.setattr(conntrack, "clear_udp", clear_udp)
+    monkeypatch.setattr(conntrack, "forget_udp", forget_udp)
     spn = ServicePortName("default", "dns", "dns", Protocol.UDP)
     portal = Portal(spn, PortalKind.CLUSTER_IP, "10.96.0.10", 53, 40000)
     before = asyncio.ensure_future(asyncio.sleep(60))  # the batch before, still running
@@ -1275,17 +1276,19 @@ async def test_removed_udp_services_are_forgotten_in_conntrack_after_the_rules_n
 ) -> None:
     """Removing UDP services deletes their conntrack entries once the rules no longer lead to
     them, off the sync: one ``conntrack`` per address inside the sync held the rules of the
-    whole change (a service added beside 2,000 removed ones waited 61 s for its rule)."""
+    whole change (a service added beside 2,000 removed ones waited 61 s for its rule). One
+    batch per rules write, the new service's address in it."""
     from uproxy.rules import conntrack
 
     cleared: list[str] = []
     gate = asyncio.Event()
 
-    async def clear_udp(ip: str, port: int) -> None:
-        await gate.wait()  # as slow as a conntrack process can be
-        cleared.append(ip)
+    async def forget_udp(targets: Collection[conntrack.Target]) -> int:
+        await gate.wait()  # as slow as a big conntrack table can be
+        cleared.extend(t.ip for t in targets if t.ip is not None)
+        return 0
 
-    monkeypatch.setattr(conntrack, "clear_udp", clear_udp)
+    monkeypatch.setattr(conntrack, "forget_udp", forget_udp)
     tracker, syncer, _, rules = make(0)
     syncer.options.clear_conntrack = True
     olds = [udp_service(f"old{i}", f"10.96.1.{i}") for i in range(3)]
