@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -360,6 +361,40 @@ async def test_flows_to_endpoints_that_stay_persist_and_those_to_removed_ones_mo
             assert (await exchange(on_b, b"z%d" % i, to))[:1] == b"b"  # still its flow
         assert (await exchange(on_a, b"w", to))[:1] in {b"b", b"n"}  # a current endpoint
         assert listener.active == 2
+
+
+@pytest.mark.parametrize("sent", ["whole", "as a change"])
+async def test_a_flow_to_a_terminating_endpoint_goes_on_while_it_serves(
+    udp_backends: UdpBackendFactory, udp_listener: UdpListenerFactory, sent: str
+) -> None:
+    # kube-proxy keeps the conntrack entries of every serving endpoint: a pod that begins
+    # terminating (ready false, serving true) finishes its clients' UDP sessions, and only
+    # new clients go elsewhere. Its flows went at once, mid-session, to the other pod.
+    (a, _), (b, _) = await udp_backends("a"), await udp_backends("b")
+    balancer = make_balancer(UDP_NAME, [a, b], settings=DataplaneSettings(udp_timeout_s=5))
+    listener = await udp_listener(balancer)
+    to = ("127.0.0.1", listener.port)
+
+    def conditions(ep: Endpoint, *, serving: bool) -> None:
+        new = dataclasses.replace(ep, ready=False, serving=serving, terminating=True)
+        if sent == "whole":
+            others = [b] if ep is a else [a]
+            balancer.update(ServicePort(name=UDP_NAME, port=53), [new, *others])
+        else:
+            balancer.change([new], [])
+
+    with client_socket() as c1, client_socket() as c2:
+        first = {(await exchange(c1, b"x", to))[:1], (await exchange(c2, b"x", to))[:1]}
+        assert first == {b"a", b"b"}
+        on_a = c1 if (await exchange(c1, b"y", to))[:1] == b"a" else c2
+        conditions(a, serving=True)
+        assert listener.active == 2
+        for i in range(3):
+            assert (await exchange(on_a, b"z%d" % i, to))[:1] == b"a"  # its session goes on
+        with client_socket() as c3:
+            assert (await exchange(c3, b"n", to))[:1] == b"b"  # a new client: a ready pod
+        conditions(a, serving=False)
+        assert (await exchange(on_a, b"w", to))[:1] == b"b"  # no longer serving: it moves
 
 
 async def test_a_burst_of_new_clients_opens_flows_until_the_pass_ends_and_loses_none(

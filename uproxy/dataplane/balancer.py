@@ -312,6 +312,20 @@ class _PoolAddresses:
         return ep is not None and ep in self._members
 
 
+class _ServingAddresses:
+    """Whether an endpoint at an address is in the EndpointSlices and serving, through the
+    balancer's endpoints by address."""
+
+    __slots__ = ("_by_address",)
+
+    def __init__(self, by_address: Mapping[tuple[str, int], Endpoint]) -> None:
+        self._by_address = by_address
+
+    def __contains__(self, address: object) -> bool:
+        ep = self._by_address.get(address)  # type: ignore[call-overload]
+        return ep is not None and ep.serving
+
+
 class _Failing:
     """An endpoint's failed dials: how many in a row since it was last out (or ever), until
     when it is out (a ``clock`` time), how many times in a row it has been out."""
@@ -390,7 +404,8 @@ class Balancer:
         # Endpoints whose last dials failed; None while none has (see the module docstring).
         self._failing: dict[Endpoint, _Failing] | None = None
         # Called after every update that changed something: UDP listeners drop their flows
-        # to endpoints that went (``UdpListener``). A tuple: most balancers have none.
+        # to endpoints that went or stopped serving (``UdpListener``). A tuple: most
+        # balancers have none.
         self._watchers: tuple[Callable[[], None], ...] = ()
         # Least-connections only: the connections (UDP flows) open per endpoint address (IP
         # and port: on a laptop, endpoints differ by port alone), only those above zero; None
@@ -917,6 +932,14 @@ class Balancer:
         if self._index is not None and isinstance(pool.members, dict):
             return _PoolAddresses(self._index.by_address, pool.members)
         return {(ep.ip, ep.port) for ep in pool.order}
+
+    def serving(self) -> Container[tuple[str, int]]:
+        """The addresses of the endpoints still serving (ready, or terminating and still
+        serving), whichever traffic class may pick them, for ``in`` tests: a UDP flow to
+        one of them goes on, as kube-proxy keeps the conntrack entries of every serving
+        endpoint ("changes to the service should not affect existing flows": not traffic
+        policies, topology, or termination)."""
+        return _ServingAddresses(self._addresses())
 
     def endpoints(self, traffic: Traffic) -> Sequence[Endpoint]:
         """The usable endpoints for this traffic class, in round-robin order."""

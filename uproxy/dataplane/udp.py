@@ -324,13 +324,16 @@ class UdpListener:
         return self
 
     def _endpoints_changed(self) -> None:
-        """Drop the flows whose endpoint this traffic class can no longer pick (removed from
-        the EndpointSlice, or no longer chosen by the policy): the client's next datagram
-        picks a current one, as kube-proxy deletes the conntrack entries of removed UDP
-        endpoints. Without it a client that keeps sending stays on a gone pod for good."""
+        """Drop the flows whose endpoint went from the EndpointSlices or stopped serving: the
+        client's next datagram picks a current one, as kube-proxy deletes the conntrack
+        entries of UDP endpoints that do not serve. Without it a client that keeps sending
+        stays on a gone pod for good. A flow to an endpoint that still serves goes on, as
+        kube-proxy's does, whatever this traffic class would pick now: a terminating pod
+        finishes its sessions (QUIC, a game, a VPN), as a TCP connection to it does; they
+        moved to another pod the moment it began terminating."""
         if not self.flows:
             return
-        live = self.balancer.addresses(self.traffic)
+        live = self.balancer.serving()
         gone = [f for f in self.flows.values() if (f.endpoint.ip, f.endpoint.port) not in live]
         if gone:
             self._drop_flows(gone)
