@@ -4,8 +4,8 @@ them with a bound at every step.
 Replies come from the kernel, but a parser here must still never raise on what it does not
 expect, nor loop on a length that does not move it forward: every reader answers "unknown"
 (None) for anything malformed, and its caller treats unknown as the safe case. Users:
-``uproxy.rules.watch`` (nf_tables' generation, tables and set elements) and ``uproxy.nodeip``
-(this host's addresses and default routes).
+``uproxy.rules.watch`` (nf_tables' generation, tables and set elements), ``uproxy.nodeip``
+(this host's addresses and default routes) and ``uproxy.rules.conntrack`` (UDP entries).
 """
 
 from __future__ import annotations
