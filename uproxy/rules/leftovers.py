@@ -41,8 +41,10 @@ async def remove_leftovers(*, nft_tables: bool, iptables_modes: Iterable[str]) -
     from uproxy.rules.restore import FAMILIES, cleanup_mode, may_hold_ours
     from uproxy.rules.watch import nft_tables as kernel_tables
 
+    iptables_modes = tuple(iptables_modes)
     if nft_tables:  # an iptables backend
         _warn_kube_proxy_nftables(kernel_tables())
+        await _warn_kube_proxy_iptables(iptables_modes)
     removed = False
     steps: list[tuple[str, str, IPFamily | None]] = [("nftables", "", None)] if nft_tables else []
     steps += [("iptables", mode, family) for mode in iptables_modes for family in FAMILIES]
@@ -113,3 +115,26 @@ def _warn_kube_proxy_nftables(tables: frozenset[tuple[int, str]] | None) -> None
             "may reach them before uproxy's portals (same priority): use --rules nftables, "
             "whose table runs first, or remove them (kube-proxy --cleanup)",
         )
+
+
+async def _warn_kube_proxy_iptables(modes: Iterable[str]) -> None:
+    """One line per variant and family (of ``modes``, those uproxy does not write) where
+    kube-proxy's iptables mode left its service jumps. Both variants hook their nat chains in
+    at -100 and the table registered last runs first: uproxy's jumps, first in its own
+    variant, may come after kube-proxy's in the other."""
+    from uproxy.rules.restore import FAMILIES, others_service_jumps
+
+    for mode in modes:
+        for family in FAMILIES:
+            try:
+                chains = await others_service_jumps(mode, family)
+            except RulesError:
+                continue  # a program missing or refused: the removal below says so
+            if chains:
+                log.warning(
+                    "kube-proxy's iptables rules are in place in the other iptables variant; "
+                    "ClusterIP traffic may reach them before uproxy's portals (same priority): "
+                    "remove them (kube-proxy --cleanup, in that variant), or use --rules "
+                    "nftables, whose table runs first",
+                    extra=kv(mode=mode, family=family.label, chains=",".join(chains)),
+                )

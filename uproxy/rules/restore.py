@@ -83,9 +83,11 @@ from uproxy.rules.portals import (
 )
 from uproxy.rules.previous import PortalKey, Previous, from_save_lines
 from uproxy.rules.saved import (
+    OTHERS_SERVICE_CHAINS,
     SavedTable,
     cleanup_payload,
     holds,
+    jump_target,
     matches,
     missing_jumps,
     parse_save,
@@ -237,13 +239,36 @@ _LEGACY_NAMES = {IPFamily.V4: LEGACY_TABLE_NAMES, IPFamily.V6: LEGACY_TABLE_NAME
 def may_hold_ours(mode: str, family: IPFamily) -> bool | None:
     """Whether the kernel has a nat or filter table of this variant and family, without its
     programs: legacy from /proc, nft over netlink. None: it cannot tell."""
+    return _has_table(mode, family, _OUR_TABLES)
+
+
+def _has_table(mode: str, family: IPFamily, names: frozenset[str]) -> bool | None:
+    """Whether the kernel has one of the tables ``names`` in this variant and family, asked
+    without its programs; None: it cannot tell."""
     if mode == "legacy":
-        names = legacy_table_names(_LEGACY_NAMES[family])
-        return None if names is None else bool(names & _OUR_TABLES)
+        legacy = legacy_table_names(_LEGACY_NAMES[family])
+        return None if legacy is None else bool(legacy & names)
     tables = nft_tables()
     if tables is None:
         return None
-    return any(f == _NFPROTO[family] and name in _OUR_TABLES for f, name in tables)
+    return any(f == _NFPROTO[family] and name in names for f, name in tables)
+
+
+async def others_service_jumps(mode: str, family: IPFamily) -> list[str]:
+    """The nat built-in chains (``nat/CHAIN``) of this variant and family that jump into
+    another proxy's service chains (``OTHERS_SERVICE_CHAINS``). Read only where the nat table
+    exists: asking its program about a missing one creates it (a legacy table for good), and
+    the table registered last runs first among those of one priority."""
+    if _has_table(mode, family, frozenset({"nat"})) is False:
+        return []
+    found: list[str] = []
+    for table, chain in JUMP_CHAINS:
+        if table != "nat":
+            continue
+        lines = await chain_rules(mode, family, table, chain, missing_ok=True) or []
+        if any(jump_target(line) in OTHERS_SERVICE_CHAINS for line in lines):
+            found.append(f"{table}/{chain}")
+    return found
 
 
 async def cleanup_mode(mode: str, family: IPFamily = IPFamily.V4) -> bool:
