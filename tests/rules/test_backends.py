@@ -47,6 +47,24 @@ async def test_failure_reports_first_line() -> None:
         await command.run(["sh", "-c", "echo boom >&2; echo more >&2; exit 3"])
 
 
+# What iptables 1.8 prints when another program held the xtables lock past its ``-w`` wait.
+LOCK_HELD = (
+    "Can't lock /run/xtables.lock: Resource temporarily unavailable\n"
+    "Another app is currently holding the xtables lock. Stopped waiting after 5s.\n"
+)
+
+
+async def test_a_lock_held_by_another_program_is_named_as_such() -> None:
+    """The first line alone read as a kernel resource running out, not as a wait for another
+    writer (a CNI plugin, the kubelet) that the next sync retries."""
+    script = f"printf '%s' \"{LOCK_HELD}\" >&2; exit 4"
+    with pytest.raises(RulesError) as raised:
+        await command.run(["sh", "-c", script])
+    assert str(raised.value) == (
+        "sh failed: another program holds /run/xtables.lock (the xtables lock) for more than 5s"
+    )
+
+
 async def test_a_program_that_exits_before_reading_its_input_says_why() -> None:
     """The error was uvloop's "unable to perform operation on <WriteUnixTransport
     closed=True>; the handler is closed", the program's own line lost."""

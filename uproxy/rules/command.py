@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import signal
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -43,6 +44,9 @@ class Completed:
     def message(self) -> str:
         """The first line of the program's complaint, for a one-line error."""
         text = (self.stderr or self.stdout).strip()
+        held = _lock_held(text)
+        if held is not None:
+            return held
         if text:
             return text.splitlines()[0]
         if self.returncode < 0:  # asyncio's way of saying a signal ended it
@@ -51,6 +55,25 @@ class Completed:
             except ValueError:
                 return f"killed by signal {-self.returncode}"
         return f"exit code {self.returncode}"
+
+
+# iptables that gave up waiting (``-w``) for the xtables lock says so on its second line; its
+# first, "Can't lock /run/xtables.lock: Resource temporarily unavailable", reads as a kernel
+# resource running out rather than another writer (a CNI plugin, the kubelet) in the way.
+_LOCK_HELD = re.compile(r"holding the xtables lock\.(?: Stopped waiting after (\d+)s)?")
+_LOCK_PATH = re.compile(r"Can't lock (\S+):")
+
+
+def _lock_held(text: str) -> str | None:
+    """The complaint of an iptables program that another one held the xtables lock, in the
+    words python-iptables' backend uses for the same wait; None for any other complaint."""
+    held = _LOCK_HELD.search(text)
+    if held is None:
+        return None
+    path = _LOCK_PATH.search(text)
+    where = f"{path.group(1)} (the xtables lock)" if path else "the xtables lock"
+    waited = f" for more than {held.group(1)}s" if held.group(1) else ""
+    return f"another program holds {where}{waited}"
 
 
 CAP_NET_ADMIN = 12  # linux/capability.h
