@@ -11,7 +11,7 @@ import pytest
 
 from tests.netns.conftest import DUAL_STACK
 from tests.netns.driver import portal_to_json
-from tests.netns.helpers import run_ops, save, sync_op
+from tests.netns.helpers import install_foreign, run_ops, save, sync_op
 from tests.netns.test_rules import DNS, PORTALS
 from tests.netns.topology import REPO, Topology
 from uproxy.rules.base import Portal, PortalKind
@@ -34,6 +34,30 @@ def test_mode_detection_follows_the_kubelet_hint(
     # Detection never creates legacy tables as a side effect.
     if hint_in is None:
         assert topo.run(topo.node, "cat", "/proc/net/ip_tables_names").strip() == ""
+
+
+NO_HINT = "No kubelet hint chain says which iptables variant this node uses"
+
+
+@pytest.mark.parametrize("hint_in", [None, "nft"])
+def test_nft_chosen_without_a_hint_names_the_rules_in_legacy(
+    topo: Topology, hint_in: str | None
+) -> None:
+    """With no hint anywhere uproxy writes nft, as kube-proxy's image does; on a host whose
+    firewall is in the legacy tables (ufw, Docker, before any kubelet ran) that firewall's
+    default drop still took every connection the portals redirected, and uproxy said only
+    which variant it used."""
+    install_foreign(topo, "legacy")
+    if hint_in is not None:
+        topo.run(topo.node, f"iptables-{hint_in}-restore", "--noflush", stdin=HINT)
+    mode, said = run_ops(topo, "none", "auto", [{"op": "detect_mode"}, {"op": "said"}])
+    assert mode == "nft"
+    warned = [line for line in said if NO_HINT in line]
+    if hint_in is None:
+        assert len(warned) == 1 and "legacy_rules=5" in warned[0], said
+        assert "iptablesMode" in warned[0]
+    else:
+        assert not warned, said  # the kubelet's variant: nothing to warn about
 
 
 def test_auto_backend_writes_where_the_hint_is(topo: Topology) -> None:

@@ -86,6 +86,7 @@ from uproxy.rules.saved import (
     OTHERS_SERVICE_CHAINS,
     SavedTable,
     cleanup_payload,
+    foreign_rules,
     holds,
     jump_target,
     matches,
@@ -173,7 +174,24 @@ async def detect_mode() -> str:
         done = await command.run(["iptables-legacy-save"], check=False)
         if done.returncode == 0 and _has_hint(done.stdout):
             return "legacy"
+        if done.returncode == 0:
+            _warn_rules_in_legacy(done.stdout)
     return "nft"
+
+
+def _warn_rules_in_legacy(save_output: str) -> None:
+    """One line when nft is chosen for want of a hint while the legacy tables hold other
+    programs' rules: a firewall there (ufw, Docker on a legacy host) filters the connections
+    uproxy's portals redirect too, and its default drop is not undone by uproxy's accepts in
+    the other variant."""
+    count = foreign_rules(parse_save(save_output))
+    if count:
+        log.warning(
+            "No kubelet hint chain says which iptables variant this node uses: writing nft, "
+            "as kube-proxy's image does, while the legacy tables hold other programs' rules; "
+            "if they are this node's firewall, set uproxy.iptablesMode: legacy",
+            extra=kv(legacy_rules=count),
+        )
 
 
 def supports(family: IPFamily) -> bool:

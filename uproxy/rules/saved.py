@@ -204,6 +204,19 @@ def _our_chains(
     return out
 
 
+def foreign_rules(tables: Mapping[str, SavedTable]) -> int:
+    """How many rules of ``tables`` are somebody else's: neither in uproxy's chains nor
+    jumps into them."""
+    return sum(
+        1
+        for table in tables.values()
+        for chain, lines in table.chains.items()
+        if chain not in _OURS
+        for line in lines
+        if jump_target(line) not in _OURS
+    )
+
+
 def cleanup_payload(
     tables: dict[str, SavedTable], *, delete_emptied_builtins: bool = False
 ) -> str | None:
