@@ -23,17 +23,24 @@ HINT = "*mangle\n:KUBE-IPTABLES-HINT - [0:0]\nCOMMIT\n"
 
 @pytest.mark.parametrize(
     ("hint_in", "expected"),
-    [(None, "nft"), ("nft", "nft"), ("legacy", "legacy")],
+    [
+        (None, "nft"),
+        ("iptables-nft", "nft"),
+        ("iptables-legacy", "legacy"),
+        # A kubelet that manages IPv6 alone writes its hint there only.
+        ("ip6tables-legacy", "legacy"),
+    ],
 )
 def test_mode_detection_follows_the_kubelet_hint(
     topo: Topology, hint_in: str | None, expected: str
 ) -> None:
     if hint_in is not None:
-        topo.run(topo.node, f"iptables-{hint_in}-restore", "--noflush", stdin=HINT)
+        topo.run(topo.node, f"{hint_in}-restore", "--noflush", stdin=HINT)
     assert run_ops(topo, "none", "auto", [{"op": "detect_mode"}]) == [expected]
     # Detection never creates legacy tables as a side effect.
     if hint_in is None:
-        assert topo.run(topo.node, "cat", "/proc/net/ip_tables_names").strip() == ""
+        for names in ("/proc/net/ip_tables_names", "/proc/net/ip6_tables_names"):
+            assert topo.run(topo.node, "sh", "-c", f"cat {names} 2>/dev/null").strip() == ""
 
 
 NO_HINT = "No kubelet hint chain says which iptables variant this node uses"
@@ -71,7 +78,13 @@ def test_prepare_probes_the_variant_so_the_first_sync_does_not(topo: Topology) -
     ops = [{"op": "prepare"}, {"op": "spawns"}, sync_op(PORTALS), {"op": "spawns"}]
     _, probed, _, synced = run_ops(topo, "auto", "auto", ops)
     # No hint anywhere: nft. Then the jumps of the four built-in chains, read meanwhile too.
-    assert probed == ["iptables-nft-save", "iptables-legacy-save", *["iptables-nft"] * 4]
+    assert probed == [
+        "iptables-nft-save",
+        "ip6tables-nft-save",
+        "iptables-legacy-save",
+        "ip6tables-legacy-save",
+        *["iptables-nft"] * 4,
+    ]
     assert synced[len(probed) :] == ["iptables-nft-restore"]  # nothing committed in between
     assert "KUBE-PORTALS-CONTAINER" in save(topo, "nft")
 

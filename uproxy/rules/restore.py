@@ -164,18 +164,25 @@ async def detect_mode() -> str:
     """nft when the kubelet's hint chain is in nft mangle; legacy when it is in legacy; else nft.
 
     The legacy probe saves *all* tables: ``-t mangle`` would create the legacy mangle table.
-    Both families follow the IPv4 variant (the kubelet writes its hint there).
+    IPv4 first, then IPv6 (where the IPv4 programs found no hint: a node whose kubelet
+    manages IPv6 alone), as kube-proxy's image reads them; both families follow the variant
+    found.
     """
-    if shutil.which("iptables-nft-save"):
-        done = await command.run(["iptables-nft-save", "-t", "mangle"], check=False)
-        if done.returncode == 0 and _has_hint(done.stdout):
-            return "nft"
-    if shutil.which("iptables-legacy-save"):
-        done = await command.run(["iptables-legacy-save"], check=False)
-        if done.returncode == 0 and _has_hint(done.stdout):
-            return "legacy"
-        if done.returncode == 0:
-            _warn_rules_in_legacy(done.stdout)
+    legacy_ipv4: str | None = None
+    for mode, args in (("nft", ("-t", "mangle")), ("legacy", ())):
+        for family in FAMILIES:
+            save = program(family, mode, "-save")
+            if not shutil.which(save):
+                continue
+            done = await command.run([save, *args], check=False)
+            if done.returncode != 0:
+                continue
+            if _has_hint(done.stdout):
+                return mode
+            if mode == "legacy" and family is IPFamily.V4:
+                legacy_ipv4 = done.stdout
+    if legacy_ipv4 is not None:
+        _warn_rules_in_legacy(legacy_ipv4)
     return "nft"
 
 
