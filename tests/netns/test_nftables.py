@@ -375,15 +375,15 @@ def test_a_table_somebody_else_wrote_is_noticed_and_reloaded(topo: Topology) -> 
 
 def test_cleanup_restores_the_ruleset_exactly(topo: Topology) -> None:
     install_foreign_nft(topo)
-    before = nft(topo, "list", "ruleset")
+    before = nft(topo, "-s", "list", "ruleset")
     ops(topo, [sync_op(PORTALS), {"op": "cleanup"}])
-    assert nft(topo, "list", "ruleset") == before
+    assert nft(topo, "-s", "list", "ruleset") == before
     assert ops(topo, [{"op": "cleanup"}, {"op": "cleanup_all"}]) == [None, False]
     # --cleanup (from a process that never synced) removes a table left behind.
     ops(topo, [sync_op(PORTALS)])
     assert "table ip uproxy" in nft(topo, "list", "tables")
     assert run_ops(topo, "none", "auto", [{"op": "cleanup_all"}]) == [True]
-    assert nft(topo, "list", "ruleset") == before
+    assert nft(topo, "-s", "list", "ruleset") == before
 
 
 def test_idle_checks_spawn_nothing_at_10000_services(topo: Topology) -> None:
