@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import os
 import threading
@@ -60,6 +61,43 @@ async def test_every_call_runs_on_one_worker_thread(monkeypatch: pytest.MonkeyPa
     assert len(set(RecordingWorker.threads)) == 1
     assert RecordingWorker.threads[0].startswith("uproxy-iptc")
     assert threading.current_thread().name not in RecordingWorker.threads
+
+
+class BlockedWorker(RecordingWorker):
+    """A sync that waits, as one waiting for the xtables lock does."""
+
+    release = threading.Event()
+    entered = threading.Event()
+
+    def sync(self, ruleset: Any, *, full: bool, watch: Any = None) -> None:
+        self.entered.set()
+        self.release.wait(10)
+
+
+async def test_close_waits_for_a_cancelled_call_off_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stop cancels the sync whose call still runs in the thread (waiting up to 10 s for
+    the xtables lock): closing waited for it on the loop, which relayed nothing meanwhile."""
+    BlockedWorker.release.clear()
+    BlockedWorker.entered.clear()
+    monkeypatch.setattr(pyiptables, "_Worker", BlockedWorker)
+    backend = IptcBackend(host_ip="10.0.0.1")
+    sync = asyncio.ensure_future(backend.sync([PORTAL]))
+    await asyncio.to_thread(BlockedWorker.entered.wait, 5)
+    sync.cancel()
+    closing = asyncio.ensure_future(backend.close())
+    try:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await asyncio.sleep(0.05)  # the loop turns while the call goes on
+        assert loop.time() - started < 1.0
+        assert not closing.done()
+    finally:
+        BlockedWorker.release.set()
+        await asyncio.wait_for(closing, 5)
+    with pytest.raises(asyncio.CancelledError):
+        await sync
 
 
 def test_lock_is_exclusive_and_bounded(lockfile: Path) -> None:

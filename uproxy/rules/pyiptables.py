@@ -612,9 +612,11 @@ class IptcBackend:
 
     async def close(self) -> None:
         async with self._lock:
-            self._executor.shutdown(wait=True)
+            # A call its caller gave up on (a stop cancels the sync) goes on in the thread, up
+            # to the xtables lock's wait: waited for off the loop, which relays meanwhile.
+            await asyncio.to_thread(self._executor.shutdown, wait=True)
             if self._child is not None:
-                self._child.shutdown(wait=True)
+                await asyncio.to_thread(self._child.shutdown, wait=True)
 
 
 def _run(worker: _Worker, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
