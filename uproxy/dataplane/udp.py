@@ -85,6 +85,13 @@ REPLY_WAIT_S = 5.0
 EVICTION_LOG_S = 60.0
 # Ports tried in turn for a flow before leaving the choice to the kernel (a crowded range).
 FLOW_BIND_TRIES = 16
+# A flow keeps a copy of its first datagram, up to this size, until the endpoint answers:
+# refused (ICMP port or host unreachable, an endpoint gone or not listening yet), it goes to
+# another endpoint at once, as a TCP dial is tried again, instead of being lost for the
+# client's whole timeout (a resolver's 5 s). A query, a QUIC Initial or a handshake fits.
+FIRST_KEPT_MAX = 2048
+# Endpoints a first datagram is sent to after the first one refused it.
+RESENDS = 2
 
 
 class FlowPorts:
@@ -143,6 +150,7 @@ class UdpFlow:
         "answered",
         "client",
         "endpoint",
+        "first",
         "held",
         "key",
         "last",
@@ -150,6 +158,7 @@ class UdpFlow:
         "pktinfo",
         "replied",
         "sock",
+        "tried",
     )
 
     def __init__(
@@ -170,6 +179,10 @@ class UdpFlow:
         self.last = now
         self.replied = float("-inf")  # the endpoint's last reply (``last``: any datagram)
         self.answered = False  # the endpoint has replied on this flow
+        # The client's first datagram until the endpoint answers (``FIRST_KEPT_MAX``), and
+        # the endpoints that refused it before this one (``UdpListener.flow_failed``).
+        self.first: bytes | None = None
+        self.tried: list[Endpoint] | None = None
         # The balancer counted ``endpoint`` (least-connections): released when the flow goes.
         self.held = listener.balancer.counting
 
@@ -199,6 +212,7 @@ class UdpFlow:
                 return
             if not self.answered:
                 self.answered = True
+                self.first = None
                 listener.balancer.dial_ok(self.endpoint)
             self.last = self.replied = listener.loop.time()
             counter.value += n
@@ -382,6 +396,8 @@ class UdpListener:
                 flow = self._new_flow(key, ancdata if pktinfo else None, now)
                 if flow is None:
                     continue
+                if n <= FIRST_KEPT_MAX:
+                    flow.first = bytes(view[:n])  # until the endpoint answers
             flows[key] = flow  # re-insert: the dict stays in order of client activity
             flow.last = now
             to_endpoint.value += n
@@ -408,20 +424,23 @@ class UdpListener:
             self.stats.refused.value += 1
             self.stats.no_endpoints.value += 1
             return None
-        flow = self._open_flow(key, ep, ancdata, now)
+        reply_anc = reply_pktinfo(ancdata) if ancdata is not None else None
+        flow = self._open_flow(key, ep, reply_anc or None, now)
         if flow is None:
             balancer.release(ep)  # (a no-op unless the pick was counted)
+        else:
+            self.stats.ok.value += 1
         return flow
 
     def _open_flow(
         self,
         key: FlowKey,
         ep: Endpoint,
-        ancdata: list[tuple[int, int, bytes]] | None,
+        reply_anc: list[tuple[int, int, bytes]] | None,
         now: float,
     ) -> UdpFlow | None:
-        """A flow of ``key`` to ``ep``, its socket connected and watched; None when that
-        fails (counted, the datagram dropped)."""
+        """A flow of ``key`` to ``ep``, its socket connected and watched, its replies sent
+        with ``reply_anc``; None when that fails (counted, the datagram dropped)."""
         client_ip = key[0]
         flows = self.flows
         while len(flows) >= self.settings.udp_max_flows:
@@ -457,15 +476,13 @@ class UdpListener:
             self.stats.dial_failed.value += 1
             self.balancer.dial_failed(client_ip, ep)
             return None
-        reply_anc = reply_pktinfo(ancdata) if ancdata is not None else None
-        flow = UdpFlow(self, key, ep, sock, reply_anc or None, now)
+        flow = UdpFlow(self, key, ep, sock, reply_anc, now)
         try:
             self.poller.watch(sock.fileno(), flow)
         except OSError:  # ENOMEM, ENOSPC (fs.epoll.max_user_watches): as a failed dial
             sock.close()
             self.stats.dial_failed.value += 1
             return None
-        self.stats.ok.value += 1
         if self._sweeper is None:
             self._sweeper = self.loop.call_later(self._sweep_interval(), self._sweep)
         return flow
@@ -517,10 +534,35 @@ class UdpListener:
 
     def flow_failed(self, flow: UdpFlow, exc: OSError) -> None:
         """The flow's socket reported an error: it goes; a refusal counts against its
-        endpoint (passive ejection, and the client's affinity to it)."""
+        endpoint (passive ejection, and the client's affinity to it), and a first datagram
+        the endpoint never answered goes to another one."""
         self.drop_flow(flow)
         if exc.errno in _REFUSED:
             self.balancer.dial_failed(flow.client[0], flow.endpoint)
+            if flow.first is not None and not flow.answered and self.sock is not None:
+                self._send_elsewhere(flow, flow.first)
+
+    def _send_elsewhere(self, flow: UdpFlow, first: bytes) -> None:
+        """The client's first datagram, which ``flow``'s endpoint refused, to an endpoint
+        not tried yet, on a flow of the same client (up to ``RESENDS`` times)."""
+        tried = [*(flow.tried or ()), flow.endpoint]
+        if len(tried) > RESENDS:
+            return
+        balancer = self.balancer
+        ep = balancer.pick(flow.client[0], self.traffic, exclude=tried)
+        if ep is None:
+            return  # every endpoint refused it: the client's retry picks afresh
+        again = self._open_flow(flow.key, ep, flow.pktinfo, self.loop.time())
+        if again is None:
+            balancer.release(ep)
+            return
+        again.first, again.tried = first, tried
+        self.flows[flow.key] = again
+        self._count_flows()
+        try:
+            again.sock.send(first)
+        except OSError:
+            pass  # dropped, as a full network queue would
 
     def drop_flow(self, flow: UdpFlow) -> None:
         """``flow`` goes, and its socket is closed now."""
