@@ -176,6 +176,17 @@ BAD_SERVICES: list[tuple[str, dict[str, Any], str]] = [
         {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "x"}, "spec": 3},
         "spec",
     ),
+    # Names the API server refuses: each became an iptables comment, a metric label and a
+    # laptop table row as it was.
+    ("newline-in-name", service("web\n-A KUBE-PORTALS-HOST -j DROP"), "metadata.name"),
+    ("separator-in-name", service("we\x1fb"), "metadata.name"),
+    ("upper-case-name", service("Web"), "metadata.name"),
+    ("digit-first-name", service("1web"), "metadata.name"),
+    ("name-too-long", service("w" * 64), "metadata.name"),
+    ("escape-in-namespace", service(namespace="shop\x1b[2J"), "metadata.namespace"),
+    ("dot-in-namespace", service(namespace="shop.dev"), "metadata.namespace"),
+    ("quote-in-port-name", service(ports=[{"name": 'http"', "port": 80}]), "spec.ports[0].name"),
+    ("space-in-port-name", service(ports=[{"name": "h p", "port": 80}]), "spec.ports[0].name"),
 ]
 
 
@@ -185,6 +196,27 @@ def test_malformed_services_name_the_field(case: str, obj: dict[str, Any], field
         service_ports(obj)
     assert field in err.value.field, (case, str(err.value))
     assert str(err.value).startswith("Service ")
+
+
+def test_names_are_held_to_the_api_servers_rules() -> None:
+    """A service's namespace, name and port names are its identity in iptables comments,
+    metric labels, log fields and the laptop table. From a services file (or anything but
+    the API server) a newline in one failed every rules sync of the node (iptables-restore
+    read the comment as two lines), and a unit separator made every scrape of /metrics a
+    500. Refused as the API server refuses them, in one printable line."""
+    hostile = service("web\n-A INPUT -j ACCEPT\x1b[2J", "shop\x1f")
+    with pytest.raises(InvalidObject) as err:
+        service_ports(hostile)
+    message = str(err.value)
+    assert message.isascii() and message.isprintable(), message
+    with pytest.raises(InvalidObject) as err:
+        service_ports(service("w" * 10_000))
+    assert len(str(err.value)) < 600
+    # What the API server accepts, at its limits, still converts.
+    ports = [{"name": "1-a", "port": 80}, {"name": "h" * 63, "port": 81}]
+    converted = service_ports(service("w" + "-0" * 31, "0" * 63, ports=ports))
+    assert sorted(spn.port_name for spn in converted) == ["1-a", "h" * 63]
+    assert {spn.namespace for spn in converted} == {"0" * 63}
 
 
 def test_an_unknown_algorithm_annotation_falls_back_and_is_said_once(
