@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import math
 import os
 import socket
 import struct
@@ -164,9 +165,19 @@ def claim_network_namespace(name: str = NAMESPACE_LOCK) -> socket.socket:
 
 
 class NamespaceTaken(Exception):
-    def __init__(self, pid: int | None, drain_s: float | None = None) -> None:
+    def __init__(
+        self, pid: int | None, drain_s: float | None = None, uid: int | None = None
+    ) -> None:
         self.pid = pid
         self.drain_s = drain_s  # the holder's drain timeout, as it answered
+        self.uid = uid  # set when the holder runs as another user: no uproxy of this one's
+        if uid is not None:
+            who = f"a process of uid {uid}" + (f" (pid {pid} in its PID namespace)" if pid else "")
+            super().__init__(
+                f"{who}, not a uproxy of this user, holds uproxy's claim on this network "
+                f"namespace (abstract Unix socket @{NAMESPACE_LOCK[1:]}); stop it"
+            )
+            return
         who = f"another uproxy (pid {pid} in its PID namespace)" if pid else "another uproxy"
         super().__init__(
             f"{who} already proxies for this network namespace; run one uproxy per node "
@@ -174,19 +185,28 @@ class NamespaceTaken(Exception):
         )
 
 
-def _holder(name: str) -> tuple[int | None, float | None]:
-    """The pid of the process listening on ``name`` (its peer credentials) and the drain
-    timeout it answers with (``answer_claim``), each None when it does not say."""
+def _holder(name: str) -> tuple[int | None, float | None, int | None]:
+    """The pid of the process listening on ``name`` (its peer credentials), the drain
+    timeout it answers with (``answer_claim``), each None when it does not say, and its uid
+    when that is not this process's.
+
+    An abstract name is anybody's to bind in the namespace: a process of another user that
+    took it is no uproxy of this one's, and what it answers is not believed. Nor is a drain
+    that is no length of time: answered ``inf``, a start waited for ever, serving nothing."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     pid: int | None = None
     try:
         sock.settimeout(1.0)
         sock.connect(name)
         creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        pid = struct.unpack("3i", creds)[0] or None
-        return pid, float(sock.recv(64).decode("ascii").split()[0])
+        pid, uid, _gid = struct.unpack("3i", creds)
+        pid = pid or None
+        if uid != os.geteuid():
+            return pid, None, uid
+        drain = float(sock.recv(64).decode("ascii").split()[0])
+        return pid, drain if math.isfinite(drain) and drain >= 0 else None, None
     except (OSError, ValueError, IndexError, UnicodeDecodeError):
-        return pid, None
+        return pid, None, None
     finally:
         sock.close()
 

@@ -72,10 +72,18 @@ async def claim_node(
             if loop.time() >= give_up:
                 raise
             if not said:
-                log.warning(
-                    "Another uproxy proxies for this network namespace; waiting for it to exit",
-                    extra=kv(pid=e.pid or "?", wait_s=round(give_up - loop.time(), 1)),
-                )
+                wait_s = round(give_up - loop.time(), 1)
+                if e.uid is None:
+                    log.warning(
+                        "Another uproxy proxies for this network namespace; waiting for it to exit",
+                        extra=kv(pid=e.pid or "?", wait_s=wait_s),
+                    )
+                else:
+                    log.warning(
+                        "A process of another user holds uproxy's claim on this network "
+                        "namespace; waiting for it to exit",
+                        extra=kv(pid=e.pid or "?", uid=e.uid, wait_s=wait_s),
+                    )
                 said = True
             await asyncio.sleep(0.1)
             continue

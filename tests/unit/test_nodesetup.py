@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import os
 import select
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -175,3 +177,68 @@ async def test_a_start_waits_out_the_drain_its_predecessor_said(
     finally:
         thread.join()
     assert loop.time() - started >= 0.7  # it waited until the first let go
+
+
+async def test_a_holder_answering_no_length_of_time_is_waited_for_boundedly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A holder that answered ``inf`` (anybody may bind the abstract name) was waited for
+    for ever: the start said it waited ``wait_s=inf`` and never served. Its answer is not
+    believed, and the start gives up after its own drain, naming the holder."""
+    monkeypatch.setattr(uproxy_run, "CLAIM_GRACE_S", 0.1)
+    name = f"\0uproxy-test-{os.getpid()}-{time.monotonic_ns()}"
+    holder = claim_network_namespace(name)
+    stop = threading.Event()
+
+    def answer_inf() -> None:
+        while not stop.is_set():
+            if select.select([holder], [], [], 0.05)[0]:
+                conn = holder.accept()[0]
+                with conn:
+                    conn.send(b"inf\n")
+
+    thread = threading.Thread(target=answer_inf)
+    thread.start()
+    try:
+        with pytest.raises(NamespaceTaken) as taken:
+            await asyncio.wait_for(uproxy_run.claim_node(Settings(drain_timeout=0.1), name), 5)
+    finally:
+        stop.set()
+        thread.join()
+        holder.close()
+    assert taken.value.pid == os.getpid()
+    assert taken.value.drain_s is None
+
+
+@pytest.mark.root  # a holder of another uid
+def test_a_holder_of_another_user_is_not_taken_for_a_uproxy() -> None:
+    """An unprivileged process on the node that bound the abstract name before uproxy was
+    reported as "another uproxy", and how long it said it drains was waited for."""
+    name = f"\0uproxy-test-{os.getpid()}-{time.monotonic_ns()}"
+    script = (
+        "import socket, sys\n"
+        "s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n"
+        f"s.bind({name!r}); s.listen(1)\n"
+        "print('ready', flush=True)\n"
+        "s.settimeout(10)\n"
+        "c = s.accept()[0]; c.send(b'1e9\\n'); c.close()\n"
+        "sys.stdin.read()\n"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", script],
+        user=65534,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "ready\n"
+        with pytest.raises(NamespaceTaken) as taken:
+            claim_network_namespace(name)
+    finally:
+        child.communicate(timeout=10)
+    assert taken.value.pid == child.pid
+    assert taken.value.uid == 65534
+    assert taken.value.drain_s is None
+    assert "a process of uid 65534" in str(taken.value)
+    assert "another uproxy" not in str(taken.value)
