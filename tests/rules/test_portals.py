@@ -58,14 +58,14 @@ EXPECTED_NAT = """\
 -A PREROUTING -m addrtype --dst-type LOCAL -m comment --comment "handle service NodePorts; NOTE: this must be the last rule in the chain" -j KUBE-NODEPORT-CONTAINER
 -A OUTPUT -m addrtype --dst-type LOCAL -m comment --comment "handle service NodePorts; NOTE: this must be the last rule in the chain" -j KUBE-NODEPORT-HOST
 -A KUBE-PORTALS-CONTAINER -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 40001
+-A KUBE-PORTALS-CONTAINER -d 10.96.0.53/32 -p udp -m comment --comment "kube-system/dns" -m udp --dport 53 -j REDIRECT --to-ports 40003
 -A KUBE-PORTALS-CONTAINER -d 203.0.113.5/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -m physdev ! --physdev-is-in -j REDIRECT --to-ports 40002
 -A KUBE-PORTALS-CONTAINER -d 203.0.113.5/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -m addrtype --dst-type LOCAL -j REDIRECT --to-ports 40002
 -A KUBE-PORTALS-CONTAINER -d 198.51.100.9/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 40002
--A KUBE-PORTALS-CONTAINER -d 10.96.0.53/32 -p udp -m comment --comment "kube-system/dns" -m udp --dport 53 -j REDIRECT --to-ports 40003
 -A KUBE-PORTALS-HOST -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination 192.168.7.1:40001
+-A KUBE-PORTALS-HOST -d 10.96.0.53/32 -p udp -m comment --comment "kube-system/dns" -m udp --dport 53 -j DNAT --to-destination 192.168.7.1:40003
 -A KUBE-PORTALS-HOST -d 203.0.113.5/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -m addrtype --dst-type LOCAL -j DNAT --to-destination 192.168.7.1:40002
 -A KUBE-PORTALS-HOST -d 198.51.100.9/32 -p tcp -m comment --comment "default/web:http" -m tcp --dport 80 -j DNAT --to-destination 192.168.7.1:40002
--A KUBE-PORTALS-HOST -d 10.96.0.53/32 -p udp -m comment --comment "kube-system/dns" -m udp --dport 53 -j DNAT --to-destination 192.168.7.1:40003
 -A KUBE-NODEPORT-CONTAINER -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j REDIRECT --to-ports 40002
 -A KUBE-NODEPORT-HOST -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j DNAT --to-destination 192.168.7.1:40002
 COMMIT
@@ -280,6 +280,28 @@ def test_order_is_independent_of_input_order_and_duplicates() -> None:
     forward = build_rules(PORTALS, host_ip=HOST_IP)
     backward = build_rules([*reversed(PORTALS), PORTALS[0]], host_ip=HOST_IP)
     assert forward == backward
+
+
+@pytest.mark.parametrize("kind", [PortalKind.EXTERNAL_IP, PortalKind.LB_INGRESS])
+def test_another_services_external_address_never_comes_before_a_cluster_ip(
+    kind: PortalKind,
+) -> None:
+    """A tenant's Service in namespace "a0" with externalIPs naming the ClusterIP and port of
+    a Service in "t9" took t9's traffic, from pods and from the node: its rules came first
+    in both portal chains, as its name sorted first."""
+    victim = ServicePortName("t9", "db", "pg", Protocol.TCP)
+    tenant = ServicePortName("a0", "evil", "pg", Protocol.TCP)
+    ruleset = build_rules(
+        [
+            Portal(victim, PortalKind.CLUSTER_IP, "10.96.0.20", 5432, 40001),
+            Portal(tenant, PortalKind.CLUSTER_IP, "10.96.0.21", 5432, 40002),
+            Portal(tenant, kind, "10.96.0.20", 5432, 40002),
+        ],
+        host_ip=HOST_IP,
+    )
+    for chain in ("KUBE-PORTALS-CONTAINER", "KUBE-PORTALS-HOST"):
+        first = next(r for r in ruleset.rules if r.chain == chain and r.dst == "10.96.0.20/32")
+        assert first.comment == str(victim), chain
 
 
 def test_listen_address_uses_dnat_from_containers() -> None:

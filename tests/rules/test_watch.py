@@ -334,7 +334,7 @@ async def test_small_changes_are_edits_foreign_commits_rewrite(iptables: FakeIpt
     assert iptables.programs()[calls:] == ["iptables-nft-restore"]
     # And its proxy port's group of direct drops (UDP's only one) in the filter table.
     assert iptables.inputs[-1] == (
-        "*nat\n-D KUBE-PORTALS-CONTAINER 5\n-D KUBE-PORTALS-HOST 4\nCOMMIT\n"
+        "*nat\n-D KUBE-PORTALS-CONTAINER 2\n-D KUBE-PORTALS-HOST 2\nCOMMIT\n"
         "*filter\n-D KUBE-PORTALS-DIRECT 2\nCOMMIT\n"
     )
     assert backend.edits == 3
@@ -390,7 +390,7 @@ async def test_after_a_foreign_commit_chains_read_as_ours_are_edited(
     assert iptables.programs()[calls + 1 :] == ["iptables-nft-save", "iptables-nft-restore"]
     assert not declares_chains(iptables.inputs[-1]) and backend.edits == 3
     # A rule of uproxy's deleted by somebody else (and the hourly sync): a rewrite.
-    iptables.saved = saved(ours(backend)).replace(installed.rules[1].save_line() + "\n", "")
+    iptables.saved = saved(ours(backend)).replace(installed.rules[0].save_line() + "\n", "")
     now[0] += FULL_SYNC_PERIOD_S
     await backend.sync(PORTALS[:-1])
     assert declares_chains(iptables.inputs[-1]) and backend.restores == 3

@@ -790,7 +790,7 @@ class RuleBuilder:
         by_portal: dict[Portal, tuple[PortalRule, ...]] = {}
         seen: set[PortalRule] = set(self._mark_rules)
         ordered: list[PortalRule] = list(self._mark_rules)  # first in their chains
-        for portal in sorted(portals, key=portal_key):
+        for portal in cluster_ips_first(sorted(portals, key=portal_key)):
             rules = self._by_portal.get(portal)
             if rules is None:
                 self._check(portal)
@@ -844,6 +844,20 @@ class RuleBuilder:
 
 
 _CHAIN_ORDER = {c: i for i, c in enumerate(c for t in TABLES for c in CHAINS[t])}
+
+
+def cluster_ips_first(portals: list[Portal]) -> list[Portal]:
+    """``portals`` with the ClusterIP portals first, each part in its order.
+
+    A rule of the portal chains takes a packet whichever service it is for, the first that
+    matches: a Service whose externalIPs named another's ClusterIP and port took that
+    service's traffic, from pods and from the node, whenever its name sorted first (a
+    tenant picks its namespace's name). The nftables tables look ClusterIPs up first, and
+    so do these chains."""
+    first = [p for p in portals if p.kind is PortalKind.CLUSTER_IP]
+    if len(first) == len(portals):
+        return portals
+    return first + [p for p in portals if p.kind is not PortalKind.CLUSTER_IP]
 
 
 def build_rules(
