@@ -363,8 +363,9 @@ ct state new ip daddr . meta l4proto . th dport @firewalled-lb-ips ip daddr . me
 }
 chain portals-container {
 type nat hook prerouting priority dstnat - 1; policy accept;
-PODS
+PODS_LB
 meta l4proto { tcp, udp } redirect to :ip daddr . meta l4proto . th dport map @cluster-ips
+PODS
 meta iifkind != "bridge" meta l4proto { tcp, udp } redirect to :ip daddr . meta l4proto . th dport map @external-ips
 fib daddr type local meta l4proto { tcp, udp } redirect to :ip daddr . meta l4proto . th dport map @external-ips
 }
@@ -402,8 +403,8 @@ type filter hook input priority filter - 2; policy accept;
 ct state new ct status & dnat != dnat fib saddr type != local meta l4proto . th dport @proxy-ports drop
 }
 """
+PODS_LB_RULE = "PODmeta l4proto { tcp, udp } redirect to :ip daddr . meta l4proto . th dport map @short-circuit-lb-ips"
 PODS_RULES = """\
-PODmeta l4proto { tcp, udp } redirect to :ip daddr . meta l4proto . th dport map @short-circuit-lb-ips
 PODmeta iifkind != "bridge" meta l4proto { tcp, udp } redirect to :ip daddr . meta l4proto . th dport map @short-circuit-external-ips
 PODfib daddr type local meta l4proto { tcp, udp } redirect to :ip daddr . meta l4proto . th dport map @short-circuit-external-ips"""
 NODE_PORT_PODS_RULE = "NPPODfib daddr type local meta l4proto { tcp, udp } redirect to :meta l4proto . th dport map @short-circuit-node-ports"
@@ -421,6 +422,7 @@ def nft_chains(node_ip: str, *, pods: str = "", nodeports: str = "", family: int
     text = text.replace("NODE_IP", node)
     pod_rule = NODE_PORT_PODS_RULE.replace("POD", pods)
     text = text.replace("NODE_PORT_PODS\n", pod_rule + "\n" if pods else "")
+    text = text.replace("PODS_LB\n", PODS_LB_RULE.replace("POD", pods) + "\n" if pods else "")
     text = text.replace("PODS\n", PODS_RULES.replace("POD", pods) + "\n" if pods else "")
     return text.replace("NP", nodeports)
 

@@ -168,9 +168,9 @@ ct state new ip daddr . meta l4proto . th dport @firewalled-lb-ips ip daddr . me
 chain portals-container {
 type nat hook prerouting priority dstnat - 1; policy accept;
 ip saddr 10.200.1.0/24 meta l4proto { tcp, udp } redirect to :ip daddr . meta l4proto . th dport map @short-circuit-lb-ips
+meta l4proto { tcp, udp } redirect to :ip daddr . meta l4proto . th dport map @cluster-ips
 ip saddr 10.200.1.0/24 meta iifkind != "bridge" meta l4proto { tcp, udp } redirect to :ip daddr . meta l4proto . th dport map @short-circuit-external-ips
 ip saddr 10.200.1.0/24 fib daddr type local meta l4proto { tcp, udp } redirect to :ip daddr . meta l4proto . th dport map @short-circuit-external-ips
-meta l4proto { tcp, udp } redirect to :ip daddr . meta l4proto . th dport map @cluster-ips
 meta iifkind != "bridge" meta l4proto { tcp, udp } redirect to :ip daddr . meta l4proto . th dport map @external-ips
 fib daddr type local meta l4proto { tcp, udp } redirect to :ip daddr . meta l4proto . th dport map @external-ips
 }

@@ -802,10 +802,14 @@ def test_pods_go_to_the_short_circuit_maps_first(local: LocalTraffic, match: str
     layout = Layout(host_ip=HOST_IP, local=local, nodeport_cidrs=("192.168.7.1/32",))
     rules = {c.name: c.rules for c in layout.chains}
     to = "redirect to :ip daddr . meta l4proto . th dport map"
-    assert rules["portals-container"][:3] == (
+    # The externalIPs' after the ClusterIPs: an address that is a ClusterIP and another
+    # service's externalIP is the ClusterIP's (LoadBalancer IPs are in cluster-ips too).
+    assert rules["portals-container"][:5] == (
         f"{match}meta l4proto {{ tcp, udp }} {to} @short-circuit-lb-ips",
+        f"meta l4proto {{ tcp, udp }} {to} @cluster-ips",
         f'{match}meta iifkind != "bridge" meta l4proto {{ tcp, udp }} {to} @short-circuit-external-ips',
         f"{match}fib daddr type local meta l4proto {{ tcp, udp }} {to} @short-circuit-external-ips",
+        f'meta iifkind != "bridge" meta l4proto {{ tcp, udp }} {to} @external-ips',
     )
     assert rules["node-ports-container"] == (
         f"ip daddr 192.168.7.1 {match}fib daddr type local meta l4proto {{ tcp, udp }} "

@@ -51,6 +51,12 @@ node ports apply to local destinations only, and externalIPs get kube-proxy's th
   it (later nat chains are skipped for it), so this is the same order, and it does not depend
   on which table was loaded first (equal priorities run in registration order, which a full
   sync, deleting and re-adding the table, would change).
+- **ClusterIPs before externalIPs.** Both portal chains look the ``cluster-ips`` map (which
+  holds the LoadBalancer IPs too, after their short-circuit map) up before either
+  externalIPs map: an address that is a ClusterIP and also another service's externalIP
+  (with the port) is the ClusterIP's. The pods' short-circuit maps all came first in
+  ``portals-container``, and a Service with a Local policy and externalIPs naming another's
+  ClusterIP took that service's traffic from pods.
 - **Bridged traffic.** iptables' ``-m physdev ! --physdev-is-in`` cannot be written in an ``ip``
   table (``meta ibrname`` is "Operation not supported" there). ``meta iifkind != "bridge"``
   is used instead: under br_netfilter, which Kubernetes nodes load, the IPv4 hooks see the
@@ -454,8 +460,9 @@ def _chains(
             f"{key} . {family.saddr} != @{LB_SOURCE_RANGES} drop",
         )),
         Chain("portals-container", nat, prerouting, PORTALS_PRIORITY, (
-            *pods,
+            *pods[:1],  # LB IPs, which are in cluster-ips too
             f"{l4} {container}{by_address} @{CLUSTER_IPS}",
+            *pods[1:],
             f'meta iifkind != "bridge" {l4} {container}{by_address} @{EXTERNAL_IPS}',
             f"{local} {l4} {container}{by_address} @{EXTERNAL_IPS}",
         )),
