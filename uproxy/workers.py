@@ -810,26 +810,10 @@ class WorkerPool:
         w.channel.send(self._configure)
         for message in self._endpoints.values():
             w.channel.send(message)
-        failed: list[tuple[ServicePortName, int, OSError]] = []
-        for key, listener in list(self._listeners.items()):
-            try:
-                fd = os.dup(listener.socket_for(w.index).fileno())
-            except OSError as exc:
-                failed.append((key[0], listener.port, exc))
-                continue
-            w.channel.send(OpenListener(*key), fd)
-        if failed:
-            # One line however many: the same cause (say, the open-file limit) fails them all.
-            first_name, first_port, first_err = failed[0]
-            log.error(
-                "Worker cannot serve proxy ports; the other workers serve them",
-                extra=kv(
-                    worker=w.index,
-                    ports=len(failed),
-                    first=f"{first_name} {first_port}",
-                    err=first_err,
-                ),
-            )
+        for key, listener in self._listeners.items():
+            # Copied as they go out, not here: a copy of every socket at once could take
+            # more fds than this process has (see ``Channel.lend``).
+            w.channel.lend(OpenListener(*key), listener.socket_for(w.index))
 
     async def _wait_ready(self, workers: list[_Worker]) -> None:
         """Until each of ``workers`` said it is ready; RuntimeError when one exits first or

@@ -482,6 +482,53 @@ async def test_sockets_not_yet_applied_are_closed_with_the_channel() -> None:
             probe.bind(("127.0.0.1", port))
 
 
+async def test_lent_sockets_reach_their_own_listeners_though_one_closed_before_it_went_out() -> (
+    None
+):
+    """A lent socket is copied as its packet goes out (``Channel.lend``), and one closed by
+    then goes without a copy. The other end gives a packet's sockets to its OpenListeners in
+    order: one that came without its socket must not leave the next one's socket to it (a
+    worker would serve a port on another service's socket)."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    got: list[tuple[OpenListener, socket.socket | None]] = []
+    done = asyncio.Event()
+
+    def on_message(message: Message, sock: socket.socket | None) -> None:
+        assert isinstance(message, OpenListener)
+        got.append((message, sock))
+        if len(got) == 4:
+            done.set()
+
+    sender = Channel(ours, on_message=lambda m, s: None, on_closed=lambda: None)
+    receiver = Channel(theirs, on_message=on_message, on_closed=done.set)
+    lent = []
+    before = len(os.listdir("/proc/self/fd"))
+    for i in range(4):
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(1)
+        lent.append(sock)
+        name = ServicePortName("ns", f"svc{i}", "p", Protocol.TCP)
+        sender.lend(OpenListener(name, Traffic.CLUSTER, IPFamily.V4), sock)
+    ports = [sock.getsockname()[1] for sock in lent]
+    lent[1].close()  # its listener closed before the channel sent anything
+    try:
+        await asyncio.wait_for(done.wait(), 10)
+    finally:
+        sender.close()
+        receiver.close()
+    assert [m.name.name for m, _ in got] == ["svc0", "svc1", "svc2", "svc3"]
+    assert got[1][1] is None
+    for i in (0, 2, 3):
+        copy = got[i][1]
+        assert copy is not None and copy.getsockname()[1] == ports[i], i
+        copy.close()
+    for i in (0, 2, 3):  # the lender's own sockets are still its own
+        assert lent[i].fileno() >= 0
+        lent[i].close()
+    assert len(os.listdir("/proc/self/fd")) <= before - 2  # no copy left over, pair gone
+
+
 def _big(name: str, endpoints: int) -> SetEndpoints:
     """A service port's endpoints, each on a node of its own (a DaemonSet's): ~43 pickled
     bytes an endpoint."""

@@ -873,6 +873,61 @@ async def test_a_replacement_started_but_not_taken_on_is_not_left_running(
     assert children(os.getpid()) == sorted(pool.pids)
 
 
+async def test_a_replacement_gets_every_socket_though_not_all_copies_fit_at_once(
+    tmp_path: Path,
+    backends: list[NamedBackend],
+    proxies: list[Proxy],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A replacement worker is sent a copy of every proxy port's socket. They were all made
+    at once, each an fd here until the worker had read it: at 10,000 proxy ports (an fd limit
+    of 20,000) the copies ran out, the replacement went without 1,786 of its sockets for
+    good, and the clients that a port's group sends to its socket (ClientIP affinity, and
+    UDP) hung, or lost their datagrams, though the log said the other workers served them.
+    Here the control process has fds for a third of the copies at a time."""
+    count = 60
+    path = tmp_path / "services.yaml"
+    docs: list[dict[str, Any]] = []
+    for i in range(count):
+        ports = [{"name": "http", "port": 1, "protocol": "TCP"}]
+        docs.append(service(f"web{i}", ports=ports, cluster_ip=None, sessionAffinity="ClientIP"))
+        eps = [endpoint(b.host) for b in backends]
+        ports = [{"name": "http", "port": backends[0].port, "protocol": "TCP"}]
+        docs.append(endpoint_slice(f"web{i}-1", f"web{i}", endpoints=eps, ports=ports))
+    path.write_text(yaml.safe_dump_all(docs))
+    proxy = await start_proxy(path)
+    proxies.append(proxy)
+    pool = proxy.workers
+    assert pool is not None
+    names = [ServicePortName("default", f"web{i}", "http", Protocol.TCP) for i in range(count)]
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    in_use = len(os.listdir("/proc/self/fd")) - 1
+    resource.setrlimit(resource.RLIMIT_NOFILE, (in_use + count // 3, hard))
+    try:
+        os.kill(pool._workers[0].process.pid, signal.SIGKILL)
+        await wait_for(
+            lambda: pool.restarts == 1 and _all_ready(proxy) and pool.pending() == 0,
+            timeout=10,
+            message="the replacement applied everything",
+        )
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+    async def greet_from_worker_0s_client(port: int) -> str:
+        # The group picks socket ``address % 2``: 127.0.0.2 is the replacement's client.
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", port, local_addr=("127.0.0.2", 0)
+        )
+        try:
+            return (await asyncio.wait_for(reader.readline(), 3)).decode().strip()
+        finally:
+            writer.close()
+
+    for name in names:
+        assert await greet_from_worker_0s_client(proxy_port(proxy, name)) in {"b1", "b2", "b3"}
+    assert not [r for r in caplog.records if r.levelname == "ERROR" and "serve" in r.getMessage()]
+
+
 async def test_proxy_ports_leave_the_control_process_fds_for_its_own_work(
     tmp_path: Path,
     backends: list[NamedBackend],

@@ -481,8 +481,9 @@ class Channel:
         self._on_message = on_message
         self._on_closed = on_closed
         self._loop = asyncio.get_running_loop()
-        # With the descriptor of the socket it hands over, which the channel owns until sent.
-        self._pending: deque[tuple[_Sent, int | None]] = deque()
+        # With the descriptor of the socket it hands over, which the channel owns until sent,
+        # or the socket a copy of which it hands over (``lend``).
+        self._pending: deque[tuple[_Sent, int | socket.socket | None]] = deque()
         # Encoded packets not sent yet, with the descriptors they carry.
         self._outbox: deque[tuple[bytes, list[int]]] = deque()
         # What the send buffer takes in one datagram, at most PACKET_BYTES (what the other
@@ -504,6 +505,7 @@ class Channel:
         self._writing = False
         self.closed = False
         self.sockets_missed = 0  # OpenListener sockets the kernel could not hand over
+        self.sockets_not_lent = 0  # lent sockets sent without their copy (no fd for one)
         self.sent = 0  # messages queued for the other end, ever
         self.delivered = 0  # messages received and handed to on_message, ever
         self._on_applied = on_applied
@@ -538,6 +540,24 @@ class Channel:
             self._flush_soon = True
             self._loop.call_soon(self._flush)
 
+    def lend(self, message: OpenListener, sock: socket.socket) -> None:
+        """Queue an OpenListener with a copy of ``sock``, made only as its packet goes out.
+
+        A new worker is sent every listener at once (``WorkerPool._replay``): copies made
+        up front held one more fd each here until the worker had read them, and at 10,000
+        proxy ports the control process ran out of fds (a limit of 20,000) and the
+        replacement went without 1,786 of its sockets. Made as their packet goes out, the
+        copies in hand are a packet's worth at most. A socket closed by then (its listener
+        closed, a CloseListener follows) goes without a copy, as one that no fd is left for
+        (``sockets_not_lent``): the worker skips an OpenListener that brings no socket."""
+        if self.closed:
+            return
+        self._pending.append((message, sock))
+        self.sent += 1
+        if not self._flush_soon and not self._writing:
+            self._flush_soon = True
+            self._loop.call_soon(self._flush)
+
     def close(self) -> None:
         if self.closed:
             return
@@ -546,7 +566,7 @@ class Channel:
         if self._writing:
             self._loop.remove_writer(self._sock.fileno())
         for _, fd in self._pending:
-            if fd is not None:
+            if type(fd) is int:  # a lent socket stays its lender's
                 os.close(fd)
         self._pending.clear()
         for _, fds in self._outbox:
@@ -602,13 +622,19 @@ class Channel:
         ENDPOINTS_PER_PACKET endpoints unless one message has more) into the outbox: whole
         when it fits ``_packet_bytes``, else in parts."""
         pending = self._pending
-        batch = [pending.popleft()]
-        endpoints = _endpoint_count(batch[0][0])
-        while pending and len(batch) < MESSAGES_PER_PACKET:
+        first = pending.popleft()
+        copied = self._copied(first)
+        batch = [copied or self._not_copied(first)]
+        endpoints = _endpoint_count(first[0])
+        while copied is not None and pending and len(batch) < MESSAGES_PER_PACKET:
             endpoints += _endpoint_count(pending[0][0])
             if endpoints > ENDPOINTS_PER_PACKET:
                 break
-            batch.append(pending.popleft())
+            item = self._copied(pending[0])
+            if item is None:
+                break  # first in the next packet, once this one's copies are closed
+            pending.popleft()
+            batch.append(item)
         data = pickle.dumps([m for m, _ in batch], protocol=pickle.HIGHEST_PROTOCOL)
         fds = [fd for _, fd in batch if fd is not None]
         if len(data) <= self._packet_bytes:
@@ -619,6 +645,34 @@ class Channel:
             last = start + step >= len(data)
             part = pickle.dumps(Part(data[start : start + step], last), pickle.HIGHEST_PROTOCOL)
             self._outbox.append((part, fds if last else []))  # the sockets with the last part
+
+    def _copied(
+        self, item: tuple[_Sent, int | socket.socket | None]
+    ) -> tuple[_Sent, int | None] | None:
+        """``item`` with a copy of its lent socket (``lend``) in its place; None when no copy
+        can be made now (no fd left, or the socket is closed)."""
+        message, fd = item
+        if not isinstance(fd, socket.socket):
+            return message, fd
+        try:
+            return message, os.dup(fd.fileno())
+        except OSError:
+            return None
+
+    def _not_copied(self, item: tuple[_Sent, int | socket.socket | None]) -> tuple[_Sent, None]:
+        """A lent socket's message without its copy, in a packet of its own: the other end
+        gives a packet's sockets to its OpenListeners in order, so one without its socket may
+        not travel with another's."""
+        message, sock = item
+        if isinstance(sock, socket.socket) and sock.fileno() >= 0:  # open: no fd for a copy
+            if not self.sockets_not_lent:
+                log.error(
+                    "Channel cannot copy a listening socket for the other end: the open-file "
+                    "limit is reached (ulimit -n)",
+                    extra={"kv": {"message": type(message).__name__}},
+                )
+            self.sockets_not_lent += 1
+        return message, None
 
     def _readable(self) -> None:
         if self._resume is None:  # else a pump is due, and it reads once the inbox is empty
