@@ -361,6 +361,8 @@ class Syncer:
                     keep.append(spn)
                 elif spn in self.ports:
                     await self._remove(spn)
+                else:
+                    await self._claim(spn, None)  # claimed below by a sync it changed during
                 await ts.tick()
             # Then what moves: a port one of them frees (a laptop listener's service port, a
             # node port) is free before another one of this sync claims it.
@@ -369,6 +371,15 @@ class Syncer:
                 if pp is not None and state is not None:
                     self._follow(spn, pp, state.port)
                     pp.port = state.port
+            # And every node port this sync claims is claimed before any listener opens:
+            # otherwise one of them went, as a proxy port, to a service that sorts before
+            # its claimant (where the proxy ports' range overlaps the node ports), and was
+            # moved off it again in the same sync (``_evict``): at a start, where every
+            # node port is new, 45-50 listeners opened for nothing at 10,000 services.
+            for spn in keep:
+                state = self.tracker.state(spn)
+                if state is not None:
+                    await self._claim(spn, state.port)
             for spn in keep:
                 # Each port's state as it is now, never as it was when the sync began: the
                 # loop turns (``ts.tick``) let endpoint changes in, which ``apply_endpoints``

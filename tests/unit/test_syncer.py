@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import logging
+import random
 import socket
 import subprocess
 import sys
@@ -21,6 +23,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from tests.factories import endpoint, endpoint_slice, service
+from uproxy import syncer as syncer_module
 from uproxy.dataplane.settings import DataplaneSettings
 from uproxy.model import (
     Endpoint,
@@ -31,6 +34,7 @@ from uproxy.model import (
     ServicePortName,
     Traffic,
 )
+from uproxy.portrange import PortAllocator
 from uproxy.rules.base import LocalTraffic, Portal, PortalKind, RulesError
 from uproxy.rules.nodeports import NodePortReservations
 from uproxy.settings import Settings
@@ -547,6 +551,44 @@ async def test_node_ports_are_never_chosen_as_proxy_ports() -> None:
     await syncer.sync()
     ports = {lst.port for pp in syncer.ports.values() for lst in pp.listeners}
     assert len(ports) == 3 and not ports & {40000, 40001, 40002}, ports
+
+
+class _InOrder(random.Random):
+    """An allocator's random source that walks its ports in order, from the first."""
+
+    def randrange(self, start: int, stop: int | None = None, step: int = 1) -> int:
+        return 0 if stop is None else start
+
+
+async def test_a_sync_hands_out_no_proxy_port_that_a_node_port_of_the_same_sync_claims(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where the proxy ports' range overlaps the node ports (a node whose
+    ip_local_port_range was widened, say to 1024-65000), a start handed a service that sorts
+    before a NodePort service that service's node port as its proxy port, and the same sync
+    moved it at once: a listener opened for nothing and a warning per port, 45-50 of them
+    at every start of a 10,000-service node with 350 node ports."""
+    monkeypatch.setattr(
+        syncer_module, "PortAllocator", functools.partial(PortAllocator, rng=_InOrder())
+    )
+    tracker, rules = Tracker(), RecordingRules()
+    tracker.replace(
+        Kind.SERVICE,
+        [
+            service("a0", cluster_ip="10.96.0.1"),
+            service("a1", cluster_ip="10.96.0.2"),
+            claiming_service("np", 40000),
+        ],
+    )
+    tracker.replace(Kind.ENDPOINT_SLICE, [])
+    syncer = node_syncer(tracker, rules, "40000-40005")
+    caplog.set_level(logging.INFO, logger="uproxy.syncer")
+    await syncer.sync()
+    ports = {name: syncer.ports[spn(name)].cluster for name in ("a0", "a1", "np")}
+    assert all(lst is not None and lst.port != 40000 for lst in ports.values()), ports
+    said = [(r.getMessage(), r.__dict__.get("kv")) for r in caplog.records]
+    assert ("Proxy ports changed", {"opened": 3, "closed": 0}) in said, said
+    assert not [m for m, _ in said if m.startswith("Moving a proxy port")], said
 
 
 async def test_a_proxy_port_a_new_node_port_claims_moves_with_its_rules(
