@@ -152,6 +152,7 @@ def test_a_service_port_without_endpoints_refuses_until_it_has_one(
     )
 
     # And gone again: refused again, at the next sync.
+    started = time.time()
     services.remove("EndpointSlice", web_endpoints["metadata"]["name"])
     services.remove("EndpointSlice", dns_endpoints["metadata"]["name"])
     services.write()
@@ -160,5 +161,9 @@ def test_a_service_port_without_endpoints_refuses_until_it_has_one(
         timeout=5.0,
         message="refused once the endpoints are gone",
     )
+    # TCP is refused by the proxy port itself as soon as its balancer has no endpoint; a
+    # datagram is refused by the rules only, which the next sync writes: waited for, or the
+    # probe can reach the proxy port before them and be dropped there ("no answer").
+    proxy.wait_change_synced(after=started)
     assert udp_probe(topo, topo.pod, DNS_IP, 53) == "refused"
     assert proxy.proc.popen.poll() is None
