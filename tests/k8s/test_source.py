@@ -909,7 +909,14 @@ async def test_api_requests_are_counted_by_code_as_client_go_counts_them(
 
     ok, refused = requests("200"), requests("401")
     async with following(client) as tracker:
-        await wait_for(lambda: tracker.synced, timeout=5)
+        # Synced is the Services' and EndpointSlices' lists; the Node's may still be on its
+        # way. Each feed's watch is opened once its list was answered (and counted).
+        await wait_for(
+            lambda: (
+                tracker.synced and all(apiserver.open_watches(k) == 1 for k in (SVC, EPS, "Node"))
+            ),
+            timeout=5,
+        )
         assert requests("200") >= ok + 3  # a list of each resource, at least
         apiserver.token = "rotated-" + apiserver.token  # uproxy's token is no longer taken
         apiserver.drop_watches()
