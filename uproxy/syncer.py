@@ -834,7 +834,7 @@ class Syncer:
             except OSError as e:
                 last = e
                 if port == before and e.errno == errno.EADDRINUSE:
-                    self._last_runs_busy += 1  # still held: its workers draining, most likely
+                    self._last_runs_busy += 1  # its workers draining, or an outgoing connection's
                     before = None  # once: the allocator may offer the port again
                 if e.errno in (errno.EADDRINUSE, errno.EACCES):
                     continue
@@ -909,7 +909,8 @@ class Syncer:
     def _release_last_runs_ports(self) -> None:
         if self._last_runs_busy:
             log.info(
-                "Some of the last run's proxy ports are still held (its workers draining): "
+                "Some of the last run's proxy ports are taken (its workers draining, or a "
+                "connection given one as its local port): "
                 "those services have new ones, and the rules lead there now",
                 extra=kv(held=self._last_runs_busy),
             )

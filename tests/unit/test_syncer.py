@@ -667,7 +667,7 @@ async def test_a_last_runs_port_still_held_is_said_and_another_one_taken(
     assert ports["s1"] is not None and ports["s1"].port == 40051  # its own, free
     assert ports["s0"] is not None and ports["s0"].port in (40052, 40053)
     said = {r.getMessage(): getattr(r, "kv", None) for r in caplog.records}
-    held = "Some of the last run's proxy ports are still held (its workers draining): "
+    held = "Some of the last run's proxy ports are taken (its workers draining, or a connection given one as its local port): "
     assert said[held + "those services have new ones, and the rules lead there now"] == {"held": 1}
 
 
