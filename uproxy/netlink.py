@@ -22,6 +22,10 @@ NLM_F_DUMP = 0x300
 NLMSG = struct.Struct("=IHHII")  # len, type, flags, seq, pid (host order)
 NLATTR = struct.Struct("=HH")  # len, type
 NLA_TYPE_MASK = 0x3FFF
+NLMSG_ERRNO = struct.Struct("=i")  # an NLMSG_ERROR's error, negative (0: an acknowledgement)
+# NETLINK_NETFILTER, and the header of every nfnetlink message (linux/netfilter/nfnetlink.h).
+NETLINK_NETFILTER = 12
+NFGENMSG = struct.Struct("=BBH")  # family, version, res_id (big-endian, unused here)
 
 _T = TypeVar("_T")
 
@@ -52,18 +56,39 @@ def messages(data: bytes) -> Iterator[tuple[int, bytes]]:
         offset += align4(length)
 
 
-def attribute(attrs: bytes, wanted: int) -> bytes | None:
-    """The payload of the first netlink attribute of type ``wanted``; None when absent or
-    when the attributes are malformed."""
+def _find(attrs: bytes, wanted: int) -> tuple[int, int] | None:
+    """Where the first netlink attribute of type ``wanted`` starts, and its length; None
+    when absent or when the attributes are malformed."""
     offset = 0
     while offset + NLATTR.size <= len(attrs):
         length, attr_type = NLATTR.unpack_from(attrs, offset)
         if length < NLATTR.size or offset + length > len(attrs):
             return None
         if attr_type & NLA_TYPE_MASK == wanted:
-            return attrs[offset + NLATTR.size : offset + length]
+            return offset, length
         offset += align4(length)
     return None
+
+
+def attribute(attrs: bytes, wanted: int) -> bytes | None:
+    """The payload of the first netlink attribute of type ``wanted``; None when absent or
+    when the attributes are malformed."""
+    found = _find(attrs, wanted)
+    if found is None:
+        return None
+    offset, length = found
+    return attrs[offset + NLATTR.size : offset + length]
+
+
+def raw_attribute(attrs: bytes, wanted: int) -> bytes | None:
+    """The first attribute of type ``wanted`` whole (its header, payload and padding), to
+    send back as the kernel gave it; None when absent or malformed."""
+    found = _find(attrs, wanted)
+    if found is None:
+        return None
+    offset, length = found
+    raw = attrs[offset : offset + align4(length)]
+    return raw + bytes(align4(length) - len(raw))  # the last one's padding may be cut off
 
 
 def attr(attr_type: int, payload: bytes) -> bytes:

@@ -28,16 +28,18 @@ from dataclasses import dataclass
 from uproxy.log import kv
 from uproxy.netlink import (
     MALFORMED,
-    NLA_TYPE_MASK,
+    NETLINK_NETFILTER,
+    NFGENMSG,
     NLATTR,
     NLM_F_DUMP,
     NLM_F_REQUEST,
     NLMSG_DONE,
+    NLMSG_ERRNO,
     NLMSG_ERROR,
-    align4,
     attribute,
     message,
     messages,
+    raw_attribute,
 )
 from uproxy.rules.base import RulesError
 from uproxy.rules.command import PRIVILEGE_FIX
@@ -45,7 +47,6 @@ from uproxy.rules.command import PRIVILEGE_FIX
 log = logging.getLogger("uproxy.rules.conntrack")
 
 # linux/netlink.h, linux/netfilter/nfnetlink.h, nfnetlink_conntrack.h.
-NETLINK_NETFILTER = 12
 NLM_F_ACK = 4
 NFNL_SUBSYS_CTNETLINK = 1
 IPCTNL_MSG_CT_NEW = 0
@@ -60,8 +61,6 @@ CTA_IP_V4_DST = 2
 CTA_IP_V6_DST = 4
 CTA_PROTO_NUM = 1
 CTA_PROTO_DST_PORT = 3
-_NFGENMSG = struct.Struct("=BBH")  # family, version, res_id
-_ERRNO = struct.Struct("=i")
 _RECV = 1 << 16
 
 
@@ -127,7 +126,7 @@ def _dump_matching(
     one of ``addresses`` (packed address, port) or whose port is one of ``any_address``.
     Raises OSError for an error the kernel answers with."""
     request_type = (NFNL_SUBSYS_CTNETLINK << 8) | IPCTNL_MSG_CT_GET
-    body = _NFGENMSG.pack(family, 0, 0)
+    body = NFGENMSG.pack(family, 0, 0)
     sock.send(message(request_type, NLM_F_REQUEST | NLM_F_DUMP, 1, body))
     entry_type = (NFNL_SUBSYS_CTNETLINK << 8) | IPCTNL_MSG_CT_NEW
     delete_type = (NFNL_SUBSYS_CTNETLINK << 8) | IPCTNL_MSG_CT_DELETE
@@ -143,15 +142,15 @@ def _dump_matching(
                 raise OSError(errno.EPROTO, "malformed conntrack dump")
             if msg_type != entry_type:
                 continue
-            attrs = payload[_NFGENMSG.size :]
-            orig = _raw_attribute(attrs, CTA_TUPLE_ORIG)
+            attrs = payload[NFGENMSG.size :]
+            orig = raw_attribute(attrs, CTA_TUPLE_ORIG)
             if orig is None or not _matches(orig[NLATTR.size :], family, addresses, any_address):
                 continue
             # The entry's own tuple, zone and id: the kernel finds it by hash, and leaves
             # alone one made again since the dump (its id differs).
             rest = b"".join(
                 raw
-                for raw in (_raw_attribute(attrs, CTA_ZONE), _raw_attribute(attrs, CTA_ID))
+                for raw in (raw_attribute(attrs, CTA_ZONE), raw_attribute(attrs, CTA_ID))
                 if raw is not None
             )
             yield message(delete_type, NLM_F_REQUEST | NLM_F_ACK, seq, body + orig + rest)
@@ -179,21 +178,6 @@ def _matches(
     return dst is not None and (dst, port) in addresses
 
 
-def _raw_attribute(attrs: bytes, wanted: int) -> bytes | None:
-    """The first attribute of type ``wanted`` whole (its header, payload and padding), to
-    send back as the kernel gave it; None when absent or malformed."""
-    offset = 0
-    while offset + NLATTR.size <= len(attrs):
-        length, attr_type = NLATTR.unpack_from(attrs, offset)
-        if length < NLATTR.size or offset + length > len(attrs):
-            return None
-        end = min(align4(offset + length), len(attrs))
-        if attr_type & NLA_TYPE_MASK == wanted:
-            return attrs[offset:end] + bytes(align4(length) - (end - offset))
-        offset = end
-    return None
-
-
 def _delete(sock: socket.socket, request: bytes) -> int:
     """Send one delete and read its answer: 1 when it went, 0 when it had gone already."""
     sock.send(request)
@@ -209,8 +193,8 @@ def _delete(sock: socket.socket, request: bytes) -> int:
 
 def _raise_error(payload: bytes) -> None:
     """An NLMSG_ERROR's error as OSError; an acknowledgement (error 0) returns."""
-    if len(payload) < _ERRNO.size:
+    if len(payload) < NLMSG_ERRNO.size:
         raise OSError(errno.EPROTO, "short netlink error")
-    code = -_ERRNO.unpack_from(payload)[0]
+    code = -NLMSG_ERRNO.unpack_from(payload)[0]
     if code:
         raise OSError(code, os.strerror(code))

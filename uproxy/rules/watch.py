@@ -48,10 +48,13 @@ from collections.abc import Callable, Hashable, Sequence
 
 from uproxy.netlink import (
     MALFORMED,
+    NETLINK_NETFILTER,
+    NFGENMSG,
     NLM_F_DUMP,
     NLM_F_REQUEST,
     NLMSG,
     NLMSG_DONE,
+    NLMSG_ERRNO,
     NLMSG_ERROR,
     attr,
     attribute,
@@ -62,8 +65,7 @@ from uproxy.netlink import (
 
 log = logging.getLogger("uproxy.rules.watch")
 
-# NETLINK_NETFILTER, and nf_tables' messages on it (linux/netfilter/nfnetlink.h, nf_tables.h).
-NETLINK_NETFILTER = 12
+# nf_tables' messages on NETLINK_NETFILTER (linux/netfilter/nf_tables.h).
 NFNL_SUBSYS_NFTABLES = 10
 NFT_MSG_NEWTABLE = 0
 NFT_MSG_GETTABLE = 1
@@ -71,7 +73,6 @@ NFTA_TABLE_NAME = 1
 NFT_MSG_NEWGEN = 15
 NFT_MSG_GETGEN = 16
 NFTA_GEN_ID = 1
-_NFGENMSG = struct.Struct("=BBH")  # family, version, res_id (big-endian, unused here)
 _GEN_MODULO = 1 << 32
 
 # IPT_SO_GET_INFO (linux/netfilter_ipv4/ip_tables.h) and struct ipt_getinfo; IPv6 has the
@@ -94,7 +95,7 @@ FULL_SYNC_PERIOD_S = 3600.0
 
 def getgen_request(seq: int) -> bytes:
     """The NFT_MSG_GETGEN request: nlmsghdr plus an nfgenmsg for AF_UNSPEC."""
-    body = _NFGENMSG.pack(socket.AF_UNSPEC, 0, 0)
+    body = NFGENMSG.pack(socket.AF_UNSPEC, 0, 0)
     msg_type = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETGEN
     return message(msg_type, NLM_F_REQUEST, seq, body)
 
@@ -103,7 +104,7 @@ def parse_generation(data: bytes) -> int | None:
     """The NFTA_GEN_ID of an NFT_MSG_NEWGEN reply; None for an error or anything unexpected."""
     for msg_type, payload in messages(data):
         if msg_type == (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWGEN:
-            return _gen_attribute(payload[_NFGENMSG.size :])
+            return _gen_attribute(payload[NFGENMSG.size :])
         if msg_type in (NLMSG_ERROR, MALFORMED):
             return None
     return None
@@ -138,7 +139,7 @@ def read_generation(seq: int = 1) -> int | None:
 
 def gettable_dump_request(seq: int) -> bytes:
     """NFT_MSG_GETTABLE as a dump of every table of every family."""
-    body = _NFGENMSG.pack(socket.AF_UNSPEC, 0, 0)
+    body = NFGENMSG.pack(socket.AF_UNSPEC, 0, 0)
     msg_type = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETTABLE
     flags = NLM_F_REQUEST | NLM_F_DUMP
     return message(msg_type, flags, seq, body)
@@ -154,7 +155,7 @@ def parse_tables(data: bytes) -> tuple[list[tuple[int, str]], bool] | None:
         if msg_type in (NLMSG_ERROR, MALFORMED):
             return None
         if msg_type == (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWTABLE:
-            name = _string_attribute(payload[_NFGENMSG.size :], NFTA_TABLE_NAME)
+            name = _string_attribute(payload[NFGENMSG.size :], NFTA_TABLE_NAME)
             if not payload or name is None:
                 return None
             found.append((payload[0], name))
@@ -183,7 +184,6 @@ NFTA_LIST_ELEM = 1
 NFTA_SET_ELEM_KEY = 1
 NFTA_DATA_VALUE = 1
 NLA_F_NESTED = 0x8000
-_ERRNO = struct.Struct("=i")
 
 
 def getsetelem_request(seq: int, nfproto: int, table: str, name: str, key: bytes) -> bytes:
@@ -198,7 +198,7 @@ def getsetelem_request(seq: int, nfproto: int, table: str, name: str, key: bytes
         + attr(NFTA_SET_ELEM_LIST_SET, name.encode("ascii") + b"\0")
         + attr(NFTA_SET_ELEM_LIST_ELEMENTS | NLA_F_NESTED, element)
     )
-    body = _NFGENMSG.pack(nfproto, 0, 0) + attrs
+    body = NFGENMSG.pack(nfproto, 0, 0) + attrs
     msg_type = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETSETELEM
     return message(msg_type, NLM_F_REQUEST, seq, body)
 
@@ -213,8 +213,8 @@ def parse_element_reply(data: bytes) -> bool | None:
         return None
     if msg_type == (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWSETELEM:
         return True
-    if msg_type == NLMSG_ERROR and length >= NLMSG.size + _ERRNO.size:
-        code: int = _ERRNO.unpack_from(data, NLMSG.size)[0]
+    if msg_type == NLMSG_ERROR and length >= NLMSG.size + NLMSG_ERRNO.size:
+        code: int = NLMSG_ERRNO.unpack_from(data, NLMSG.size)[0]
         return False if code == -errno.ENOENT else None
     return None
 
