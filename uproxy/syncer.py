@@ -380,6 +380,7 @@ class Syncer:
                 state = self.tracker.state(spn)
                 if state is not None:
                     await self._claim(spn, state.port)
+                await ts.tick()
             for spn in keep:
                 # Each port's state as it is now, never as it was when the sync began: the
                 # loop turns (``ts.tick``) let endpoint changes in, which ``apply_endpoints``
