@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from uproxy.dataplane.fdreserve import RESOURCE_ERRNOS
 from uproxy.health import ProxyHealth
 from uproxy.httpserver import KEEPALIVE_S, SERVER, SHUTDOWN_TIMEOUT_S, listen_all
 from uproxy.log import V2, V3
@@ -44,8 +45,6 @@ ServiceKey = tuple[str, str]  # (namespace, name)
 _Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
 
 _DEFAULT_RETRY_INTERVAL_S = 2.0
-# Failures every server of a pass meets alike (a port taken is each service's own).
-_SHORTAGES = frozenset((errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM))
 _SHUTDOWN_TIMEOUT_S = SHUTDOWN_TIMEOUT_S  # see there; the servers close together
 
 
@@ -212,7 +211,9 @@ class HealthCheckServers:
             log.log(V3, "Failed to start healthcheck, will retry", extra={"kv": fields})
             return
         self._reported[key] = signature
-        if self._short is not None and err.errno in _SHORTAGES:
+        # Out of a resource, every server of a pass fails alike (a port taken is each
+        # service's own).
+        if self._short is not None and err.errno in RESOURCE_ERRNOS:
             if err.errno in self._short:  # said for another service in this pass
                 self._short[err.errno] += 1
                 log.log(V3, "Failed to start healthcheck, will retry", extra={"kv": fields})
